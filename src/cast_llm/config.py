@@ -1,0 +1,168 @@
+"""Config as data: dataclasses are the single source of truth for CLI flags and YAML files.
+
+Every field carries its help text in ``metadata["help"]``. :func:`add_arguments` generates ``--kebab-case``
+flags from a dataclass; :func:`resolve` merges, in increasing precedence, the dataclass defaults, a preset,
+a YAML file and the flags the user actually typed. Unknown keys and values of the wrong type are errors that
+name the key and the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cast_llm.errors import CastError
+
+
+def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None):
+    """A dataclass field with help text (and optional choices / value parser / flag name)."""
+    md = {"help": help, "choices": choices, "parse": parse, "flag": flag}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=md)
+    return dataclasses.field(default=default, metadata=md)
+
+
+_SUFFIX = {"k": 1_000, "m": 1_000_000, "b": 1_000_000_000, "g": 1_000_000_000}
+
+
+def parse_count(value: Any) -> int:
+    """Parse a token count: ``20M``, ``1.5B``, ``500k``, ``12000`` (``_`` allowed)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a count, got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    s = str(value).strip().replace("_", "").lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmbg]?)", s)
+    if not m:
+        raise ValueError(f"expected a count such as 20M, 1.5B or 500k, got {value!r}")
+    return int(float(m.group(1)) * _SUFFIX.get(m.group(2), 1))
+
+
+def _base_type(tp):
+    """``Optional[int]`` -> (int, True); ``int`` -> (int, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def coerce(cls, name: str, value: Any, source: str) -> Any:
+    """Convert ``value`` to the type of field ``name`` of ``cls``, or raise a CastError naming both."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    tp, optional = _base_type(_hints(cls)[name])
+    key = name.replace("_", "-")
+    try:
+        if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+            if optional:
+                return None
+            raise ValueError("may not be empty")
+        parse = f.metadata.get("parse")
+        if parse is not None:
+            out = parse(value)
+        elif tp is bool:
+            if isinstance(value, bool):
+                out = value
+            elif isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+                out = value.lower() in ("true", "yes", "1", "on")
+            else:
+                raise ValueError(f"expected true/false, got {value!r}")
+        elif tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(f"expected an integer, got {value!r}")
+            out = int(value)
+        elif tp is float:
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            out = float(value)
+        elif tp is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError(f"expected a string, got {value!r}")
+            out = str(value)
+        else:
+            out = value
+    except (ValueError, TypeError) as e:
+        raise CastError(f"{source}: invalid value for '{key}': {e}") from None
+    choices = f.metadata.get("choices")
+    if choices and out not in choices:
+        raise CastError(f"{source}: '{key}' must be one of {', '.join(map(str, choices))}, got {out!r}")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per dataclass field. Defaults are SUPPRESSed so that only typed flags override."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        tp, _ = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_ = f.metadata.get("help", "") + f" (default: {default})"
+        if tp is bool and f.metadata.get("parse") is None:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                                help=help_, choices=None)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise CastError(f"config file not found: {p} (pass an existing YAML file to --config)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise CastError(f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise CastError(f"config file {p} must hold a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def resolve(cls, *layers: tuple[str, dict[str, Any]]):
+    """Build ``cls`` from ``(source_name, mapping)`` layers, later layers overriding earlier ones.
+
+    Keys may be written with ``-`` or ``_``. Unknown keys raise a CastError naming the key and the source.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for source, mapping in layers:
+        for key, value in mapping.items():
+            name = str(key).replace("-", "_")
+            if name not in names:
+                close = [n.replace("_", "-") for n in names if n.startswith(name[:3])]
+                hint = f" (did you mean: {', '.join(sorted(close))}?)" if close else ""
+                raise CastError(f"{source}: unknown option '{key}'{hint}")
+            values[name] = coerce(cls, name, value, source)
+    cfg = cls(**values)
+    post = getattr(cfg, "validate", None)
+    if callable(post):
+        post()
+    return cfg
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def cli_layer(args: argparse.Namespace, cls) -> dict[str, Any]:
+    """The options the user typed on the command line (SUPPRESSed defaults are absent)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
