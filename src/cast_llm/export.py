@@ -1,0 +1,148 @@
+"""Writing sparse models: verify N:M first, then write a standard Hugging Face checkpoint atomically.
+
+The checkpoint is plain safetensors with exact zeros, loadable by ``transformers.from_pretrained`` without
+cast_llm installed. ``config.json`` gains a ``sparsity`` entry (pattern, targets, method, tokens trained,
+...) so tools and people can tell what they hold. Nothing is written unless every target is exactly N:M
+along its input dimension and finite: a half-sparse model written silently is worse than no model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cast_llm import __version__
+from cast_llm.errors import CastError
+
+CHECKPOINT_MARKER = "cast_llm.json"  # written last: its presence means the export completed
+
+
+@dataclass
+class LayerSparsity:
+    name: str
+    shape: tuple[int, ...]
+    zeros: int
+    numel: int
+    is_nm: bool
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.numel
+
+
+def _nm_view(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The weight with N:M groups along its last dim (Conv1D stores (in, out): transpose it)."""
+    return weight.t() if transposed else weight
+
+
+def sparsity_report(model, *, n: int = 2, m: int = 4, targets=None) -> list[LayerSparsity]:
+    """Per-target zero counts and whether each is N:M (at most n non-zeros in every group of m)."""
+    from cast_llm.sparsity.mask import is_nm
+    from cast_llm.targets import find_targets
+
+    targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
+    rows = []
+    for t in targets:
+        w = _nm_view(t.weight.detach(), t.transposed)
+        rows.append(LayerSparsity(t.fqn, tuple(w.shape), int((w == 0).sum()), w.numel(), bool(is_nm(w, n, m))))
+    return rows
+
+
+def format_sparsity_report(rows: list[LayerSparsity], *, n: int, m: int, per_layer: bool = False) -> str:
+    zeros = sum(r.zeros for r in rows)
+    numel = sum(r.numel for r in rows)
+    bad = [r for r in rows if not r.is_nm]
+    lines = []
+    if per_layer:
+        lines += [f"  {r.name:<48} {str(r.shape):>14} sparsity {r.sparsity:6.2%} {'ok' if r.is_nm else 'NOT N:M'}"
+                  for r in rows]
+    total = f"{len(rows)} targets, {numel:,} weights, {zeros / max(numel, 1):.2%} zero"
+    lines.append(f"{n}:{m} check: {total}; " + ("all exactly N:M" if not bad else f"{len(bad)} NOT N:M"))
+    return "\n".join(lines)
+
+
+def verify_nm(model, *, n: int = 2, m: int = 4, targets=None) -> list[LayerSparsity]:
+    """Raise CastError unless every target is N:M and every parameter is finite."""
+    rows = sparsity_report(model, n=n, m=m, targets=targets)
+    bad = [r for r in rows if not r.is_nm]
+    if bad:
+        names = ", ".join(f"{r.name} {r.shape} ({r.sparsity:.1%} zero)" for r in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise CastError(f"refusing to write: {len(bad)} target(s) are not {n}:{m} sparse: {names}{more}")
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise CastError(f"refusing to write: parameter {name} {tuple(p.shape)} holds NaN/Inf")
+    return rows
+
+
+def _move_into(src: Path, dst: Path) -> None:
+    """Move every file of ``src`` into ``dst`` (each move atomic); the marker file goes last."""
+    dst.mkdir(parents=True, exist_ok=True)
+    files = sorted(p for p in src.iterdir() if p.name != CHECKPOINT_MARKER)
+    for f in files + [src / CHECKPOINT_MARKER]:
+        if f.exists():
+            os.replace(f, dst / f.name)
+
+
+def save_sparse_checkpoint(
+    model,
+    tokenizer,
+    output_dir: str | Path,
+    *,
+    n: int = 2,
+    m: int = 4,
+    method: str,
+    targets=None,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Verify and write ``model`` as an HF checkpoint with a ``sparsity`` entry in its config.
+
+    Written into a temporary folder beside ``output_dir`` first; files are moved in only once the whole
+    checkpoint is on disk, and ``cast_llm.json`` (the completion marker) last.
+    """
+    from cast_llm.targets import find_targets
+
+    targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
+    rows = verify_nm(model, n=n, m=m, targets=targets)
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = {
+        "pattern": f"{n}:{m}",
+        "n": n,
+        "m": m,
+        "method": method,
+        "targets": [r.name for r in rows],
+        "target_sparsity": sum(r.zeros for r in rows) / max(sum(r.numel for r in rows), 1),
+        "cast_llm_version": __version__,
+        **(metadata or {}),
+    }
+    had = getattr(model.config, "sparsity", None)
+    model.config.sparsity = info
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": "sparse-model", "sparsity": info}, indent=2))
+        _move_into(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if had is None:
+            del model.config.sparsity
+        else:
+            model.config.sparsity = had
+    return out
+
+
+def read_sparsity_metadata(path: str | Path) -> dict[str, Any] | None:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("sparsity")
