@@ -1,0 +1,3 @@
+from cast_llm.cli import entry
+
+entry()

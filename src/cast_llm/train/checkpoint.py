@@ -1,0 +1,128 @@
+"""Atomic, verifiable training checkpoints for exact resume.
+
+A checkpoint is a folder ``checkpoints/step-XXXXXXXX`` holding the model and optimizer state (masks
+included), the LR schedule, RNG states, the data position (the step) and a ``meta.json`` with the config
+fingerprint and a sha256 of every file. It is written into ``*.tmp`` and renamed into place only when
+complete, so a run killed at any instant (even ``kill -9``) leaves the previous checkpoint intact. Loading
+checks the fingerprint and the checksums and refuses a corrupt or incompatible checkpoint with a message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cast_llm.errors import CastError
+
+# config keys that must match for a resume to continue the same run (others, e.g. logging, may change)
+FINGERPRINT_KEYS = (
+    "model", "data", "method", "max_steps", "tokens", "batch_size", "grad_accum", "seq_len", "lr", "l1_decay",
+    "beta1", "beta2", "eps", "weight_decay", "warmup_steps", "min_lr_ratio", "mask_interval", "n", "m", "scaling",
+    "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "max_documents",
+)
+
+
+def fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: cfg_dict.get(k) for k in FINGERPRINT_KEYS if k in cfg_dict}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    states: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    keep: int = 2,
+    write: bool = True,
+) -> Path:
+    """Write ``states`` (name -> object for torch.save) atomically as checkpoint ``step``.
+
+    ``write=False`` (non-zero ranks when states are replicated) only returns the path.
+    """
+    root = checkpoint_root(run_dir)
+    final = root / f"step-{step:08d}"
+    if not write:
+        return final
+    tmp = root / f"step-{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    files = {}
+    for name, obj in states.items():
+        path = tmp / f"{name}.pt"
+        torch.save(obj, path)
+        files[path.name] = _sha256(path)
+    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "files": files}, indent=2, default=str))
+    for f in tmp.iterdir():  # data must be on disk before the rename makes the checkpoint visible
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify and load a checkpoint folder; returns (states, meta)."""
+    meta_path = path / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one")
+    got = meta.get("fingerprint", {})
+    diff = {k: (got.get(k), v) for k, v in expected_fingerprint.items() if got.get(k) != v}
+    if diff:
+        detail = "; ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        raise CastError(f"checkpoint {path} belongs to a different run configuration ({detail}); "
+                        "resume with the same settings or start a new --output-dir")
+    states = {}
+    for fname, digest in meta.get("files", {}).items():
+        f = path / fname
+        if not f.is_file() or _sha256(f) != digest:
+            raise CastError(f"checkpoint {path} is corrupt: {fname} is missing or its checksum does not match; "
+                            "delete this checkpoint folder to resume from an older one")
+        states[f.stem] = torch.load(f, map_location="cpu", weights_only=False)
+    return states, meta

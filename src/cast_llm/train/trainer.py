@@ -1,0 +1,460 @@
+"""The one training loop (method.md §5, Algorithm 2) shared by every training method.
+
+Built on ``accelerate``: the same code runs on one CPU, one GPU, and many GPUs (DDP) under
+``accelerate launch``. Per optimizer step: ``grad_accum`` micro-batches (forward of the student; forward of
+the frozen teacher under ``no_grad`` when distilling; loss = Eq. 13), gradient clipping, one optimizer step,
+one LR-schedule step. Around it: statistics every ``log_every`` steps (JSONL + TensorBoard), validation,
+atomic checkpoints, and at the end prune → fold → verify N:M → export → final perplexities.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cast_llm.errors import CastError
+from cast_llm.train.checkpoint import fingerprint, list_checkpoints, load_checkpoint, rng_state, save_checkpoint
+from cast_llm.train.config import TrainConfig
+
+RUN_MARKER = "cast_run.json"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "results.json", "tensorboard", "checkpoints", RUN_MARKER)
+
+
+# ----------------------------------------------------------------------------------------------- run folder
+def prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
+    """Create / validate the run folder. An existing folder is reused only for --resume or --overwrite."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise CastError(f"--output-dir {out} exists and is a file")
+    existing = out.is_dir() and any(out.iterdir())
+    is_run = (out / RUN_MARKER).is_file() or (out / "cast_llm.json").is_file()
+    if cfg.resume:
+        if not is_run:
+            raise CastError(f"--resume: {out} is not a cast-llm run folder (no {RUN_MARKER})")
+        if not list_checkpoints(out):
+            raise CastError(f"--resume: {out} holds no checkpoint yet; start it again without --resume "
+                            "(with --overwrite) or use --save-every")
+        return out
+    if existing:
+        if not cfg.overwrite:
+            kind = "a cast-llm run" if is_run else "not a cast-llm run"
+            raise CastError(f"--output-dir {out} already exists and is {kind}; pass --overwrite to replace it, "
+                            "--resume to continue it, or choose another folder")
+        if is_main:  # remove only what a run writes; never files we did not create
+            for name in RUN_FILES + ("cast_llm.json", "config.json", "generation_config.json"):
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            for p in out.glob("*.safetensors*"):
+                p.unlink()
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the loss
+def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tuple[torch.Tensor, float, float]:
+    """Eq. 13 on next-token prediction; returns (loss, ce, kd) with the parts as floats for logging."""
+    if teacher_logits is None:
+        ce = F.cross_entropy(student_logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+        return ce, float(ce.detach()), 0.0
+    from cast_llm.distill import causal_kd_loss
+
+    out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=cfg.eta, temperature=cfg.temperature,
+                         chunk_size=cfg.kd_chunk_size)
+    return out.loss, float(out.ce), float(out.kd)
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+class Evaluator:
+    """Held-out and WikiText-2 perplexities of the (possibly wrapped) student, dense and hard-masked."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, val: torch.Tensor, model_max: int | None):
+        from cast_llm.eval.ppl import tokenize_text, wikitext2_file
+
+        self.cfg = cfg
+        self.val = val[: cfg.val_sequences] if cfg.val_sequences else val
+        self.wiki_ids = None
+        path = Path(cfg.wikitext_file) if cfg.wikitext_file else wikitext2_file()
+        if cfg.wikitext_file and not path.is_file():
+            raise CastError(f"--wikitext-file {path} does not exist (the shared WikiText-2 test file is expected "
+                            "at ../shared/data/wikitext-2-raw/test.txt)")
+        if path is not None:
+            self.wiki_ids = tokenize_text(path.read_text(encoding="utf-8"), tokenizer)
+            self.wiki_path = path
+        self.eval_len = cfg.eval_seq_len or cfg.seq_len
+        if model_max is not None and self.eval_len > model_max:
+            raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
+
+    def heldout(self, model) -> float | None:
+        from cast_llm.eval.ppl import packed_perplexity
+
+        if self.val.shape[0] == 0:
+            return None
+        return packed_perplexity(model, self.val, batch_size=self.cfg.batch_size, progress=self.cfg.progress,
+                                 desc="eval held-out").perplexity
+
+    def wikitext(self, model) -> float | None:
+        from cast_llm.eval.ppl import perplexity
+
+        if self.wiki_ids is None:
+            return None
+        return perplexity(model, self.wiki_ids, self.eval_len, batch_size=1,
+                          max_windows=self.cfg.wikitext_windows or None, progress=self.cfg.progress,
+                          desc="eval wikitext-2").perplexity
+
+    def both(self, model) -> dict[str, float | None]:
+        return {"heldout": self.heldout(model), "wikitext2": self.wikitext(model)}
+
+
+@torch.no_grad()
+def with_masks_applied(model, masks: dict[str, torch.Tensor], fn):
+    """Run ``fn(model)`` with the target weights hard-masked, then restore them exactly."""
+    params = dict(model.named_parameters())
+    saved = {}
+    for fqn, mask in masks.items():
+        w = _target_weight(params, fqn)
+        saved[fqn] = w.detach().clone()
+        w.mul_(mask.to(w.dtype))
+    try:
+        return fn(model)
+    finally:
+        for fqn, w0 in saved.items():
+            _target_weight(params, fqn).copy_(w0)
+
+
+def _target_weight(params: dict[str, torch.nn.Parameter], fqn: str) -> torch.nn.Parameter:
+    for key in (f"{fqn}.weight", f"{fqn}.base_layer.weight"):
+        if key in params:
+            return params[key]
+    raise KeyError(f"no weight for target {fqn}")
+
+
+# ------------------------------------------------------------------------------------------ mask statistics
+class MaskTracker:
+    """Flip rate, initial flip rate and sparse-weight ratio (method.md §7), from packed mask snapshots."""
+
+    def __init__(self, masks: dict[str, torch.Tensor]):
+        from cast_llm.sparsity.mask import pack_mask
+
+        self.shapes = {k: tuple(v.shape) for k, v in masks.items()}
+        self.initial = {k: pack_mask(v) for k, v in masks.items()}
+        self.prev = dict(self.initial)
+
+    def update(self, model, masks: dict[str, torch.Tensor]) -> dict[str, float]:
+        from cast_llm.sparsity.mask import pack_mask, unpack_mask
+        from cast_llm.sparsity.stats import flip_rate, initial_flip_rate, sparse_weight_ratio
+
+        names = list(masks)
+        cur = [masks[k] for k in names]
+        prev = [unpack_mask(self.prev[k], self.shapes[k]).to(cur[i].device) for i, k in enumerate(names)]
+        init = [unpack_mask(self.initial[k], self.shapes[k]).to(cur[i].device) for i, k in enumerate(names)]
+        params = dict(model.named_parameters())
+        weights = [_target_weight(params, k).detach() for k in names]
+        stats = {
+            "flip_rate": flip_rate(prev, cur),
+            "initial_flip_rate": initial_flip_rate(init, cur),
+            "sparse_weight_ratio": sparse_weight_ratio(weights, cur),
+        }
+        self.prev = {k: pack_mask(masks[k]) for k in names}
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial": self.initial, "prev": self.prev, "shapes": self.shapes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.initial, self.prev, self.shapes = state["initial"], state["prev"], state["shapes"]
+
+
+# --------------------------------------------------------------------------------------------------- train
+def _precision(cfg: TrainConfig, device_type: str) -> str:
+    if cfg.precision == "auto":
+        return "bf16" if device_type == "cuda" else "no"
+    return "no" if cfg.precision == "fp32" else cfg.precision
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
+    """Run one training job described by ``cfg``; returns the results written to ``results.json``."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from cast_llm.config import dump_yaml
+    from cast_llm.data import BatchSampler, prepare, steps_for_tokens
+    from cast_llm.models import check_seq_len, load_model, load_tokenizer, max_positions
+    from cast_llm.targets import find_targets
+    from cast_llm.train.methods import get_method
+
+    cfg.validate()
+    t_start = time.perf_counter()
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    accelerator = Accelerator(cpu=cpu, mixed_precision=_precision(cfg, "cpu" if cpu else "cuda"))
+    is_main = accelerator.is_main_process
+    world = accelerator.num_processes
+    out = prepare_run_dir(cfg, is_main)
+    accelerator.wait_for_everyone()
+    set_seed(cfg.seed)
+    say = log if is_main else (lambda *a, **k: None)
+    method = get_method(cfg.method)
+
+    # ---- model, teacher, data
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, dtype=torch.float32)
+    check_seq_len(model, cfg.seq_len, cfg.model)
+    targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
+    skipped = getattr(targets, "skipped", [])
+    if skipped:
+        say(f"leaving {len(skipped)} layer(s) dense (width not a multiple of {cfg.m}): {', '.join(skipped)}")
+    data = prepare(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                   min_train_sequences=cfg.batch_size * world, max_documents=cfg.max_documents)
+    sampler = BatchSampler(data.train.shape[0], cfg.batch_size, seed=cfg.seed, rank=accelerator.process_index,
+                           world_size=world)
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world
+    total_steps = cfg.max_steps or steps_for_tokens(cfg.tokens, tokens_per_step)
+    evaluator = Evaluator(cfg, tokenizer, data.val, max_positions(model))
+    say(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{len(targets)} {cfg.n}:{cfg.m} targets; data {cfg.data}: {data.train.shape[0]} train / "
+        f"{data.val.shape[0]} held-out sequences of {cfg.seq_len}; {total_steps} steps × {tokens_per_step} tokens "
+        f"on {world} process(es), {accelerator.device}")
+
+    checkpoints = list_checkpoints(out) if cfg.resume else []
+    results: dict[str, Any] = {"perplexity": {"heldout": {}, "wikitext2": {}}}
+    if checkpoints and (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+    elif cfg.baseline_eval:  # the starting points of every run: dense and one-shot magnitude N:M
+        from cast_llm.sparsity.mask import nm_mask
+
+        model.to(accelerator.device)
+        dense = evaluator.both(model)
+        mags = {t.fqn: nm_mask(t.weight.detach().t() if t.transposed else t.weight.detach(), cfg.n, cfg.m)
+                for t in targets}
+        mags = {t.fqn: (mags[t.fqn].t() if t.transposed else mags[t.fqn]) for t in targets}
+        magnitude = with_masks_applied(model, mags, evaluator.both)
+        for split in ("heldout", "wikitext2"):
+            results["perplexity"][split].update(dense=dense[split], magnitude=magnitude[split])
+        say(f"start: dense ppl {_fmt(dense)}; one-shot magnitude {cfg.n}:{cfg.m} ppl {_fmt(magnitude)}")
+
+    teacher = None
+    if method.uses_kd(cfg):
+        teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    method.prepare_model(model, cfg)
+    model.train()
+    optimizer = method.build_optimizer(model, cfg, total_steps)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.02 * total_steps))
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps,
+                                                            min_lr_rate=cfg.min_lr_ratio)
+    # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if teacher is not None:
+        teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+    raw = accelerator.unwrap_model(model)
+
+    cfg_dict = asdict(cfg)
+    fp = fingerprint(cfg_dict)
+    start_step, tracker = 0, None
+    if checkpoints:
+        states, meta = load_checkpoint(checkpoints[-1], fp)
+        raw.load_state_dict(states["model"])
+        optimizer.load_state_dict(states["optimizer"])
+        scheduler.load_state_dict(states["scheduler"])
+        from cast_llm.train.checkpoint import set_rng_state
+
+        set_rng_state(states["rng"])
+        start_step = meta["step"]
+        if states.get("masks"):
+            tracker = MaskTracker.__new__(MaskTracker)
+            tracker.load_state_dict(states["masks"])
+        say(f"resumed from {checkpoints[-1]} at step {start_step}")
+    if is_main:
+        dump_yaml(cfg, out / "config.yaml")
+        _write_json(out / RUN_MARKER, {"kind": "cast-llm-run", "method": cfg.method, "config": cfg_dict})
+        _truncate_jsonl(out / "metrics.jsonl", start_step)
+
+    tb = None
+    if is_main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def checkpoint(step: int) -> None:
+        states = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(),
+                  "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                  "masks": tracker.state_dict() if tracker else None}
+        if is_main:
+            save_checkpoint(out, step, states, {"fingerprint": fp, "tokens": step * tokens_per_step},
+                            keep=cfg.keep_checkpoints)
+            _write_json(out / "results.json", results)
+        accelerator.wait_for_everyone()
+
+    # ---- the loop
+    bar = None
+    if is_main and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=start_step, desc=f"{cfg.method} {cfg.n}:{cfg.m}", unit="step",
+                   dynamic_ncols=True)
+    window = {"loss": 0.0, "ce": 0.0, "kd": 0.0, "n": 0, "tokens": 0, "t0": time.perf_counter()}
+    last_good = checkpoints[-1] if checkpoints else None
+    for step in range(start_step, total_steps):
+        for micro in range(cfg.grad_accum):
+            idx = sampler.indices(step * cfg.grad_accum + micro)
+            batch = data.train[idx].to(accelerator.device)
+            sync = micro == cfg.grad_accum - 1
+            ctx = accelerator.no_sync(model) if (not sync and world > 1) else _nullcontext()
+            with ctx, accelerator.autocast():
+                logits = model(input_ids=batch).logits
+                t_logits = None
+                if teacher is not None:
+                    with torch.no_grad():
+                        t_logits = teacher(input_ids=batch).logits
+                loss, ce, kd = lm_loss(logits, t_logits, batch, cfg)
+                del logits, t_logits
+                if not torch.isfinite(loss.detach()):
+                    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
+                    raise CastError(f"loss became {float(loss)} at step {step + 1}; stopped ({where}); "
+                                    "lower --lr or check the data")
+                accelerator.backward(loss / cfg.grad_accum)
+            window["loss"] += float(loss.detach()) / cfg.grad_accum
+            window["ce"] += ce / cfg.grad_accum
+            window["kd"] += kd / cfg.grad_accum
+        if cfg.grad_clip > 0:
+            accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        window["n"] += 1
+        window["tokens"] += tokens_per_step
+
+        if tracker is None:  # masks exist after the first optimizer step
+            tracker = MaskTracker(method.current_masks(raw, optimizer))
+        if done % cfg.log_every == 0 or done == total_steps:
+            rec = _log_record(done, window, tokens_per_step, scheduler, accelerator)
+            rec.update(tracker.update(raw, method.current_masks(raw, optimizer)))
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != total_steps:
+                masks = method.current_masks(raw, optimizer)
+                rec["val_ppl_dense"] = evaluator.heldout(model)
+                rec["val_ppl_masked"] = with_masks_applied(raw, masks, evaluator.heldout)
+                model.train()
+            if is_main:
+                with (out / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                for k, v in rec.items():
+                    if k != "step" and isinstance(v, (int, float)) and v is not None:
+                        tb.add_scalar(f"train/{k}", v, done)
+            window = {"loss": 0.0, "ce": 0.0, "kd": 0.0, "n": 0, "tokens": 0, "t0": time.perf_counter()}
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                flips=f"{rec['flip_rate']:.2%}")
+        if cfg.save_every and done % cfg.save_every == 0 and done != total_steps:
+            checkpoint(done)
+            last_good = list_checkpoints(out)[-1] if is_main else last_good
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    # ---- finish: prune with the final masks, fold scales, verify N:M, export, evaluate
+    method.finalize(raw, optimizer)
+    model = raw
+    accelerator.wait_for_everyone()
+    tokens_trained = total_steps * tokens_per_step
+    if is_main:
+        from cast_llm.export import save_sparse_checkpoint
+
+        final_targets = find_targets(raw, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
+        save_sparse_checkpoint(raw, tokenizer, out, n=cfg.n, m=cfg.m, method=cfg.method, targets=final_targets,
+                               metadata={"tokens_trained": tokens_trained, "steps": total_steps,
+                                         "seq_len": cfg.seq_len, "base_model": cfg.model, "data": cfg.data})
+        sparse = evaluator.both(raw)
+        for split in ("heldout", "wikitext2"):
+            results["perplexity"][split]["sparse"] = sparse[split]
+        results.update(
+            method=cfg.method, model=cfg.model, data=cfg.data, pattern=f"{cfg.n}:{cfg.m}", steps=total_steps,
+            tokens_trained=tokens_trained, seq_len=cfg.seq_len, eval_seq_len=evaluator.eval_len,
+            heldout_sequences=int(evaluator.val.shape[0]), wikitext_windows=cfg.wikitext_windows or "all",
+            wikitext_file=str(getattr(evaluator, "wiki_path", "")) or None,
+            wall_time_s=round(time.perf_counter() - t_start, 1), output_dir=str(out),
+        )
+        _write_json(out / "results.json", results)
+        tb.close()
+        say(summary_table(results))
+        say(f"sparse model written to {out} (plain transformers loads it: "
+            f"AutoModelForCausalLM.from_pretrained('{out}'))")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return results
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fmt(d: dict[str, float | None]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in d.items() if v is not None)
+
+
+def _log_record(step, window, tokens_per_step, scheduler, accelerator) -> dict[str, Any]:
+    n = max(window["n"], 1)
+    dt = time.perf_counter() - window["t0"]
+    vals = torch.tensor([window["loss"] / n, window["ce"] / n, window["kd"] / n], device=accelerator.device)
+    vals = accelerator.reduce(vals, reduction="mean") if accelerator.num_processes > 1 else vals
+    return {
+        "step": step,
+        "tokens": step * tokens_per_step,
+        "loss": float(vals[0]),
+        "ce": float(vals[1]),
+        "kd": float(vals[2]),
+        "lr": scheduler.get_last_lr()[0],
+        "tokens_per_s": window["tokens"] / dt if dt > 0 else math.nan,
+    }
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Drop records written after ``step`` (a resumed run rewrites them identically)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    ppl = results["perplexity"]
+    rows = [("dense", "dense"), ("magnitude", f"one-shot magnitude {results.get('pattern', '')}"),
+            ("sparse", f"{results.get('method', '')} {results.get('pattern', '')}")]
+    wl = results.get("eval_seq_len")
+    head = f"{'model':<28} {'held-out ppl':>14} {'WikiText-2 ppl':>16}"
+    lines = [head, "-" * len(head)]
+    for key, label in rows:
+        h, w = ppl["heldout"].get(key), ppl["wikitext2"].get(key)
+        if h is None and w is None:
+            continue
+        lines.append(f"{label:<28} {_num(h):>14} {_num(w):>16}")
+    lines.append(f"(held-out: {results.get('heldout_sequences')} sequences of {results.get('seq_len')}; "
+                 f"WikiText-2: window {wl}, {results.get('wikitext_windows')} windows; "
+                 f"{results.get('tokens_trained'):,} training tokens, {results.get('wall_time_s')} s)")
+    return "\n".join(lines)
+
+
+def _num(v) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
