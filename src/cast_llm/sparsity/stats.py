@@ -1,0 +1,87 @@
+"""Mask-learning statistics of method.md §7, aggregated over many layers.
+
+    flip rate            r_t = Σ_k ‖M_t^k − M_{t−1}^k‖₀ / Σ_k R_k·C_k
+    initial flip rate    i_t = Σ_k ‖M_t^k − M_0^k‖₀   / Σ_k R_k·C_k
+    sparse-weight ratio  S_t = Σ_k ‖W_t^k ⊙ M_t^k‖₁ / Σ_k ‖W_t^k‖₁      (→ 1 when pruned weights vanish)
+
+Every function takes one tensor or a sequence of tensors (one per layer, any shapes) and returns a
+Python float. The sums run over all layers before dividing, so a large layer weighs more than a small one,
+as in the paper. ``‖M_t − M_{t−1}‖₀`` counts changed entries: under N:M a swap inside a group (one entry
+pruned, another kept) counts as 2. Masks are bool tensors (True = kept) in the weight's own layout; a
+bit-packed mask from :func:`~cast_llm.sparsity.mask.pack_mask` must be unpacked first (its padding makes
+its size ambiguous). Pure functions: nothing is modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "sparse_weight_ratio"]
+
+TensorOrSeq = Tensor | Sequence[Tensor]
+
+
+def _as_list(x: TensorOrSeq, what: str) -> list[Tensor]:
+    items = [x] if isinstance(x, Tensor) else list(x)
+    for t in items:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{what}: expected tensors, got {type(t).__name__}")
+    return items
+
+
+def _pairs(a: TensorOrSeq, b: TensorOrSeq, names: tuple[str, str], bool_sides: tuple[bool, bool]):
+    la, lb = _as_list(a, names[0]), _as_list(b, names[1])
+    if len(la) != len(lb):
+        raise ValueError(f"{names[0]} has {len(la)} tensors but {names[1]} has {len(lb)}; pass one per layer")
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x.shape != y.shape:
+            raise ValueError(f"layer {i}: {names[0]} shape {tuple(x.shape)} != {names[1]} shape {tuple(y.shape)}")
+        for t, name, must_be_bool in ((x, names[0], bool_sides[0]), (y, names[1], bool_sides[1])):
+            if must_be_bool and t.dtype != torch.bool:
+                raise TypeError(f"layer {i}: {name} must be a bool mask, got {t.dtype} (unpack_mask() a packed one)")
+    return list(zip(la, lb))
+
+
+def mask_flips(prev: TensorOrSeq, cur: TensorOrSeq) -> int:
+    """Σ_k ‖M_cur^k − M_prev^k‖₀: how many entries changed between two sets of masks."""
+    total = 0
+    for p, c in _pairs(prev, cur, ("prev", "cur"), (True, True)):
+        total += int(torch.ne(p.to(c.device), c).sum())
+    return total
+
+
+def _rate(a: TensorOrSeq, b: TensorOrSeq, names: tuple[str, str]) -> float:
+    pairs = _pairs(a, b, names, (True, True))
+    size = sum(c.numel() for _, c in pairs)
+    if size == 0:
+        raise ValueError("no mask entries: pass at least one non-empty mask")
+    return mask_flips([p for p, _ in pairs], [c for _, c in pairs]) / size
+
+
+def flip_rate(prev: TensorOrSeq, cur: TensorOrSeq) -> float:
+    """``r_t`` (§7): fraction of all mask entries that changed since the previous mask update."""
+    return _rate(prev, cur, ("prev", "cur"))
+
+
+def initial_flip_rate(initial: TensorOrSeq, cur: TensorOrSeq) -> float:
+    """``i_t`` (§7): fraction of all mask entries that differ from the initial masks ``M_0``."""
+    return _rate(initial, cur, ("initial", "cur"))
+
+
+@torch.no_grad()
+def sparse_weight_ratio(weights: TensorOrSeq, masks: TensorOrSeq) -> float:
+    """``S_t`` (§7): share of the total L1 weight mass held by kept entries, Σ‖W⊙M‖₁ / Σ‖W‖₁.
+
+    Sums run in float64. If every weight is exactly zero the ratio is defined as 1.0 (no mass is
+    outside the masks).
+    """
+    kept = 0.0
+    total = 0.0
+    for w, msk in _pairs(weights, masks, ("weights", "masks"), (False, True)):
+        mag = w.detach().abs()
+        total += float(mag.sum(dtype=torch.float64))
+        kept += float(mag.masked_fill(~msk.to(w.device), 0).sum(dtype=torch.float64))
+    return 1.0 if total == 0.0 else kept / total
