@@ -340,7 +340,8 @@ def run_sweep(
         if rc != 0:
             raise CastError(
                 f"training for {format_count(budget)} tokens failed (exit code {rc}); fix the cause "
-                "and run the same sweep again: finished budgets are skipped, this one resumes"
+                "and run the same sweep again: finished budgets are skipped, this one resumes from its last "
+                "checkpoint (or restarts)"
             )
     return runs
 
