@@ -292,3 +292,32 @@ def test_cuda_autocast_bf16_with_fp32_master_weights(kind):
     assert scaled.scale.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
     ref = plain_forward(layer, x, explicit_scaled(out_in(layer), scaled.scale)).detach()
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_end_to_end_adams_masks_fold_to_exact_nm(arch):
+    """wrap -> param_groups -> AdamS steps -> fold_scaling_(masks=opt.masks()): exact N:M, original keys."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cast_llm.optim import AdamS
+    from cast_llm.sparsity.mask import is_nm
+    from cast_llm.targets import find_targets, param_groups
+
+    if arch == "llama":
+        model = tiny_llama()
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, bos_token_id=0,
+                                           eos_token_id=0))
+    keys = list(model.state_dict())
+    wrap_scaling_(model)
+    opt = AdamS(param_groups(model, l1_decay=1e-3), lr=1e-2, total_steps=4, mask_interval=2)
+    ids = torch.randint(0, 128, (2, 12))
+    for _ in range(4):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert any(not bool((m.scale == 1).all()) for m in model.modules() if isinstance(m, ScaledLinear))
+    fold_scaling_(model, opt.masks())
+    assert list(model.state_dict()) == keys
+    for t in find_targets(model):
+        assert is_nm(t.weight.t() if t.transposed else t.weight, 2, 4), t.fqn
