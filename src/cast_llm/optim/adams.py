@@ -1,0 +1,578 @@
+"""AdamS: the sparsity-inducing Adam of CAST (method.md §2, Algorithm 1, Eq. 7-8).
+
+A ``torch.optim.Optimizer`` whose ``"sparse": True`` param groups hold N:M targets and get the AdamS
+update, while every other group gets plain Adam/AdamW, so one optimizer serves a whole model. The math
+lives in the functional core :func:`adams` (a single-tensor reference path and a fast path); the class
+only keeps state, decides when masks are recomputed (Eq. 6) and checks gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.optimizer import Optimizer
+
+from cast_llm.errors import NonFiniteError
+from cast_llm.sparsity.mask import is_nm_mask, nm_mask, pack_mask, packed_numel, unpack_mask
+
+try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor import Shard as _Shard
+except ImportError:  # pragma: no cover
+    _DTensor = _Shard = None
+
+__all__ = ["AdamS", "adams"]
+
+MASK_STORAGES = ("bool", "packed")
+NONFINITE_MODES = ("raise", "skip")
+# Elements per cache block in the fast path: its two scratch vectors (8 MiB in fp32) stay in L2/L3
+# while the 4-5 passes of Eq. 7-8 run over them; measured flat between 2**18 and 2**22 on CPU.
+_CHUNK = 1 << 20
+
+
+class AdamS(Optimizer):
+    r"""AdamS (Algorithm 1, Eq. 7-8): Adam whose pruned entries are pulled to zero by a proportional,
+    selective, momentum-free L1 decay, with N:M masks relearned from ``|θ|`` every ``mask_interval`` steps.
+
+    For every parameter of a ``"sparse": True`` group, with ``g_t = ∂L/∂θ`` and ``m_t`` its N:M mask
+    (True = kept)::
+
+        init: μ_0 = 0, v_0 = 0, m = nm_mask(θ_0) (Eq. 6) at the first step, unless set_mask() gave one
+        for t = 1, 2, ...:
+            if mask_interval and t % mask_interval == 0:  m = nm_mask(θ_{t-1})           (Eq. 6)
+            θ_{t-1} ← θ_{t-1} (1 - lr·weight_decay)                   (decoupled, AdamW; off by default)
+            μ_t  = β1 μ_{t-1} + (1-β1) g_t                            (loss gradient ONLY)
+            α_t  = min(t / total_steps, 1)
+            μ~_t = (1-α_t) μ_t + α_t λ sign(θ_{t-1})   where m = 0   (Eq. 7)
+            μ~_t = μ_t                                  where m = 1
+            v_t  = β2 v_{t-1} + (1-β2) μ~_t²             (ALL entries, from μ~, not from g)
+            θ_t  = θ_{t-1} - lr · (μ~_t / (1-β1^t)) / (sqrt(v_t / (1-β2^t)) + ε)       (Eq. 8)
+        end:  prune_():  θ ← θ ⊙ m
+
+    Three deliberate differences from Adam(W) — do not "fix" them (method.md §2):
+
+    1. **Selective**: the L1 decay ``λ sign(θ)`` acts only on currently pruned entries; kept entries
+       follow plain Adam. As weights move, the mask moves, and the decay follows it.
+    2. **Proportional**: the decay is *mixed* with the gradient by ``α_t = t/T`` rather than added, so by
+       the end (``α = 1``) every pruned entry feels only the decay and reaches ~0 however strong its
+       gradient; an additive decay leaves some pruned weights large and the final prune then hurts.
+    3. **Decoupled from momentum**: the decay enters ``μ~`` but is never stored in ``μ``, so when a
+       weight crosses zero the decay direction flips at once (no momentum lag, no oscillation); and ``v``
+       is built from ``μ~²``, so the decay is normalised by ``1/sqrt(v)`` like the gradient.
+
+    Param groups (overrides of every hyperparameter work as in torch):
+
+    * ``"sparse": True``: 2-D N:M targets. Groups of ``m`` run along the last dim (``nn.Linear``'s
+      ``(out, in)``); with ``"transposed": True`` along dim 0 (GPT-2 ``Conv1D`` stores ``(in, out)``).
+      Masks are always kept and returned in the parameter's own layout. ``weight_decay`` here is
+      decoupled (AdamW-style) and applies to every entry, independently of ``l1_decay``.
+    * ``"sparse": False`` (default): plain Adam, or AdamW when ``weight_decay > 0`` — computed by torch's
+      own ``adam`` function, so it equals ``torch.optim.AdamW`` with the same settings.
+
+    Args:
+        params: parameters or param-group dicts (named parameters work as in torch).
+        lr, betas, eps: as in Adam.
+        l1_decay: λ, the L1 strength on pruned entries (paper: 2e-6 OPT, 1e-6 GPT-2, 4e-7 LLaMA).
+        total_steps: T in ``α_t = t/T``; required — the decay schedule is meaningless without it.
+        mask_interval: T1; masks are recomputed when ``t % mask_interval == 0``. ``0`` or ``None`` keeps
+            the first mask forever (naive retraining + AdamS, CAST ``--fixed-mask``).
+        n, m: the N:M pattern (2:4).
+        weight_decay: decoupled weight decay (AdamW), 0 by default as in the paper.
+        maximize: ascend the objective (the L1 decay still pulls towards 0).
+        foreach: ``None``/``True`` = fast path, ``False`` = the single-tensor reference path.
+        mask_storage: ``"bool"`` (1 byte per weight) or ``"packed"`` (1 bit per weight, the paper's
+            "1/32" overhead); identical results either way.
+        nonfinite: ``"raise"`` (default): a NaN/Inf gradient raises :class:`~cast_llm.errors.NonFiniteError`
+            naming the parameter, before anything is modified. ``"skip"``: the whole step is skipped
+            (weights, state and step counts untouched) and ``skipped_steps`` is incremented.
+
+    FSDP2: ``DTensor`` parameters are updated through their local shards. FSDP2 shards dim 0 (rows), so
+    the N:M groups of a ``(out, in)`` weight stay whole on every rank and masks are per-rank local
+    tensors (save/restore with the same sharding). A ``transposed`` target sharded along its N:M dim is
+    refused with ``NotImplementedError``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        l1_decay: float = 0.0,
+        total_steps: int | None = None,
+        mask_interval: int | None = 10,
+        n: int = 2,
+        m: int = 4,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        mask_storage: str = "bool",
+        nonfinite: str = "raise",
+    ) -> None:
+        if mask_storage not in MASK_STORAGES:
+            raise ValueError(f"mask_storage must be one of {MASK_STORAGES}, got {mask_storage!r}")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
+            mask_interval=mask_interval, n=n, m=m, weight_decay=weight_decay, maximize=maximize,
+            foreach=foreach, sparse=False, transposed=False,
+        )  # fmt: skip
+        _check_hparams(defaults, "AdamS")
+        self.mask_storage = mask_storage
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient (nonfinite="skip")
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("mask_storage", "bool")
+        self.__dict__.setdefault("nonfinite", "raise")
+        self.__dict__.setdefault("skipped_steps", 0)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group, index = self.param_groups[-1], len(self.param_groups) - 1
+        try:
+            _check_hparams(group, f"param group {index}")
+            if group["sparse"]:
+                for i, p in enumerate(group["params"]):
+                    _check_sparse_param(p, group, _param_name(group, i, index))
+            elif group["transposed"]:
+                raise ValueError(f"param group {index}: 'transposed' only applies to a 'sparse' group")
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+
+    # ------------------------------------------------------------------------------------------ masks
+    def _locate(self, p: Tensor) -> tuple[int, dict[str, Any], int]:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return gi, group, i
+        raise ValueError(f"parameter of shape {tuple(p.shape)} is not managed by this optimizer")
+
+    def _sparse_group(self, p: Tensor) -> dict[str, Any]:
+        gi, group, i = self._locate(p)
+        if not group["sparse"]:
+            raise ValueError(f"{_param_name(group, i, gi)} (shape {tuple(p.shape)}) is in a dense param group "
+                             "(sparse=False): it has no N:M mask")
+        return group
+
+    def _compute_mask(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        w = _local(p).detach()
+        if group["transposed"]:
+            return nm_mask(w.t(), group["n"], group["m"]).t().contiguous()
+        return nm_mask(w, group["n"], group["m"])
+
+    def _encode(self, mask: Tensor) -> Tensor:
+        return pack_mask(mask) if self.mask_storage == "packed" else mask.contiguous()
+
+    def mask(self, p: Tensor) -> Tensor:
+        """The current N:M mask of sparse parameter ``p`` (bool, ``p``'s own layout, True = kept).
+
+        Before the first step this is the mask the first step will use (``set_mask``'s, or one computed
+        now from the current weights). With ``mask_storage="bool"`` the stored tensor itself is returned:
+        read it, do not modify it (use :meth:`set_mask`). For a DTensor parameter: the local shard's mask.
+        """
+        group = self._sparse_group(p)
+        stored = self.state[p].get("mask") if p in self.state else None
+        if stored is None:
+            return self._compute_mask(p, group)
+        if stored.dtype == torch.uint8:
+            return unpack_mask(stored, _local(p).shape)
+        return stored
+
+    def masks(self) -> dict[Tensor, Tensor]:
+        """``{parameter: mask}`` for every sparse parameter, in param-group order (see :meth:`mask`)."""
+        return {p: self.mask(p) for g in self.param_groups if g["sparse"] for p in g["params"]}
+
+    def set_mask(self, p: Tensor, mask: Tensor) -> None:
+        """Use ``mask`` (bool, ``p``'s layout, exactly N:M) as ``p``'s mask from now on — e.g. a Wanda or
+        SparseGPT mask before the first step. It is replaced at the next ``t % mask_interval == 0``
+        (never, with ``mask_interval=0``)."""
+        group = self._sparse_group(p)
+        local = _local(p)
+        mask = _local(mask)
+        if mask.dtype != torch.bool or mask.shape != local.shape:
+            raise ValueError(f"set_mask: need a bool mask of shape {tuple(local.shape)}, "
+                             f"got {mask.dtype} of shape {tuple(mask.shape)}")
+        grouped = mask.t() if group["transposed"] else mask
+        if not is_nm_mask(grouped, group["n"], group["m"]):
+            where = "dim 0" if group["transposed"] else "the last dim"
+            raise ValueError(f"set_mask: the mask is not an exact {group['n']}:{group['m']} mask along {where} "
+                             f"(every group of {group['m']} must keep exactly {group['n']})")
+        self.state[p]["mask"] = self._encode(mask.to(local.device))
+
+    @torch.no_grad()
+    def prune_(self) -> None:
+        """``θ ← θ ⊙ m`` for every sparse parameter (Algorithm 1's last line): afterwards each is exactly N:M."""
+        from cast_llm.sparsity.mask import apply_mask_
+
+        for p, mask in self.masks().items():
+            apply_mask_(_local(p), mask)
+
+    # ----------------------------------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["adams"] = {"skipped_steps": self.skipped_steps, "mask_storage": self.mask_storage}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("adams", {})
+        # Take the masks out first: torch casts every state tensor of a float param to the param's dtype,
+        # which would turn a bool/uint8 mask into floats.
+        saved = {k: dict(v) for k, v in state_dict["state"].items()}
+        masks = {k: v.pop("mask") for k, v in saved.items() if "mask" in v}
+        state_dict["state"] = saved
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        id_to_param = dict(zip(saved_ids, params))
+        for key, stored in masks.items():
+            p = id_to_param[key]
+            shape = _local(p).shape
+            if stored.dtype == torch.uint8:
+                mask = unpack_mask(stored, shape)
+            elif stored.dtype == torch.bool and stored.shape == shape:
+                mask = stored
+            else:
+                raise ValueError(f"saved mask ({stored.dtype}, shape {tuple(stored.shape)}) does not fit a "
+                                 f"parameter of shape {tuple(shape)}")
+            self.state[p]["mask"] = self._encode(mask.to(_local(p).device))
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+
+    # ----------------------------------------------------------------------------------------- step
+    def _grads_finite(self, grads: list[Tensor]) -> bool:
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        # one fused read of every gradient (max |g| is NaN/Inf iff some entry is), one sync per device
+        ok = all(bool(torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()) for gs in by_device.values())
+        if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():  # every rank must take the same decision
+                flag = torch.tensor([0.0 if ok else 1.0], device=grads[0].device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                ok = flag.item() == 0.0
+        return ok
+
+    def _nonfinite_message(self) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+                    kind = "sparse" if group["sparse"] else "dense"
+                    return (f"AdamS: non-finite gradient (NaN/Inf) in {_param_name(group, i, gi)} of shape "
+                            f"{tuple(p.shape)} (param group {gi}, {kind}); no weight or optimizer state was "
+                            "changed. Check the loss / lower the learning rate, or pass nonfinite='skip' to "
+                            "skip such steps.")
+        return "AdamS: non-finite gradient (NaN/Inf) on another rank; no weight or state was changed."
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamS step (Eq. 8) on every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return loss
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError("AdamS does not support sparse (torch.sparse) gradients")
+        if not self._grads_finite(grads):  # before anything is touched: weights never see NaN/Inf
+            if self.nonfinite == "raise":
+                raise NonFiniteError(self._nonfinite_message())
+            self.skipped_steps += 1
+            return loss
+        for group in self.param_groups:
+            if group["sparse"]:
+                self._sparse_step(group)
+            else:
+                self._dense_step(group)
+        return loss
+
+    def _init_state(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if "step" not in state:  # lazy, as in torch.optim.Adam (same dtypes and placement)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _dense_step(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self._init_state(p)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        # torch's own Adam/AdamW math, so dense groups match torch.optim.AdamW exactly
+        _torch_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=group["foreach"] is not False, has_complex=any(torch.is_complex(p) for p in params),
+            decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        )  # fmt: skip
+
+    def _sparse_step(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, masks, steps = [], [], [], [], [], []
+        interval = group["mask_interval"] or 0
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self._init_state(p)
+            t = int(state["step"].item()) + 1  # the step about to be taken
+            if "mask" not in state or (interval and t % interval == 0):
+                state["mask"] = self._encode(self._compute_mask(p, group))  # Eq. 6, from θ_{t-1}
+            params.append(_local(p))
+            grads.append(_local(p.grad))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            masks.append(state["mask"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adams(
+            params, grads, exp_avgs, exp_avg_sqs, masks, steps,
+            foreach=group["foreach"], beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"],
+            l1_decay=group["l1_decay"], total_steps=group["total_steps"],
+            weight_decay=group["weight_decay"], maximize=group["maximize"],
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ validation
+def _check_hparams(h: dict[str, Any], where: str) -> None:
+    def bad(name: str, why: str) -> ValueError:
+        return ValueError(f"{where}: invalid {name}={h.get(name)!r}: {why}")
+
+    for name in ("lr", "eps", "l1_decay", "weight_decay"):
+        v = h[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise bad(name, "must be a finite number >= 0")
+    betas = h["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise bad("betas", "must be a pair (beta1, beta2)")
+    for b in betas:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise bad("betas", "each beta must lie in [0, 1)")
+    T = h["total_steps"]
+    if T is None:
+        raise ValueError(f"{where}: total_steps is required (T in α_t = t/T, Eq. 7): pass the number of "
+                         "optimizer steps of the whole run")
+    if isinstance(T, bool) or not isinstance(T, int) or T <= 0:
+        raise bad("total_steps", "must be an int > 0")
+    interval = h["mask_interval"]
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
+        raise bad("mask_interval", "must be an int >= 0 (0 or None: never recompute the mask)")
+    n, m = h["n"], h["m"]
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in (n, m)) or not 1 <= n < m:
+        raise ValueError(f"{where}: invalid N:M pattern n={n!r}, m={m!r}: need integers 1 <= n < m (2:4)")
+    for name in ("sparse", "transposed", "maximize"):
+        if not isinstance(h[name], bool):
+            raise bad(name, "must be True or False")
+    if h["foreach"] not in (None, True, False):
+        raise bad("foreach", "must be None, True or False")
+
+
+def _param_name(group: dict[str, Any], i: int, gi: int) -> str:
+    names = group.get("param_names")
+    if names is not None and i < len(names):
+        return f"parameter {names[i]!r}"
+    return f"parameter #{i} of param group {gi}"
+
+
+def _check_sparse_param(p: Tensor, group: dict[str, Any], name: str) -> None:
+    m, transposed = group["m"], group["transposed"]
+    shape = tuple(p.shape)
+    if not p.is_floating_point():
+        raise ValueError(f"AdamS: sparse {name} has dtype {p.dtype}; N:M targets must be floating point")
+    if p.dim() != 2:
+        raise ValueError(f"AdamS: sparse {name} has shape {shape}; N:M targets must be 2-D weights. Put it "
+                         "in a dense group (sparse=False) instead.")
+    dim = 0 if transposed else 1
+    if shape[dim] % m != 0:
+        layout = "dim 0 (transposed)" if transposed else "the last dim"
+        raise ValueError(f"AdamS: sparse {name} has shape {shape}: its N:M dim, {layout}, is {shape[dim]}, not "
+                         f"divisible by m={m}. Leave it dense (sparse=False) or skip it as a target.")
+    if _is_dtensor(p):
+        for placement in p.placements:
+            if isinstance(placement, _Shard) and placement.dim % 2 == dim:
+                raise NotImplementedError(
+                    f"AdamS: sparse {name} of shape {shape} is sharded along its N:M dim ({placement}); "
+                    "the groups of m would be split across ranks. FSDP2 shards dim 0, which works for "
+                    "(out, in) weights but not for transposed (Conv1D) ones: convert those to nn.Linear "
+                    "layout, or keep them unsharded."
+                )
+
+
+# ------------------------------------------------------------------------------------ functional core
+def _is_dtensor(t: Tensor) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def adams(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    masks: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    foreach: bool | None = None,
+    beta1: float,
+    beta2: float,
+    lr: float,
+    eps: float,
+    l1_decay: float,
+    total_steps: int,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+) -> None:
+    """Functional AdamS (Eq. 7-8; see :class:`AdamS` for the math), in place, like ``torch.optim.adamw``.
+
+    ``masks[i]`` is the kept-mask of ``params[i]``: bool of its shape, or the 1-D uint8 of
+    :func:`~cast_llm.sparsity.mask.pack_mask`. ``state_steps`` are scalar tensors holding ``t - 1``; they
+    are incremented here. ``foreach=False`` runs the single-tensor reference; ``None``/``True`` the fast
+    path (same results to rounding). Gradients must be finite (the class checks them).
+    """
+    lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(f"adams: list lengths differ: {[len(x) for x in lists]}")
+    impl = _single_tensor_adams if foreach is False else _multi_tensor_adams
+    impl(*lists, beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
+         weight_decay=weight_decay, maximize=maximize)
+
+
+def _kept(mask: Tensor, param: Tensor) -> Tensor:
+    return unpack_mask(mask, param.shape) if mask.dtype == torch.uint8 else mask
+
+
+def _single_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
+                         eps, l1_decay, total_steps, weight_decay, maximize) -> None:
+    """Reference path: Eq. 7-8 written out with one tensor at a time."""
+    for i, param in enumerate(params):
+        grad = -grads[i] if maximize else grads[i]
+        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+        state_steps[i] += 1
+        t = int(state_steps[i].item())
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)  # μ_t: the loss gradient only
+        alpha = min(t / total_steps, 1.0)
+        pruned_target = torch.sign(param).mul_(alpha * l1_decay).add_(exp_avg, alpha=1 - alpha)  # Eq. 7
+        mu_tilde = torch.where(_kept(masks[i], param), exp_avg, pruned_target)
+        exp_avg_sq.mul_(beta2).addcmul_(mu_tilde, mu_tilde, value=1 - beta2)  # from μ~, every entry
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        param.addcdiv_(mu_tilde, denom, value=-lr / bias_correction1)  # Eq. 8
+
+
+_BIT_TABLES: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _bit_table(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """(256, 8): row b holds the 8 bits of byte b as 0/1 in ``dtype`` (pack_mask's bit order)."""
+    key = (device, dtype)
+    if key not in _BIT_TABLES:
+        b = torch.arange(256, device=device).unsqueeze(1)
+        _BIT_TABLES[key] = ((b >> torch.arange(8, device=device)) & 1).to(dtype)
+    return _BIT_TABLES[key]
+
+
+def _fused_kernel_ok(device: torch.device) -> bool:
+    return hasattr(torch, "_fused_adam_") and device.type in ("cpu", "cuda")
+
+
+def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
+                        eps, l1_decay, total_steps, weight_decay, maximize) -> None:
+    """Fast path. Whole-list ``_foreach`` ops for the steps that need no mask; then, per cache block of
+    ``_CHUNK`` elements, Eq. 7 and the mask select into one scratch vector ``s`` (= μ~) and the rest of
+    Eq. 8 (v from μ~², bias corrections, θ update) as ONE pass of torch's fused Adam kernel.
+
+    That kernel computes Adam with β1 = 0 on "gradient" s and "first moment" s, i.e. v ← β2 v + (1-β2) s²
+    and θ ← θ - lr' s / (sqrt(v / (1-β2^t)) + ε); passing lr' = lr / (1-β1^t) restores the β1 bias
+    correction of Eq. 8. The mask is applied by ``lerp`` with an exact 0/1 weight (a select with no
+    rounding: weight 1 returns μ, weight 0 returns s), which vectorises where ``torch.where`` does not.
+    """
+    fast = [i for i, p in enumerate(params)
+            if all(x.is_contiguous() for x in (p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i]))]
+    if len(fast) < len(params):  # odd strides: the reference path handles them
+        slow = [i for i in range(len(params)) if i not in set(fast)]
+        _single_tensor_adams(*([x[i] for i in slow] for x in (params, grads, exp_avgs, exp_avg_sqs, masks,
+                                                              state_steps)),
+                             beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay,
+                             total_steps=total_steps, weight_decay=weight_decay, maximize=maximize)
+    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in fast:
+        by_device.setdefault((params[i].device, params[i].dtype), []).append(i)
+    for (device, dtype), idx in by_device.items():
+        P, G = [params[i] for i in idx], [grads[i] for i in idx]
+        MU, V, K, ST = ([x[i] for i in idx] for x in (exp_avgs, exp_avg_sqs, masks, state_steps))
+        if maximize:
+            G = torch._foreach_neg(G)
+        torch._foreach_add_(ST, 1)
+        if weight_decay != 0:
+            torch._foreach_mul_(P, 1 - lr * weight_decay)
+        torch._foreach_lerp_(MU, G, 1 - beta1)  # μ_t: the loss gradient only
+        del G
+        chunk = min(_CHUNK, max(p.numel() for p in P))
+        scratch = torch.empty(2 * chunk + 8, device=device, dtype=dtype)  # +8: a packed tail byte
+        s_buf, w_buf = scratch[:chunk], scratch[chunk:]
+        table = _bit_table(device, dtype) if any(k.dtype == torch.uint8 for k in K) else None
+        fused = _fused_kernel_ok(device)
+        device_steps: dict[int, Tensor] = {}
+        for p, mu, v, kept, st in zip(P, MU, V, K, ST):
+            t = int(st.item())
+            alpha = min(t / total_steps, 1.0)
+            bias_correction1 = 1 - beta1**t
+            if fused and device.type != "cpu":  # the kernel reads t from a tensor on its own device
+                if t not in device_steps:
+                    device_steps[t] = torch.tensor(float(t), device=device)
+                step_t = device_steps[t]
+            else:
+                step_t = st
+            p1, mu1, v1 = p.view(-1), mu.view(-1), v.view(-1)
+            packed = kept.dtype == torch.uint8
+            kept1 = kept if packed else kept.view(-1)
+            for lo in range(0, p1.numel(), chunk):
+                hi = min(lo + chunk, p1.numel())
+                th, m1, s, w = p1[lo:hi], mu1[lo:hi], s_buf[: hi - lo], w_buf[: hi - lo]
+                torch.sign(th, out=s).mul_(alpha * l1_decay).add_(m1, alpha=1 - alpha)  # Eq. 7, all entries
+                if packed:  # chunk % 8 == 0, so every block starts on a byte boundary
+                    nbytes = packed_numel(hi - lo)
+                    rows = w_buf[: 8 * nbytes].view(nbytes, 8)
+                    torch.index_select(table, 0, kept1[lo // 8 : lo // 8 + nbytes].int(), out=rows)
+                else:
+                    w.copy_(kept1[lo:hi])
+                s.lerp_(m1, w)  # μ~: kept -> μ, pruned -> Eq. 7
+                if fused:
+                    torch._fused_adam_([th], [s], [s], [v1[lo:hi]], [], [step_t], lr=lr / bias_correction1,
+                                       beta1=0.0, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
+                                       maximize=False)
+                else:
+                    v1[lo:hi].mul_(beta2).addcmul_(s, s, value=1 - beta2)
+                    denom = torch.sqrt(v1[lo:hi], out=w).div_(math.sqrt(1 - beta2**t)).add_(eps)
+                    th.addcdiv_(s, denom, value=-lr / bias_correction1)
