@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...]
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         tp, _ = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_ = f.metadata.get("help", "") + f" (default: {default})"
+        help_ = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")  # argparse formats %
         if tp is bool and f.metadata.get("parse") is None:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_)

@@ -264,6 +264,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     if teacher is not None:
         teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
     raw = accelerator.unwrap_model(model)
+    raw_opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it; methods need the AdamS itself
 
     cfg_dict = asdict(cfg)
     fp = fingerprint(cfg_dict)
@@ -343,12 +344,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         window["tokens"] += tokens_per_step
 
         if tracker is None:  # masks exist after the first optimizer step
-            tracker = MaskTracker(method.current_masks(raw, optimizer))
+            tracker = MaskTracker(method.current_masks(raw, raw_opt))
         if done % cfg.log_every == 0 or done == total_steps:
             rec = _log_record(done, window, tokens_per_step, scheduler, accelerator)
-            rec.update(tracker.update(raw, method.current_masks(raw, optimizer)))
+            rec.update(tracker.update(raw, method.current_masks(raw, raw_opt)))
             if cfg.eval_every and done % cfg.eval_every == 0 and done != total_steps:
-                masks = method.current_masks(raw, optimizer)
+                masks = method.current_masks(raw, raw_opt)
                 rec["val_ppl_dense"] = evaluator.heldout(model)
                 rec["val_ppl_masked"] = with_masks_applied(raw, masks, evaluator.heldout)
                 model.train()
@@ -371,7 +372,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         bar.close()
 
     # ---- finish: prune with the final masks, fold scales, verify N:M, export, evaluate
-    method.finalize(raw, optimizer)
+    method.finalize(raw, raw_opt)
     model = raw
     accelerator.wait_for_everyone()
     tokens_trained = total_steps * tokens_per_step

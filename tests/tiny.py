@@ -1,0 +1,70 @@
+"""Tiny random models and corpora for tests: built locally from configs, seeded, no hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 49152  # the embedded SmolLM2 tokenizer's vocabulary: tiny models reuse that tokenizer
+
+
+def tokenizer():
+    from cast_llm.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+def config(arch: str, **overrides):
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+    if arch == "llama":
+        kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=True)
+        cls = LlamaConfig
+    elif arch == "gpt2":
+        kw = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128)
+        cls = GPT2Config
+    elif arch == "opt":
+        kw = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+                  word_embed_proj_dim=64, max_position_embeddings=128)
+        cls = OPTConfig
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    tok = tokenizer()
+    kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return cls(**kw)
+
+
+def model(arch: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config(arch, **overrides)).eval()
+
+
+def save_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    m = model(arch, seed, **overrides)
+    m.save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Sparse networks keep two of every four weights. "
+    "Semi-structured sparsity is accelerated by tensor cores. Training with distillation recovers quality. "
+)
+
+
+def write_corpus(path: Path, docs: int = 40) -> Path:
+    """A small .jsonl corpus of varied documents (a few thousand tokens)."""
+    import json
+
+    words = CORPUS.split()
+    g = torch.Generator().manual_seed(0)
+    with path.open("w") as f:
+        for i in range(docs):
+            idx = torch.randint(len(words), (60,), generator=g).tolist()
+            f.write(json.dumps({"text": f"Document {i}. " + " ".join(words[j] for j in idx)}) + "\n")
+    return path
