@@ -13,3 +13,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_configure(config):
+    # model-loading progress bars would drown the one-line errors the CLI tests look for
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 import yaml
 from safetensors.torch import load_file
 
-import tiny
 from cast_llm.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,9 +163,12 @@ def test_yaml_and_cli_precedence(tmp_path):
 
 
 def _err(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err  # one line, no traceback
-    return err[0]
+    """The one error line (progress bars of model loading may precede it; a traceback may not)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("cast-llm")]
+    assert len(lines) == 1, err
+    return lines[0]
 
 
 def test_bad_inputs_give_one_line_errors(workdir, tmp_path, capsys):

@@ -111,7 +111,7 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any]) -> tuple[d
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one")
+        raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one") from None
     got = meta.get("fingerprint", {})
     diff = {k: (got.get(k), v) for k, v in expected_fingerprint.items() if got.get(k) != v}
     if diff:

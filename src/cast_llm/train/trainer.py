@@ -22,8 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.errors import CastError
-from cast_llm.train.checkpoint import fingerprint, list_checkpoints, load_checkpoint, rng_state, save_checkpoint
+from cast_llm.train.checkpoint import (
+    fingerprint,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 from cast_llm.train.config import TrainConfig
+from cast_llm.train.observers import StepContext, default_observers, with_masks_applied
 
 RUN_MARKER = "cast_run.json"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "results.json", "tensorboard", "checkpoints", RUN_MARKER)
@@ -113,65 +120,6 @@ class Evaluator:
 
     def both(self, model) -> dict[str, float | None]:
         return {"heldout": self.heldout(model), "wikitext2": self.wikitext(model)}
-
-
-@torch.no_grad()
-def with_masks_applied(model, masks: dict[str, torch.Tensor], fn):
-    """Run ``fn(model)`` with the target weights hard-masked, then restore them exactly."""
-    params = dict(model.named_parameters())
-    saved = {}
-    for fqn, mask in masks.items():
-        w = _target_weight(params, fqn)
-        saved[fqn] = w.detach().clone()
-        w.mul_(mask.to(w.dtype))
-    try:
-        return fn(model)
-    finally:
-        for fqn, w0 in saved.items():
-            _target_weight(params, fqn).copy_(w0)
-
-
-def _target_weight(params: dict[str, torch.nn.Parameter], fqn: str) -> torch.nn.Parameter:
-    for key in (f"{fqn}.weight", f"{fqn}.base_layer.weight"):
-        if key in params:
-            return params[key]
-    raise KeyError(f"no weight for target {fqn}")
-
-
-# ------------------------------------------------------------------------------------------ mask statistics
-class MaskTracker:
-    """Flip rate, initial flip rate and sparse-weight ratio (method.md §7), from packed mask snapshots."""
-
-    def __init__(self, masks: dict[str, torch.Tensor]):
-        from cast_llm.sparsity.mask import pack_mask
-
-        self.shapes = {k: tuple(v.shape) for k, v in masks.items()}
-        self.initial = {k: pack_mask(v) for k, v in masks.items()}
-        self.prev = dict(self.initial)
-
-    def update(self, model, masks: dict[str, torch.Tensor]) -> dict[str, float]:
-        from cast_llm.sparsity.mask import pack_mask, unpack_mask
-        from cast_llm.sparsity.stats import flip_rate, initial_flip_rate, sparse_weight_ratio
-
-        names = list(masks)
-        cur = [masks[k] for k in names]
-        prev = [unpack_mask(self.prev[k], self.shapes[k]).to(cur[i].device) for i, k in enumerate(names)]
-        init = [unpack_mask(self.initial[k], self.shapes[k]).to(cur[i].device) for i, k in enumerate(names)]
-        params = dict(model.named_parameters())
-        weights = [_target_weight(params, k).detach() for k in names]
-        stats = {
-            "flip_rate": flip_rate(prev, cur),
-            "initial_flip_rate": initial_flip_rate(init, cur),
-            "sparse_weight_ratio": sparse_weight_ratio(weights, cur),
-        }
-        self.prev = {k: pack_mask(masks[k]) for k in names}
-        return stats
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"initial": self.initial, "prev": self.prev, "shapes": self.shapes}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.initial, self.prev, self.shapes = state["initial"], state["prev"], state["shapes"]
 
 
 # --------------------------------------------------------------------------------------------------- train
@@ -268,7 +216,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
 
     cfg_dict = asdict(cfg)
     fp = fingerprint(cfg_dict)
-    start_step, tracker = 0, None
+    start_step = 0
+    observers = default_observers(cfg)
     if checkpoints:
         states, meta = load_checkpoint(checkpoints[-1], fp)
         raw.load_state_dict(states["model"])
@@ -278,9 +227,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
 
         set_rng_state(states["rng"])
         start_step = meta["step"]
-        if states.get("masks"):
-            tracker = MaskTracker.__new__(MaskTracker)
-            tracker.load_state_dict(states["masks"])
+        for ob in observers:
+            ob.load_state_dict(states["observers"].get(ob.name, {}))
         say(f"resumed from {checkpoints[-1]} at step {start_step}")
     if is_main:
         dump_yaml(cfg, out / "config.yaml")
@@ -296,7 +244,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     def checkpoint(step: int) -> None:
         states = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(),
                   "scheduler": scheduler.state_dict(), "rng": rng_state(),
-                  "masks": tracker.state_dict() if tracker else None}
+                  "observers": {ob.name: ob.state_dict() for ob in observers}}
         if is_main:
             save_checkpoint(out, step, states, {"fingerprint": fp, "tokens": step * tokens_per_step},
                             keep=cfg.keep_checkpoints)
@@ -343,16 +291,16 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         window["n"] += 1
         window["tokens"] += tokens_per_step
 
-        if tracker is None:  # masks exist after the first optimizer step
-            tracker = MaskTracker(method.current_masks(raw, raw_opt))
-        if done % cfg.log_every == 0 or done == total_steps:
+        is_log = done % cfg.log_every == 0 or done == total_steps
+        ctx = StepContext(step=done, total_steps=total_steps, model=raw, is_log_step=is_log, run_dir=out,
+                          is_main=is_main, cfg=cfg, evaluator=evaluator,
+                          masks_fn=lambda: method.current_masks(raw, raw_opt))
+        measured = {}
+        for ob in observers:
+            measured.update(ob.on_step(ctx) or {})
+        if is_log:
             rec = _log_record(done, window, tokens_per_step, scheduler, accelerator)
-            rec.update(tracker.update(raw, method.current_masks(raw, raw_opt)))
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != total_steps:
-                masks = method.current_masks(raw, raw_opt)
-                rec["val_ppl_dense"] = evaluator.heldout(model)
-                rec["val_ppl_masked"] = with_masks_applied(raw, masks, evaluator.heldout)
-                model.train()
+            rec.update(measured)
             if is_main:
                 with (out / "metrics.jsonl").open("a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -372,6 +320,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         bar.close()
 
     # ---- finish: prune with the final masks, fold scales, verify N:M, export, evaluate
+    end_ctx = StepContext(step=total_steps, total_steps=total_steps, model=raw, is_log_step=False, run_dir=out,
+                          is_main=is_main, cfg=cfg, evaluator=evaluator,
+                          masks_fn=lambda: method.current_masks(raw, raw_opt))
+    for ob in observers:
+        ob.on_end(end_ctx)
     method.finalize(raw, raw_opt)
     model = raw
     accelerator.wait_for_everyone()

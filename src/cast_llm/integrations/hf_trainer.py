@@ -1,0 +1,128 @@
+"""CAST inside ``transformers.Trainer``: AdamS + weight scaling + distillation + final prune.
+
+Usage::
+
+    from cast_llm.integrations.hf_trainer import CastArguments, CastTrainer
+
+    trainer = CastTrainer(model=model, teacher=dense_copy, args=TrainingArguments(...),
+                          train_dataset=ds, cast_args=CastArguments(l1_decay=4e-7, eta=1/3))
+    trainer.train()          # ends with prune → fold scales → verify N:M (``finalize=True``)
+    trainer.save_model(out)  # a plain HF checkpoint with exact zeros
+
+The Trainer keeps everything it normally does (logging, evaluation, checkpointing, accelerate); this
+subclass only swaps the optimizer for AdamS (``create_optimizer``), the loss for Eq. 13
+(``compute_loss``, via :func:`cast_kd_loss` which a custom loop can call too), and finalises the model.
+``learning_rate``, ``adam_beta1/2``, ``adam_epsilon`` and ``weight_decay`` come from ``TrainingArguments``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Trainer
+
+
+@dataclass
+class CastArguments:
+    l1_decay: float = 4e-7  # AdamS λ (method.md §2; paper 4e-7 LLaMA, 1e-6 GPT-2, 2e-6 OPT)
+    mask_interval: int = 10  # T1: masks recomputed from |θ| every this many steps
+    n: int = 2
+    m: int = 4
+    scaling: bool = True  # learnable weight scale (Eq. 11-12), folded away at the end
+    scale_groups: int = 2
+    eta: float = 1 / 3  # KD weight (Eq. 13); ignored without a teacher
+    temperature: float = 1.0
+    kd_chunk_size: int = 4096
+    finalize: bool = True  # prune + fold + verify when train() returns
+
+
+def cast_kd_loss(model, teacher, inputs: dict, *, eta: float, temperature: float = 1.0, chunk_size: int = 4096):
+    """Eq. 13 for a batch of causal-LM ``inputs`` (``labels`` optional: defaults to ``input_ids``, -100 ignored).
+
+    Returns ``(loss, outputs)``; without a teacher it is plain next-token cross-entropy.
+    """
+    from cast_llm.distill import kd_loss
+
+    labels = inputs.get("labels", inputs["input_ids"])
+    fwd = {k: v for k, v in inputs.items() if k != "labels"}
+    outputs = model(**fwd)
+    logits = outputs.logits[:, :-1]
+    target = labels[:, 1:]
+    if teacher is None:
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+        return loss, outputs
+    with torch.no_grad():
+        t_logits = teacher(**fwd).logits[:, :-1]
+    out = kd_loss(logits, t_logits, target, eta=eta, temperature=temperature, chunk_size=chunk_size)
+    return out.loss, outputs
+
+
+class CastTrainer(Trainer):
+    """``transformers.Trainer`` running CAST. ``teacher``: the frozen dense model (None = no KD)."""
+
+    def __init__(self, *args, teacher: torch.nn.Module | None = None, cast_args: CastArguments | None = None,
+                 **kwargs):
+        self.cast_args = cast_args or CastArguments()
+        model = kwargs.get("model")
+        if model is None:
+            raise ValueError("CastTrainer needs model=...")
+        if self.cast_args.scaling:  # before the optimizer exists, so the scales are trained
+            from cast_llm.nn import wrap_scaling_
+
+            wrap_scaling_(model, n_groups=self.cast_args.scale_groups, m=self.cast_args.m)
+        super().__init__(*args, **kwargs)
+        # our loss is a per-batch mean: let the Trainer divide it by the accumulation steps
+        self.model_accepts_loss_kwargs = False
+        self.teacher = None
+        if teacher is not None:
+            self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
+        self._total_steps = None
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self._total_steps = num_training_steps  # AdamS needs T for α_t = t / T
+        super().create_optimizer_and_scheduler(num_training_steps)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            from cast_llm.optim import AdamS
+            from cast_llm.targets import param_groups
+
+            c, a = self.cast_args, self.args
+            total = self._total_steps or a.max_steps
+            if not total or total <= 0:
+                raise ValueError("CastTrainer: set TrainingArguments.max_steps (AdamS needs the total steps)")
+            groups = param_groups(model or self.model, l1_decay=c.l1_decay, weight_decay=a.weight_decay)
+            self.optimizer = AdamS(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                   eps=a.adam_epsilon, l1_decay=c.l1_decay, total_steps=total,
+                                   mask_interval=c.mask_interval, n=c.n, m=c.m, weight_decay=a.weight_decay)
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        c = self.cast_args
+        loss, outputs = cast_kd_loss(model, self.teacher, inputs, eta=c.eta, temperature=c.temperature,
+                                     chunk_size=c.kd_chunk_size)
+        return (loss, outputs) if return_outputs else loss
+
+    @property
+    def adams(self):
+        """The AdamS instance (unwrapped from accelerate's optimizer wrapper)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        if self.cast_args.finalize:
+            self.finalize_sparse()
+        return result
+
+    def finalize_sparse(self):
+        """Prune with the final masks, fold the scales, verify every target is exactly N:M."""
+        from cast_llm.export import verify_nm
+        from cast_llm.nn import fold_scaling_
+
+        model = self.accelerator.unwrap_model(self.model)
+        self.adams.prune_()
+        fold_scaling_(model)
+        verify_nm(model, n=self.cast_args.n, m=self.cast_args.m)
+        self.model = model
+        return model
