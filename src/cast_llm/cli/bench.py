@@ -1,0 +1,108 @@
+"""``cast-llm bench-inference``: dense vs 2:4 prefill / decode throughput and weight memory (method.md §7).
+
+Runs both paths side by side in one process (:mod:`cast_llm.deploy.bench`). On a machine without a CUDA
+GPU of compute capability ≥ 8.0 only the dense path is measured and the sparse path is reported as
+skipped, with the reason. ``MODEL`` may also be ``random:llama-2-7b`` / ``random:llama-2-13b``: a
+randomly initialised model of that shape built directly on the device (speed does not depend on values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.errors import CastError
+
+# LLaMA-2 shapes (hidden, intermediate, layers, heads) for random-weight speed runs
+RANDOM_SHAPES = {
+    "llama-2-7b": (4096, 11008, 32, 32),
+    "llama-2-13b": (5120, 13824, 40, 40),
+}
+
+
+@dataclass
+class BenchInferenceConfig:
+    model: str = option("", "model folder, hub id, alias (smollm2-135m) or random:llama-2-7b / random:llama-2-13b")
+    batch_size: int = option(1, "sequences per batch")
+    prompt_len: int = option(128, "prompt tokens per sequence (prefill)")
+    gen_len: int = option(64, "tokens generated per sequence (decode, greedy, KV cache)")
+    dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
+                        choices=("fp16", "bf16", "fp32"))
+    device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N")
+    backend: str = option("auto", "semi-structured kernels: auto (cuSPARSELt if available), cusparselt, cutlass",
+                          choices=("auto", "cusparselt", "cutlass"))
+    warmup: int = option(1, "untimed runs before measuring")
+    repeats: int = option(3, "timed generation runs; the median is reported")
+    linear_repeats: int = option(20, "timed runs of each per-linear F.linear measurement (median)")
+    seed: int = option(0, "seed of the random prompt (and of random: models)")
+    json: bool = option(False, "print the report as one JSON object instead of a table")
+
+    def validate(self) -> None:
+        if not self.model:
+            raise CastError("MODEL is required")
+        if min(self.batch_size, self.prompt_len, self.repeats, self.linear_repeats) < 1 or self.gen_len < 0 or self.warmup < 0:
+            raise CastError("--batch-size, --prompt-len, --repeats and --linear-repeats must be ≥ 1; "
+                            "--gen-len and --warmup ≥ 0")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench-inference", help="dense vs 2:4 inference speed and weight memory",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", metavar="MODEL", help="model folder, hub id, alias or random:llama-2-7b")
+    add_arguments(p, BenchInferenceConfig, skip=("model",))
+    p.set_defaults(func=run)
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CastError(f"--device: unknown device '{name}' (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CastError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def random_model(spec: str, dtype, device, seed: int = 0):
+    """A LLaMA of a named shape with random weights, built directly on ``device`` in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if spec not in RANDOM_SHAPES:
+        raise CastError(f"unknown random model 'random:{spec}'; use one of "
+                        + ", ".join(f"random:{k}" for k in RANDOM_SHAPES))
+    hidden, inter, layers, heads = RANDOM_SHAPES[spec]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32000,
+                         max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = resolve(BenchInferenceConfig, ("command line", {"model": args.model,
+                                                           **cli_layer(args, BenchInferenceConfig)}))
+    from cast_llm.deploy.bench import BenchConfig, format_report, run_bench
+    from cast_llm.deploy.checkpoint import parse_dtype
+    from cast_llm.models import load_model
+
+    device = resolve_device(cfg.device)
+    dtype = parse_dtype(cfg.dtype)
+    if cfg.model.startswith("random:"):
+        model = random_model(cfg.model.split(":", 1)[1], dtype, device, cfg.seed)
+    else:
+        model = load_model(cfg.model, dtype=dtype, device=device)
+    bench = BenchConfig(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
+                        warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
+                        linear_repeats=cfg.linear_repeats)
+    report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
+    print(json.dumps(report.to_dict()) if cfg.json else format_report(report))
+    return 0

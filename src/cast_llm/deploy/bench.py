@@ -1,0 +1,276 @@
+"""Dense vs 2:4 inference speed and weight memory, side by side in one run (method.md §7).
+
+Measures, for one model on one device:
+
+* **prefill** tokens/s: one forward of ``batch × prompt_len`` tokens that fills the KV cache;
+* **decode** tokens/s: ``gen_len`` greedy steps of one token per sequence through the KV cache
+  (``batch × gen_len`` tokens), the regime where a 2:4 weight halves the bytes each step reads;
+* **per-linear** latency of ``F.linear`` for every distinct target shape at the prefill and decode token
+  counts, dense vs semi-structured — the kernel speedup without the rest of the model;
+* **weight memory**: bytes of the target weights and of all parameters, dense vs swapped (packed values +
+  metadata), and on CUDA the allocator's view before and after the swap.
+
+The dense path runs first, then the targets are swapped in place to ``torch.sparse`` semi-structured
+weights (:mod:`cast_llm.deploy.semi_structured`) and everything is measured again; the logits of the same
+prompt are compared as a correctness check. Timings are medians over ``repeats`` runs after ``warmup`` runs,
+with CUDA synchronisation. Where semi-structured kernels cannot run (no CUDA, compute capability < 8.0) the
+sparse side is reported as skipped with the reason — never estimated.
+
+A dense model is first made 2:4 by magnitude (the values do not change the speed of either path); the
+report says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cast_llm.deploy.semi_structured import semi_structured_unavailable_reason, sparse_weight_nbytes
+
+
+@dataclass
+class BenchConfig:
+    batch_size: int = 1
+    prompt_len: int = 128
+    gen_len: int = 64
+    warmup: int = 1
+    repeats: int = 3
+    backend: str = "auto"
+    linear_repeats: int = 20  # per-linear timings: many short kernels, so more repeats
+
+
+@dataclass
+class PathResult:
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    prefill_ms: float
+    decode_ms_per_step: float
+    target_weight_bytes: int
+    all_weight_bytes: int
+    cuda_allocated_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+
+
+@dataclass
+class BenchReport:
+    model: str
+    device: str
+    dtype: str
+    config: dict[str, Any]
+    dense: PathResult
+    sparse: PathResult | None = None
+    sparse_skipped: str | None = None
+    per_linear: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    max_abs_logit_diff: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float, torch.Tensor]:
+    """(prefill seconds, decode seconds, prefill logits) of one greedy generation with the KV cache."""
+    device = prompt.device
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=prompt, use_cache=True)
+    _sync(device)
+    t1 = time.perf_counter()
+    cache, logits = out.past_key_values, out.logits
+    token = logits[:, -1:].argmax(-1)
+    for _ in range(gen_len):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1, logits
+
+
+def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, targets) -> tuple[PathResult, torch.Tensor]:
+    device = prompt.device
+    for _ in range(cfg.warmup):
+        _generate(model, prompt, min(cfg.gen_len, 4))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = [_generate(model, prompt, cfg.gen_len) for _ in range(cfg.repeats)]
+    prefill = statistics.median(r[0] for r in runs)
+    decode = statistics.median(r[1] for r in runs)
+    b, p = prompt.shape
+    result = PathResult(
+        prefill_tokens_per_s=b * p / prefill,
+        decode_tokens_per_s=b * cfg.gen_len / decode if cfg.gen_len else 0.0,
+        prefill_ms=prefill * 1e3,
+        decode_ms_per_step=decode * 1e3 / max(cfg.gen_len, 1),
+        target_weight_bytes=sum(sparse_weight_nbytes(t.module.weight) for t in targets),
+        all_weight_bytes=sum(sparse_weight_nbytes(p_) for p_ in _unique_params(model)),
+    )
+    if device.type == "cuda":
+        result.cuda_allocated_bytes = torch.cuda.memory_allocated(device)
+        result.cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
+    return result, runs[0][2]
+
+
+def _unique_params(model):
+    seen = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def linear_shapes(targets) -> dict[tuple[int, int], list[str]]:
+    """Distinct (out, in) target shapes -> short layer names sharing it."""
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for t in targets:
+        shape = (t.out_features, t.in_features)
+        short = t.fqn.rsplit(".", 1)[-1]
+        names = shapes.setdefault(shape, [])
+        if short not in names:
+            names.append(short)
+    return shapes
+
+
+@torch.inference_mode()
+def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[str, int], *, dtype: torch.dtype,
+                  device: torch.device, sparse: bool, warmup: int = 3, repeats: int = 20) -> list[dict[str, Any]]:
+    """F.linear latency per distinct shape and token count; with ``sparse`` also the 2:4 kernel."""
+    from cast_llm.sparsity.mask import nm_mask
+
+    rows = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for (out_f, in_f), names in shapes.items():
+        w = torch.randn(out_f, in_f, generator=gen).to(device=device, dtype=dtype)
+        w.masked_fill_(~nm_mask(w, 2, 4), 0)
+        ws = None
+        if sparse:
+            from torch.sparse import to_sparse_semi_structured
+
+            ws = to_sparse_semi_structured(w)
+        for regime, tokens in token_counts.items():
+            x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
+            dense_s = timed(lambda: F.linear(x, w), device, warmup=warmup, repeats=repeats)  # noqa: B023
+            row = {"layers": ",".join(names), "out": out_f, "in": in_f, "regime": regime, "tokens": tokens,
+                   "dense_us": dense_s * 1e6}
+            if ws is not None:
+                sparse_s = timed(lambda: F.linear(x, ws), device, warmup=warmup, repeats=repeats)  # noqa: B023
+                row.update(sparse_us=sparse_s * 1e6, speedup=dense_s / sparse_s)
+            rows.append(row)
+    return rows
+
+
+def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchReport:
+    """The whole side-by-side benchmark on the model's device and dtype (see the module docstring)."""
+    from cast_llm.deploy.semi_structured import to_semi_structured_
+    from cast_llm.export import sparsity_report
+    from cast_llm.prune.magnitude import magnitude_prune_
+    from cast_llm.targets import find_targets
+
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    targets = find_targets(model, n=2, m=4, skip_incompatible=True)
+    notes = []
+    if not all(r.is_nm for r in sparsity_report(model, n=2, m=4, targets=targets)):
+        with torch.no_grad():
+            for t in targets:
+                w = t.weight.data
+                magnitude_prune_(w.t() if t.transposed else w, 2, 4)
+        notes.append("the model was not 2:4: its targets were magnitude-pruned to 2:4 for timing "
+                     "(both paths use the same weights; values do not change kernel speed)")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (cfg.batch_size, cfg.prompt_len), generator=gen).to(device)
+    dense, dense_logits = measure_path(model, prompt, cfg, targets)
+    shapes = linear_shapes(targets)
+    tokens = {"prefill": cfg.batch_size * cfg.prompt_len, "decode": cfg.batch_size}
+    reason = semi_structured_unavailable_reason(device)
+    report = BenchReport(model=name, device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
+                         config=asdict(cfg), dense=dense, notes=notes)
+    report.per_linear = bench_linears(shapes, tokens, dtype=dtype, device=device, sparse=reason is None,
+                                      warmup=min(cfg.warmup, 3) + 1, repeats=cfg.linear_repeats)
+    if reason is not None:
+        report.sparse_skipped = reason
+        return report
+    swapped = to_semi_structured_(model, targets=targets, backend=cfg.backend, skip_incompatible=True)
+    skipped = getattr(model, "_semi_structured_skipped", [])
+    if skipped:
+        notes.append(f"{len(skipped)} target(s) stayed dense (shape/dtype unsupported): {', '.join(skipped[:4])}")
+    notes.append(f"{len(swapped)} target(s) swapped to semi-structured sparse weights")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    targets = find_targets(model, n=2, m=4, skip_incompatible=True)  # Conv1D may have become nn.Linear
+    report.sparse, sparse_logits = measure_path(model, prompt, cfg, targets)
+    report.max_abs_logit_diff = float((sparse_logits.float() - dense_logits.float()).abs().max())
+    return report
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm{cap[0]}{cap[1]})"
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def format_report(r: BenchReport) -> str:
+    """A side-by-side text table of a :class:`BenchReport`."""
+    c = r.config
+    lines = [f"bench-inference {r.model} on {r.device}, {r.dtype}, batch {c['batch_size']}, prompt {c['prompt_len']}, "
+             f"generate {c['gen_len']} (median of {c['repeats']})"]
+    s = r.sparse
+
+    def row(label, dense_v, sparse_v, fmt, higher_better=True):
+        if s is None:
+            return f"  {label:<26} {fmt.format(dense_v):>14} {'skipped':>14}"
+        ratio = (sparse_v / dense_v if higher_better else dense_v / sparse_v) if dense_v and sparse_v else float("nan")
+        return f"  {label:<26} {fmt.format(dense_v):>14} {fmt.format(sparse_v):>14} {ratio:>8.2f}x"
+
+    lines.append(f"  {'':<26} {'dense':>14} {'2:4 sparse':>14} {'ratio':>9}")
+    d = r.dense
+    lines.append(row("prefill tokens/s", d.prefill_tokens_per_s, s and s.prefill_tokens_per_s, "{:,.0f}"))
+    lines.append(row("decode tokens/s", d.decode_tokens_per_s, s and s.decode_tokens_per_s, "{:,.1f}"))
+    mib = 1 / 2**20
+    lines.append(row("target weights (MiB)", d.target_weight_bytes * mib, s and s.target_weight_bytes * mib,
+                     "{:,.1f}", higher_better=False))
+    lines.append(row("all weights (MiB)", d.all_weight_bytes * mib, s and s.all_weight_bytes * mib, "{:,.1f}",
+                     higher_better=False))
+    if d.cuda_peak_bytes is not None:
+        lines.append(row("CUDA peak (MiB)", d.cuda_peak_bytes * mib, s and s.cuda_peak_bytes * mib, "{:,.1f}",
+                         higher_better=False))
+    if r.sparse_skipped:
+        lines.append(f"  sparse path skipped: {r.sparse_skipped}")
+    if r.max_abs_logit_diff is not None:
+        lines.append(f"  max |logit dense - logit sparse| on the prompt: {r.max_abs_logit_diff:.4g}")
+    lines.append("  per-linear F.linear latency (us):")
+    for p in r.per_linear:
+        sp = f"{p['sparse_us']:>10.1f} {p['speedup']:>6.2f}x" if "sparse_us" in p else f"{'skipped':>10}"
+        lines.append(f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
+                     f"{p['dense_us']:>10.1f} {sp}")
+    lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(lines)

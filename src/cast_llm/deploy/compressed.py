@@ -1,0 +1,163 @@
+"""``--format compressed``: our compact N:M checkpoint (method.md §1, §7 "speed and memory").
+
+Layout of the output folder::
+
+    config.json               the model's config (+ the ``sparsity`` entry of an hf export)
+    compressed.safetensors    per target ``<fqn>.weight.values`` (R, C·n/m) and ``<fqn>.weight.positions``
+                              (uint8, bit-packed); every other tensor (embeddings, norms, biases, ...) as is
+    compressed_index.json     format, version, n, m, dtype, per target: shape, transposed, encoding, and the
+                              tied-tensor aliases; plus the measured bytes of targets and of the rest
+    tokenizer files, generation_config.json
+    cast_llm.json             completion marker (written last)
+
+There is deliberately no ``model.safetensors``: plain ``transformers`` must not mistake the folder for a
+dense checkpoint. :func:`load_compressed` rebuilds the dense model bit-identically (pruned entries come back
+as ``+0.0``) and, with ``semi_structured=True`` on a CUDA GPU, swaps the targets to
+``torch.sparse.to_sparse_semi_structured`` weights (:mod:`cast_llm.deploy.semi_structured`).
+
+For fp16 2:4 targets the on-disk size is 0.5 (values) + 0.0625 (2-bit positions) = 0.5625 × dense, plus a
+few hundred bytes of safetensors header. GPT-2 ``Conv1D`` weights are stored in ``(out, in)`` orientation
+(groups along the input dim) and transposed back on load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from cast_llm.deploy.checkpoint import (
+    dtype_name,
+    model_from_state_dict,
+    save_config_and_tokenizer,
+    staged_output,
+    unique_state_dict,
+    write_marker,
+)
+from cast_llm.deploy.nm_codec import NMSparseWeight
+from cast_llm.errors import CastError
+
+FORMAT = "cast-llm-compressed-nm"
+VERSION = 1
+WEIGHTS_FILE = "compressed.safetensors"
+INDEX_FILE = "compressed_index.json"
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def compress_state_dict(model, *, n: int = 2, m: int = 4, targets=None, encoding: str = "auto"
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and index of the compressed format for ``model`` (verified N:M first)."""
+    from cast_llm.export import verify_nm
+    from cast_llm.targets import find_targets
+
+    targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
+    verify_nm(model, n=n, m=m, targets=targets)  # names every non-N:M layer in one error
+    tensors, aliases = unique_state_dict(model)
+    index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "n": n, "m": m,
+                             "dtype": dtype_name(_model_dtype(model)), "targets": {}, "aliases": aliases}
+    target_bytes = dense_target_bytes = 0
+    for t in targets:
+        key = t.fqn + ".weight"
+        if key in aliases:  # a target tied to another tensor (never in practice): keep it dense
+            continue
+        w = tensors.pop(key)
+        dense_target_bytes += w.numel() * w.element_size()
+        w2d = w.t() if t.transposed else w  # (out, in): groups along the input dim
+        packed = NMSparseWeight.from_dense(w2d, n, m, encoding=encoding, name=t.fqn)
+        tensors[key + ".values"] = packed.values
+        tensors[key + ".positions"] = packed.positions
+        target_bytes += packed.nbytes
+        index["targets"][t.fqn] = {"shape": list(packed.shape), "transposed": t.transposed,
+                                   "encoding": packed.encoding}
+    other = sum(v.numel() * v.element_size() for k, v in tensors.items() if not k.endswith((".values", ".positions")))
+    index["bytes"] = {"targets_compressed": target_bytes, "targets_dense": dense_target_bytes, "other": other}
+    return tensors, index
+
+
+def save_compressed(model, tokenizer, output_dir: str | Path, *, n: int = 2, m: int = 4, targets=None,
+                    encoding: str = "auto", metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` in the compressed N:M format (refuses a model that is not exactly N:M)."""
+    tensors, index = compress_state_dict(model, n=n, m=m, targets=targets, encoding=encoding)
+    out = Path(output_dir)
+    with staged_output(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        save_config_and_tokenizer(model, tokenizer, tmp)
+        write_marker(tmp, "compressed-sparse-model", format=FORMAT, pattern=f"{n}:{m}", **(metadata or {}))
+    return out
+
+
+def is_compressed_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / INDEX_FILE).is_file() and (Path(path) / WEIGHTS_FILE).is_file()
+
+
+def read_index(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not is_compressed_checkpoint(p):
+        raise CastError(f"{p} is not a compressed checkpoint (no {INDEX_FILE} / {WEIGHTS_FILE}); "
+                        "write one with `cast-llm export MODEL --format compressed`")
+    index = json.loads((p / INDEX_FILE).read_text())
+    if index.get("format") != FORMAT or index.get("version", 0) > VERSION:
+        raise CastError(f"{p}: unsupported compressed format {index.get('format')} v{index.get('version')} "
+                        f"(this cast-llm reads {FORMAT} v{VERSION})")
+    return index
+
+
+def decompress_state_dict(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The dense state dict of a compressed checkpoint (tied aliases included)."""
+    p = Path(path)
+    index = read_index(p)
+    n, m = index["n"], index["m"]
+    state: dict[str, torch.Tensor] = {}
+    with safe_open(str(p / WEIGHTS_FILE), framework="pt", device=str(device)) as f:
+        keys = set(f.keys())
+        for fqn, info in index["targets"].items():
+            key = fqn + ".weight"
+            packed = NMSparseWeight(f.get_tensor(key + ".values"), f.get_tensor(key + ".positions"),
+                                    tuple(info["shape"]), n, m, info["encoding"])
+            w = packed.to_dense()
+            state[key] = w.t().contiguous() if info["transposed"] else w
+            keys -= {key + ".values", key + ".positions"}
+        for key in keys:
+            state[key] = f.get_tensor(key)
+    for alias, source in index.get("aliases", {}).items():
+        state[alias] = state[source]
+    return state
+
+
+def load_compressed(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                    semi_structured: bool = False):
+    """Rebuild the dense model of a compressed checkpoint, on ``device`` in ``dtype`` (default: as stored).
+
+    ``semi_structured=True`` then swaps every target to a 2:4 semi-structured sparse weight (CUDA,
+    compute capability ≥ 8.0, fp16/bf16); the dense copy of each weight is freed as it is swapped.
+    """
+    index = read_index(path)
+    stored = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(index["dtype"], torch.float32)
+    dtype = dtype or stored
+    if semi_structured:
+        from cast_llm.deploy.semi_structured import require_semi_structured
+
+        require_semi_structured(device, dtype)
+    model = model_from_state_dict(path, decompress_state_dict(path), dtype=dtype, device=device)
+    if semi_structured:
+        from cast_llm.deploy.semi_structured import to_semi_structured_
+
+        names = set(index["targets"])
+        to_semi_structured_(model, filter_fn=lambda module, fqn: fqn in names)
+    return model
+
+
+def on_disk_bytes(path: str | Path) -> dict[str, int]:
+    """Sizes of the weight files of a checkpoint folder (all ``*.safetensors``), and their total."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    sizes = {f.name: f.stat().st_size for f in files}
+    sizes["total"] = sum(sizes.values())
+    return sizes

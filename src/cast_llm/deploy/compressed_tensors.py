@@ -1,0 +1,183 @@
+"""``--format compressed-tensors``: the legacy ``sparse-24-bitmask`` layout (method.md §7 "deployment").
+
+This is the layout that vLLM < 0.19.1 serves for 2:4 models (compressed-tensors removed its sparse
+compressors in 0.15). It is written here by our own code, with no dependency on compressed-tensors; when
+``compressed-tensors<0.15`` is installed, the tests decompress our files with *its* decompressor.
+
+Per 2:4 target (an ``nn.Linear`` weight ``(R, C)``, 2:4 along its last dim):
+
+* ``<fqn>.compressed``: ``(R, C/2)`` the kept values, in row-major order, in the weight's dtype;
+* ``<fqn>.bitmask``: ``(R, ceil(C/8))`` uint8, the kept-mask bit-packed per row, little-endian bit order
+  (``numpy.packbits(mask, axis=-1, bitorder="little")``);
+* ``<fqn>.shape``: ``(2, 1)`` int64, the dense shape.
+
+Everything else is stored under its own name in ``model.safetensors``; ``config.json`` gets
+``quantization_config = {"quant_method": "compressed-tensors", "sparsity_config": {"format":
+"sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"], "ignore": [non-target linears],
+...}}`` — which means plain ``transformers`` will only load it with ``compressed-tensors`` installed.
+Size: fp16 values 0.5 + bitmask 0.0625 = 0.5625 × dense, the same as our compressed format for 2:4.
+
+GPT-2 ``Conv1D`` weights are refused: the format compresses the *stored* tensor along its last dim and
+its loaders put the decompressed tensor back under the same name, while Conv1D stores ``(in, out)`` with
+the 2:4 groups along dim 0. Use ``--format compressed`` (which handles the transpose) for GPT-2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from cast_llm.deploy.bitpack import pack_bits, unpack_bits
+from cast_llm.deploy.checkpoint import (
+    model_from_state_dict,
+    save_config_and_tokenizer,
+    staged_output,
+    unique_state_dict,
+    write_marker,
+)
+from cast_llm.errors import CastError
+
+WEIGHTS_FILE = "model.safetensors"
+SPARSITY_FORMAT = "sparse-24-bitmask"
+COMPAT_VERSION = "0.14.0.1"  # the last compressed-tensors release with this compressor
+LIBRARY_HINT = "pip install 'compressed-tensors<0.15' --no-deps  (it pins transformers<5 but imports with 5.x)"
+
+
+def compressed_tensors_version() -> str | None:
+    """The installed compressed-tensors version if it still has the sparse-24-bitmask compressor, else None."""
+    try:
+        import compressed_tensors
+        from compressed_tensors.compressors.sparse_compressors.sparse_24_bitmask import (  # noqa: F401
+            Sparse24BitMaskCompressor,
+        )
+    except Exception:  # absent, or a release without sparse compressors (>= 0.15), or broken by its deps
+        return None
+    return getattr(compressed_tensors, "__version__", "unknown")
+
+
+def pack_bitmask_rows(mask: torch.Tensor) -> torch.Tensor:
+    """(R, C) bool -> (R, ceil(C/8)) uint8, each row padded to whole bytes, LSB first."""
+    rows, cols = mask.shape
+    padded_cols = (cols + 7) // 8 * 8
+    padded = torch.zeros(rows, padded_cols, dtype=torch.uint8, device=mask.device)
+    padded[:, :cols] = mask.to(torch.uint8)
+    return pack_bits(padded, 1).view(rows, padded_cols // 8)
+
+
+def unpack_bitmask_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    rows, nbytes = packed.shape
+    return unpack_bits(packed.reshape(-1).contiguous(), 1, rows * nbytes * 8).view(rows, nbytes * 8)[:, :cols].bool()
+
+
+def compress_24_bitmask(weight: torch.Tensor, name: str = "weight") -> dict[str, torch.Tensor]:
+    """The three tensors of one 2:4 weight ``(R, C)`` (raises CastError naming ``name`` unless 2:4)."""
+    from cast_llm.sparsity.mask import nm_mask
+
+    rows, cols = weight.shape
+    if cols % 4:
+        raise CastError(f"{name}: {cols} columns is not a multiple of 4; it cannot be 2:4")
+    keep = nm_mask(weight, 2, 4)  # every non-zero, padded with the first zeros of under-full groups
+    if bool((weight.masked_select(~keep) != 0).any()):
+        raise CastError(f"{name} {tuple(weight.shape)} is not 2:4 sparse")
+    values = weight.masked_select(keep).view(rows, cols // 2)  # row-major order of the kept entries
+    return {"compressed": values.contiguous(), "bitmask": pack_bitmask_rows(keep),
+            "shape": torch.tensor([rows, cols], dtype=torch.int64).view(2, 1)}
+
+
+def decompress_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape) -> torch.Tensor:
+    rows, cols = (int(s) for s in torch.as_tensor(shape).flatten().tolist())
+    keep = unpack_bitmask_rows(bitmask, cols)
+    out = torch.zeros(rows, cols, dtype=compressed.dtype, device=compressed.device)
+    out.masked_scatter_(keep, compressed.reshape(-1))
+    return out
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    from cast_llm.nn.scaled_linear import is_linear_like
+
+    return [fqn for fqn, mod in model.named_modules() if is_linear_like(mod)]
+
+
+def save_compressed_tensors(model, tokenizer, output_dir: str | Path, *, targets=None,
+                            metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` (exactly 2:4) in the compressed-tensors ``sparse-24-bitmask`` layout."""
+    from cast_llm.export import verify_nm
+    from cast_llm.targets import find_targets
+
+    targets = targets if targets is not None else find_targets(model, n=2, m=4, skip_incompatible=True)
+    conv1d = [t.fqn for t in targets if t.transposed]
+    if conv1d:
+        raise CastError(f"--format compressed-tensors cannot store transposed (GPT-2 Conv1D) layers such as "
+                        f"{conv1d[0]}: sparse-24-bitmask needs the 2:4 groups along the stored last dim; "
+                        "use --format compressed or hf")
+    rows = verify_nm(model, n=2, m=4, targets=targets)
+    tensors, aliases = unique_state_dict(model)
+    for t in targets:
+        w = tensors.pop(t.fqn + ".weight")
+        for key, value in compress_24_bitmask(w, t.fqn).items():
+            tensors[f"{t.fqn}.{key}"] = value
+    zeros = sum(r.zeros for r in rows)
+    numel = sum(r.numel for r in rows)
+    target_names = {t.fqn for t in targets}
+    sparsity_config = {
+        "format": SPARSITY_FORMAT,
+        "sparsity_structure": "2:4",
+        "targets": ["Linear"],
+        "ignore": [f for f in _linear_names(model) if f not in target_names],
+        "global_sparsity": zeros / max(numel, 1),
+        "registry_requires_subclass": False,
+    }
+    quantization_config = {"quant_method": "compressed-tensors", "version": COMPAT_VERSION,
+                           "sparsity_config": sparsity_config, "transform_config": {}}
+    out = Path(output_dir)
+    with staged_output(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_config_and_tokenizer(model, tokenizer, tmp, {"quantization_config": quantization_config})
+        write_marker(tmp, "compressed-tensors-sparse-24-bitmask", aliases=aliases, **(metadata or {}))
+    return out
+
+
+def is_compressed_tensors_checkpoint(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    return (qc.get("sparsity_config") or {}).get("format") == SPARSITY_FORMAT
+
+
+def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The dense state dict of a sparse-24-bitmask checkpoint written by :func:`save_compressed_tensors`."""
+    p = Path(path)
+    if not is_compressed_tensors_checkpoint(p):
+        raise CastError(f"{p} is not a compressed-tensors {SPARSITY_FORMAT} checkpoint")
+    from cast_llm.export import CHECKPOINT_MARKER
+
+    marker = json.loads((p / CHECKPOINT_MARKER).read_text()) if (p / CHECKPOINT_MARKER).is_file() else {}
+    state: dict[str, torch.Tensor] = {}
+    with safe_open(str(p / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        keys = list(f.keys())
+        prefixes = {k[: -len(".bitmask")] for k in keys if k.endswith(".bitmask")}
+        for prefix in prefixes:
+            w = decompress_24_bitmask(f.get_tensor(prefix + ".compressed"), f.get_tensor(prefix + ".bitmask"),
+                                      f.get_tensor(prefix + ".shape"))
+            state[prefix + ".weight"] = w
+        stored = {f"{p_}.{part}" for p_ in prefixes for part in ("compressed", "bitmask", "shape")}
+        for k in keys:
+            if k not in stored:
+                state[k] = f.get_tensor(k)
+    for alias, source in marker.get("aliases", {}).items():
+        state[alias] = state[source]
+    return state
+
+
+def load_compressed_tensors(path: str | Path, *, dtype: torch.dtype | None = None, device="cpu"):
+    """Rebuild the dense model from a sparse-24-bitmask checkpoint with our own decoder."""
+    state = decompress_compressed_tensors(path)
+    dtype = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
+    return model_from_state_dict(path, state, dtype=dtype, device=device)
