@@ -6,13 +6,28 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 49152  # the embedded SmolLM2 tokenizer's vocabulary: tiny models reuse that tokenizer
+VOCAB = 512  # tiny byte-level BPE: small logits keep every test step fast
+
+_TOKENIZER = None
 
 
 def tokenizer():
-    from cast_llm.models import load_tokenizer
+    """A byte-level BPE with VOCAB entries, trained in milliseconds on local text (no hub, no cache)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
 
-    return load_tokenizer("smollm2-135m")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([CORPUS] * 4 + [CORPUS.lower(), CORPUS.upper()], trainer)
+        _TOKENIZER = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                             bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        assert len(_TOKENIZER) <= VOCAB
+    return _TOKENIZER
 
 
 def config(arch: str, **overrides):
