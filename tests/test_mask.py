@@ -165,6 +165,14 @@ def test_pack_unpack_round_trip(shape, seed):
     assert torch.equal(unpack_mask(packed, mask.shape), mask)
 
 
+def test_pack_unaligned_and_strided_views():
+    base = torch.rand(41) > 0.5
+    for view in (base[1:17], base[3:], base.view(1, 41)[:, 5:37]):  # storage offsets not multiples of 8
+        assert torch.equal(unpack_mask(pack_mask(view), view.shape), view)
+    grid = torch.rand(6, 10) > 0.5
+    assert torch.equal(unpack_mask(pack_mask(grid.t()), (10, 6)), grid.t())
+
+
 def test_pack_bit_order_and_errors():
     mask = torch.tensor([True] + [False] * 8 + [True])  # 10 entries -> 2 bytes
     assert pack_mask(mask).tolist() == [1, 2]

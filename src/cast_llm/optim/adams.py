@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover
 __all__ = ["AdamS", "adams"]
 
 MASK_STORAGES = ("bool", "packed")
+# "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
+DECAY_MODES = ("proportional", "additive")
 NONFINITE_MODES = ("raise", "skip")
 # Elements per cache block in the fast path: its two scratch vectors (8 MiB in fp32) stay in L2/L3
 # while the 4-5 passes of Eq. 7-8 run over them; measured flat between 2**18 and 2**22 on CPU.
@@ -54,6 +56,15 @@ class AdamS(Optimizer):
             v_t  = β2 v_{t-1} + (1-β2) μ~_t²             (ALL entries, from μ~, not from g)
             θ_t  = θ_{t-1} - lr · (μ~_t / (1-β1^t)) / (sqrt(v_t / (1-β2^t)) + ε)       (Eq. 8)
         end:  prune_():  θ ← θ ⊙ m
+
+    ``decay_mode="additive"`` (per group) replaces Eq. 7 by AST's decay (method.md §6, the AST baseline)::
+
+            μ~_t = μ_t + α_t λ θ_{t-1}                 where m = 0   (an L2-type, SR-STE-style decay,
+            μ~_t = μ_t                                  where m = 1    ramped up linearly by α_t = t/T)
+
+    with everything else as above: the decay is still kept out of ``μ``, ``v`` is still built from ``μ~²``.
+    Added to the gradient signal instead of mixed with it, it leaves pruned weights with a strong gradient
+    large at the end — the behaviour CAST's proportional decay was designed to avoid.
 
     Three deliberate differences from Adam(W) — do not "fix" them (method.md §2):
 
@@ -88,6 +99,8 @@ class AdamS(Optimizer):
         foreach: ``None``/``True`` = fast path, ``False`` = the single-tensor reference path.
         mask_storage: ``"bool"`` (1 byte per weight) or ``"packed"`` (1 bit per weight, the paper's
             "1/32" overhead); identical results either way.
+        decay_mode: ``"proportional"`` (default, Eq. 7) or ``"additive"`` (AST, see above); a per-group
+            hyperparameter like the others.
         nonfinite: ``"raise"`` (default): a NaN/Inf gradient raises :class:`~cast_llm.errors.NonFiniteError`
             naming the parameter, before anything is modified. ``"skip"``: the whole step is skipped
             (weights, state and step counts untouched) and ``skipped_steps`` is incremented.
@@ -115,6 +128,7 @@ class AdamS(Optimizer):
         foreach: bool | None = None,
         mask_storage: str = "bool",
         nonfinite: str = "raise",
+        decay_mode: str = "proportional",
     ) -> None:
         if mask_storage not in MASK_STORAGES:
             raise ValueError(f"mask_storage must be one of {MASK_STORAGES}, got {mask_storage!r}")
@@ -123,7 +137,7 @@ class AdamS(Optimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
             mask_interval=mask_interval, n=n, m=m, weight_decay=weight_decay, maximize=maximize,
-            foreach=foreach, sparse=False, transposed=False,
+            foreach=foreach, sparse=False, transposed=False, decay_mode=decay_mode,
         )  # fmt: skip
         _check_hparams(defaults, "AdamS")
         self.mask_storage = mask_storage
@@ -136,6 +150,8 @@ class AdamS(Optimizer):
         self.__dict__.setdefault("mask_storage", "bool")
         self.__dict__.setdefault("nonfinite", "raise")
         self.__dict__.setdefault("skipped_steps", 0)
+        for group in self.param_groups:
+            group.setdefault("decay_mode", "proportional")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -252,11 +268,17 @@ class AdamS(Optimizer):
 
     # ----------------------------------------------------------------------------------------- step
     def _grads_finite(self, grads: list[Tensor]) -> bool:
-        by_device: dict[torch.device, list[Tensor]] = {}
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        # one fused read of every gradient (max |g| is NaN/Inf iff some entry is), one sync per device
-        ok = all(bool(torch.stack(torch._foreach_norm(gs, math.inf)).isfinite().all()) for gs in by_device.values())
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        ok = True
+        for (_, dtype), gs in by_kind.items():
+            # ‖g‖₂ is NaN/Inf if any entry is: one fused read of every gradient and one sync (the
+            # inf-norm or isfinite() would be exact but are ~15x slower on CPU). Accumulated in fp32 at
+            # least; a finite gradient whose norm overflows anyway is confirmed entry by entry.
+            acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+            if not bool(torch.stack(torch._foreach_norm(gs, 2, dtype=acc)).isfinite().all()):
+                ok = ok and all(bool(torch.isfinite(g).all()) for g in gs)
         if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
             import torch.distributed as dist
 
@@ -355,6 +377,8 @@ class AdamS(Optimizer):
             foreach=group["foreach"], beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"],
             l1_decay=group["l1_decay"], total_steps=group["total_steps"],
             weight_decay=group["weight_decay"], maximize=group["maximize"],
+            # a state dict saved before decay modes existed has none: it was proportional
+            decay_mode=group.get("decay_mode", "proportional"),
         )  # fmt: skip
 
 
@@ -390,6 +414,8 @@ def _check_hparams(h: dict[str, Any], where: str) -> None:
             raise bad(name, "must be True or False")
     if h["foreach"] not in (None, True, False):
         raise bad("foreach", "must be None, True or False")
+    if h.get("decay_mode", "proportional") not in DECAY_MODES:
+        raise bad("decay_mode", f"must be one of {DECAY_MODES}")
 
 
 def _param_name(group: dict[str, Any], i: int, gi: int) -> str:
@@ -449,6 +475,7 @@ def adams(
     total_steps: int,
     weight_decay: float = 0.0,
     maximize: bool = False,
+    decay_mode: str = "proportional",
 ) -> None:
     """Functional AdamS (Eq. 7-8; see :class:`AdamS` for the math), in place, like ``torch.optim.adamw``.
 
@@ -458,11 +485,13 @@ def adams(
     path (same results to rounding). Gradients must be finite (the class checks them).
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
+    if decay_mode not in DECAY_MODES:
+        raise ValueError(f"adams: decay_mode must be one of {DECAY_MODES}, got {decay_mode!r}")
     if len({len(x) for x in lists}) != 1:
         raise ValueError(f"adams: list lengths differ: {[len(x) for x in lists]}")
     impl = _single_tensor_adams if foreach is False else _multi_tensor_adams
     impl(*lists, beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
-         weight_decay=weight_decay, maximize=maximize)
+         weight_decay=weight_decay, maximize=maximize, decay_mode=decay_mode)
 
 
 def _kept(mask: Tensor, param: Tensor) -> Tensor:
@@ -470,7 +499,7 @@ def _kept(mask: Tensor, param: Tensor) -> Tensor:
 
 
 def _single_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
-                         eps, l1_decay, total_steps, weight_decay, maximize) -> None:
+                         eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
     """Reference path: Eq. 7-8 written out with one tensor at a time."""
     for i, param in enumerate(params):
         grad = -grads[i] if maximize else grads[i]
@@ -481,7 +510,10 @@ def _single_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_step
             param.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)  # μ_t: the loss gradient only
         alpha = min(t / total_steps, 1.0)
-        pruned_target = torch.sign(param).mul_(alpha * l1_decay).add_(exp_avg, alpha=1 - alpha)  # Eq. 7
+        if decay_mode == "proportional":
+            pruned_target = torch.sign(param).mul_(alpha * l1_decay).add_(exp_avg, alpha=1 - alpha)  # Eq. 7
+        else:  # AST: the decay is added to the momentum signal, ramped up by α
+            pruned_target = torch.mul(param, alpha * l1_decay).add_(exp_avg)
         mu_tilde = torch.where(_kept(masks[i], param), exp_avg, pruned_target)
         exp_avg_sq.mul_(beta2).addcmul_(mu_tilde, mu_tilde, value=1 - beta2)  # from μ~, every entry
         bias_correction1 = 1 - beta1**t
@@ -507,7 +539,7 @@ def _fused_kernel_ok(device: torch.device) -> bool:
 
 
 def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
-                        eps, l1_decay, total_steps, weight_decay, maximize) -> None:
+                        eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
     """Fast path. Whole-list ``_foreach`` ops for the steps that need no mask; then, per cache block of
     ``_CHUNK`` elements, Eq. 7 and the mask select into one scratch vector ``s`` (= μ~) and the rest of
     Eq. 8 (v from μ~², bias corrections, θ update) as ONE pass of torch's fused Adam kernel.
@@ -524,7 +556,8 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
         _single_tensor_adams(*([x[i] for i in slow] for x in (params, grads, exp_avgs, exp_avg_sqs, masks,
                                                               state_steps)),
                              beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay,
-                             total_steps=total_steps, weight_decay=weight_decay, maximize=maximize)
+                             total_steps=total_steps, weight_decay=weight_decay, maximize=maximize,
+                             decay_mode=decay_mode)
     by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in fast:
         by_device.setdefault((params[i].device, params[i].dtype), []).append(i)
@@ -560,13 +593,16 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
             for lo in range(0, p1.numel(), chunk):
                 hi = min(lo + chunk, p1.numel())
                 th, m1, s, w = p1[lo:hi], mu1[lo:hi], s_buf[: hi - lo], w_buf[: hi - lo]
-                torch.sign(th, out=s).mul_(alpha * l1_decay).add_(m1, alpha=1 - alpha)  # Eq. 7, all entries
+                if decay_mode == "proportional":
+                    torch.sign(th, out=s).mul_(alpha * l1_decay).add_(m1, alpha=1 - alpha)  # Eq. 7, all entries
+                else:  # AST's additive decay, all entries
+                    torch.mul(th, alpha * l1_decay, out=s).add_(m1)
                 if packed:  # chunk % 8 == 0, so every block starts on a byte boundary
                     nbytes = packed_numel(hi - lo)
                     rows = w_buf[: 8 * nbytes].view(nbytes, 8)
                     torch.index_select(table, 0, kept1[lo // 8 : lo // 8 + nbytes].int(), out=rows)
-                else:
-                    w.copy_(kept1[lo:hi])
+                else:  # through uint8: bool -> float conversion does not vectorise, uint8 -> float does
+                    w.copy_(kept1[lo:hi].view(torch.uint8))
                 s.lerp_(m1, w)  # μ~: kept -> μ, pruned -> Eq. 7
                 if fused:
                     torch._fused_adam_([th], [s], [s], [v1[lo:hi]], [], [step_t], lr=lr / bias_correction1,

