@@ -59,8 +59,12 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}; {os.cpu_count()} logical CPUs; torch {torch.__version__} with {torch.get_num_threads()} "
-            f"intra-op threads; Python {platform.python_version()}; {platform.system()} {platform.release()}")
+    load = "load unknown"
+    if hasattr(os, "getloadavg"):
+        load = "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{cpu}; {os.cpu_count()} logical CPUs ({load}); torch {torch.__version__} with "
+            f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}; "
+            f"{platform.system()} {platform.release()}")
 
 
 def main(argv: list[str] | None = None) -> int:

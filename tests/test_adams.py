@@ -171,6 +171,26 @@ def test_fast_path_matches_reference_path(monkeypatch, storage, fused):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("storage", ["bool", "packed"])
+def test_fast_path_matches_reference_path_on_cuda(monkeypatch, storage):
+    monkeypatch.setattr(adams_mod, "_CHUNK", 16)
+    g = torch.Generator().manual_seed(8)
+    w0 = torch.randn(8, 20, generator=g, dtype=torch.float64)
+    results = []
+    for foreach in (False, True):
+        w = torch.nn.Parameter(w0.clone().cuda())
+        opt = AdamS([{"params": [w], "sparse": True}], l1_decay=0.2, total_steps=10, mask_interval=3,
+                    foreach=foreach, mask_storage=storage)
+        gg = torch.Generator().manual_seed(9)
+        for _ in range(12):
+            w.grad = torch.randn(8, 20, generator=gg, dtype=torch.float64).cuda()
+            opt.step()
+        results.append(w.detach().cpu())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-12)
+
+
 def test_packed_and_bool_storage_give_identical_training():
     bool_params, bool_opt = _run(mask_storage="bool")
     packed_params, packed_opt = _run(mask_storage="packed")

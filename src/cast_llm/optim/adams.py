@@ -196,7 +196,9 @@ class AdamS(Optimizer):
 
         Before the first step this is the mask the first step will use (``set_mask``'s, or one computed
         now from the current weights). With ``mask_storage="bool"`` the stored tensor itself is returned:
-        read it, do not modify it (use :meth:`set_mask`). For a DTensor parameter: the local shard's mask.
+        read it, do not modify it (use :meth:`set_mask`). AdamS never modifies it either — a mask update
+        stores a new tensor — so a mask kept from an earlier step stays valid for flip statistics.
+        For a DTensor parameter: the local shard's mask.
         """
         group = self._sparse_group(p)
         stored = self.state[p].get("mask") if p in self.state else None
