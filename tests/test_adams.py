@@ -213,6 +213,28 @@ def test_low_precision_runs_and_tracks_reference():
         assert (c - b.double()).abs().mean() < 0.03
 
 
+def test_per_group_overrides_equal_separate_optimizers():
+    g = torch.Generator().manual_seed(10)
+    a0, b0 = (torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    settings_a = dict(lr=0.03, l1_decay=0.5, total_steps=6, mask_interval=2, betas=(0.8, 0.95))
+    settings_b = dict(lr=0.01, l1_decay=0.1, total_steps=20, mask_interval=5, weight_decay=0.1, n=1, m=4)
+    a, b = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())
+    joint = AdamS([{"params": [a], "sparse": True, **settings_a}, {"params": [b], "sparse": True, **settings_b}],
+                  total_steps=1)
+    a2, b2 = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())
+    separate = [AdamS([{"params": [a2], "sparse": True}], **settings_a),
+                AdamS([{"params": [b2], "sparse": True}], **settings_b)]
+    for _ in range(10):
+        for p, q in ((a, a2), (b, b2)):
+            p.grad = torch.randn(4, 8, generator=g, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        joint.step()
+        for opt in separate:
+            opt.step()
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert (joint.mask(b).sum(dim=1) == 2).all()  # 1:4 in that group: 8 columns -> 2 kept per row
+
+
 def test_maximize_equals_minimizing_the_negated_gradient():
     def run(maximize):
         g = torch.Generator().manual_seed(3)
