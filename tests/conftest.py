@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-# two cores here: keep intra-op threads small so parallel test processes do not thrash
-torch.set_num_threads(int(os.environ.get("CAST_TEST_THREADS", "2")))
+# 2 cores here: one intra-op thread per test process is faster than two fighting over a busy core
+torch.set_num_threads(int(os.environ.get("CAST_TEST_THREADS", "1")))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
