@@ -118,7 +118,14 @@ def capture_block_inputs(
     captured: list[BlockInput] = []
 
     def hook(module, args, kwargs):
-        captured.append(BlockInput(hidden=args[0], args=tuple(args[1:]), kwargs=dict(kwargs)))
+        kwargs = dict(kwargs)
+        if args:
+            hidden, args = args[0], tuple(args[1:])
+        elif "hidden_states" in kwargs:  # a model that passes the hidden states by name
+            hidden = kwargs.pop("hidden_states")
+        else:
+            raise CastError(f"cannot find the hidden states among the inputs of {type(module).__name__}")
+        captured.append(BlockInput(hidden=hidden, args=args, kwargs=kwargs))
         raise _StopForward
 
     handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
@@ -154,6 +161,25 @@ def _stat_hook(acc: LayerInputs, accumulate: Accumulate):
     return hook
 
 
+def _prune_block(block, block_targets, inputs, accumulate, prune_layer, *, need_outputs: bool):
+    """Calibrate and prune one block's targets; return the pruned block's outputs as the next inputs."""
+    stats = [LayerInputs() for _ in block_targets]
+    handles = [t.module.register_forward_hook(_stat_hook(s, accumulate)) for t, s in zip(block_targets, stats)]
+    try:
+        if block_targets:
+            for inp in inputs:
+                run_block(block, inp)
+    finally:
+        for h in handles:
+            h.remove()
+    for t, s in zip(block_targets, stats):
+        prune_layer(t, s)
+        s.stat = None  # free the statistic (a C×C Hessian) as soon as its layer is pruned
+    if not need_outputs:
+        return []
+    return [BlockInput(run_block(block, inp), inp.args, inp.kwargs) for inp in inputs]
+
+
 @torch.no_grad()
 def prune_blockwise(
     model: nn.Module,
@@ -172,6 +198,7 @@ def prune_blockwise(
     ``targets`` are :class:`cast_llm.targets.Target` objects; ``accumulate`` builds the per-target input
     statistic (e.g. :func:`~cast_llm.prune.wanda.accumulate_col_sq_norm`); ``prune_layer(target, inputs)``
     prunes one target in place. ``device`` is where the blocks run (default: where the model is).
+    If ``prune_layer`` raises, the blocks before it stay pruned: the caller must not save the model.
     """
     if calib_ids.ndim != 2 or calib_ids.shape[0] == 0:
         raise CastError(f"calibration ids must be a non-empty (samples, seq_len) tensor, got {tuple(calib_ids.shape)}")
@@ -200,23 +227,11 @@ def prune_blockwise(
         for index, block in enumerate(blocks):
             block_home = _module_device(block)
             block.to(device)
-            block_targets = by_block.get(index, [])
-            stats = [LayerInputs() for _ in block_targets]
-            handles = [t.module.register_forward_hook(_stat_hook(s, accumulate))
-                       for t, s in zip(block_targets, stats)]
             try:
-                if block_targets:
-                    for inp in inputs:
-                        run_block(block, inp)
+                inputs = _prune_block(block, by_block.get(index, []), inputs, accumulate, prune_layer,
+                                      need_outputs=index + 1 < len(blocks))
             finally:
-                for h in handles:
-                    h.remove()
-            for t, s in zip(block_targets, stats):
-                prune_layer(t, s)
-            del stats
-            if index + 1 < len(blocks):  # the pruned block's outputs feed the next block
-                inputs = [BlockInput(run_block(block, inp), inp.args, inp.kwargs) for inp in inputs]
-            block.to(block_home)
+                block.to(block_home)
             if bar is not None:
                 bar.update(1)
     finally:
