@@ -168,7 +168,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
     skipped = getattr(targets, "skipped", [])
     if skipped:
-        say(f"leaving {len(skipped)} layer(s) dense (width not a multiple of {cfg.m}): {', '.join(skipped)}")
+        say(f"leaving {len(skipped)} layer(s) dense (width not a multiple of {cfg.m}): {', '.join(t.fqn for t in skipped)}")
     data = prepare(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                    min_train_sequences=cfg.batch_size * world, max_documents=cfg.max_documents)
     sampler = BatchSampler(data.train.shape[0], cfg.batch_size, seed=cfg.seed, rank=accelerator.process_index,
@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     teacher = None
     if method.uses_kd(cfg):
         teacher = copy.deepcopy(model).eval().requires_grad_(False)
-    method.prepare_model(model, cfg)
+    method.prepare_model(model, cfg, data=data, device=accelerator.device)
     model.train()
     optimizer = method.build_optimizer(model, cfg, total_steps)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.02 * total_steps))
@@ -261,6 +261,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     window = {"loss": 0.0, "ce": 0.0, "kd": 0.0, "n": 0, "tokens": 0, "t0": time.perf_counter()}
     last_good = checkpoints[-1] if checkpoints else None
     for step in range(start_step, total_steps):
+        method.begin_step(raw, raw_opt, step)
         for micro in range(cfg.grad_accum):
             idx = sampler.indices(step * cfg.grad_accum + micro)
             batch = data.train[idx].to(accelerator.device)
@@ -335,7 +336,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         final_targets = find_targets(raw, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         save_sparse_checkpoint(raw, tokenizer, out, n=cfg.n, m=cfg.m, method=cfg.method, targets=final_targets,
                                metadata={"tokens_trained": tokens_trained, "steps": total_steps,
-                                         "seq_len": cfg.seq_len, "base_model": cfg.model, "data": cfg.data})
+                                         "seq_len": cfg.seq_len, "base_model": cfg.model, "data": cfg.data,
+                                         **method.export_metadata(cfg)})
         sparse = evaluator.both(raw)
         for split in ("heldout", "wikitext2"):
             results["perplexity"][split]["sparse"] = sparse[split]
