@@ -11,11 +11,31 @@ from dataclasses import dataclass
 from cast_llm.config import option, parse_count
 from cast_llm.errors import CastError
 
-METHODS = ("cast",)  # training methods; baselines register more in cast_llm.train.methods
+# training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
+METHODS = ("cast", "naive", "srste", "ast", "maskllm")
+INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
+MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
+# Defaults of --kd / --scaling when not given: what each method is in the paper (method.md §6). Naive
+# retraining, SR-STE and MaskLLM train without a teacher; AST and CAST distil; only CAST scales weights.
+KD_BY_DEFAULT = ("cast", "ast")
+SCALING_BY_DEFAULT = ("cast",)
 
 
 def _opt_count(v):
     return None if v is None else parse_count(v)
+
+
+def _count_ge0(v) -> int:
+    n = parse_count(v)
+    if n < 0:
+        raise ValueError(f"must be ≥ 0, got {v!r}")
+    return n
+
+
+def _hist_steps(v) -> str:
+    from cast_llm.analysis.ratios import parse_hist_steps  # lazy: keeps `cast-llm --help` free of torch
+
+    return parse_hist_steps(v)
 
 
 @dataclass
@@ -41,20 +61,48 @@ class TrainConfig:
     warmup_steps: int | None = option(None, "linear warm-up steps (default: 2% of the steps, ours)")
     min_lr_ratio: float = option(0.0, "cosine decays to lr × this")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)")
-    mask_interval: int = option(10, "recompute masks from |θ| every this many steps (T1, paper 10)")
+    mask_interval: int = option(10, "recompute masks from |θ| every this many steps (T1, paper 10; 0 = fixed)")
+    fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0; the "
+                                     "CAST ablation 'fixed mask')")
+    init_mask: str = option("magnitude", "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
+                                         "--calib-samples training sequences (naive also keeps SparseGPT's "
+                                         "reconstructed weights; the other methods take the mask only)",
+                            choices=INIT_MASKS)
+    calib_samples: int = option(128, "training sequences used to calibrate --init-mask wanda/sparsegpt (paper 128)")
     n: int = option(2, "N of the N:M pattern (kept per group)")
     m: int = option(4, "M of the N:M pattern (group size)")
     # --- weight scaling (§3) and distillation (§4)
-    scaling: bool = option(True, "learnable weight scaling (Eq. 11-12); --no-scaling to ablate")
+    scaling: bool | None = option(None, "learnable weight scaling (Eq. 11-12); default: on for cast only; "
+                                        "--no-scaling to ablate")
     scale_groups: int = option(2, "column blocks per row of the scale A (paper n = 2)")
-    kd: bool = option(True, "distil from the frozen dense model (Eq. 13); --no-kd to ablate")
+    kd: bool | None = option(None, "distil from the frozen dense model (Eq. 13); default: on for cast and ast, "
+                                   "off for naive, srste, maskllm; --kd / --no-kd to change it")
     eta: float = option(1 / 3, "KD weight η in η·KL + (1-η)·CE (paper 2/3 GPT-2/OPT, 1/3 LLaMA)")
     temperature: float = option(1.0, "KD softmax temperature (ours; paper uses 1)")
     kd_chunk_size: int = option(4096, "tokens per chunk when computing the KD loss (bounds logits memory)")
+    # --- baselines and ablations (method.md §6)
+    mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
+                                        "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS)
+    srste_decay: float = option(2e-4, "λ_W of the SR-STE decay λ_W(1-M)⊙W on pruned weights (SR-STE paper's "
+                                      "2e-4): added to the gradient (srste, cast --mask-learner srste) or, "
+                                      "ramped up linearly, to the Adam momentum signal (ast)")
+    maskllm_tau: str = option("4,0.05", "maskllm: Gumbel-softmax temperature τ, start,end (linear; MaskLLM 4 → 0.05)")
+    maskllm_kappa: str = option("100,500", "maskllm: logit scaling κ, start,end (linear; MaskLLM 1e2 → 5e2)")
+    maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each group")
     skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of failing")
     # --- logging, evaluation, checkpoints
     log_every: int = option(10, "steps between JSONL/TensorBoard records (flip rates refer to this interval)")
     eval_every: int = option(0, "steps between validation perplexities (0 = only at the start and end)")
+    # --- mask-learning dynamics (method.md §7; what each quantity means: docs/analysis.md)
+    layer_stats: bool = option(True, "per-layer flip rate, initial flip rate and sparse-weight ratio on every "
+                                     "log step, written to layers.jsonl")
+    track_weights: int = option(10_000, "target weights sampled (seeded) to track |w| and the last mask flip "
+                                        "(the paper's Table 2) into dynamics.json; 0 = off", parse=_count_ge0)
+    track_every: int = option(0, "steps between weight-tracking checks (0 = at every mask update, i.e. every "
+                                 "--mask-interval steps, and every log step)", parse=_count_ge0)
+    ratio_hist_steps: str = option("0.1,0.5,1.0", "when to histogram |pruned|/|kept| inside N:M groups (Fig. 3) "
+                                                  "into ratio_hist.npz: fractions of the run (0.5) and/or steps "
+                                                  "(500), comma-separated; '' = never", parse=_hist_steps)
     val_fraction: float = option(0.02, "fraction of documents held out for validation")
     val_sequences: int = option(16, "held-out sequences used for validation perplexity (0 = all)")
     wikitext_windows: int = option(0, "WikiText-2 windows evaluated at the end (0 = all; skipped if absent)")
@@ -89,10 +137,44 @@ class TrainConfig:
             raise CastError(f"need 1 ≤ n < m for an N:M pattern, got {self.n}:{self.m}")
         if self.mask_interval < 0:
             raise CastError(f"--mask-interval must be ≥ 0 (0 = fixed mask), got {self.mask_interval}")
+        if self.mask_learner != "adams" and self.method != "cast":
+            raise CastError(f"--mask-learner is a CAST ablation; --method {self.method} has its own mask learner")
+        if self.srste_decay < 0:
+            raise CastError(f"--srste-decay must be ≥ 0, got {self.srste_decay}")
+        if self.calib_samples < 1:
+            raise CastError(f"--calib-samples must be ≥ 1, got {self.calib_samples}")
+        if self.method == "maskllm":
+            if self.use_scaling:
+                raise CastError("--method maskllm learns masks only (weights frozen): --scaling does not apply")
+            if self.fixed_mask:
+                raise CastError("--method maskllm learns the mask itself: --fixed-mask does not apply")
+            for name in ("maskllm_tau", "maskllm_kappa"):
+                start, end = self.schedule(name)
+                if start <= 0 or end <= 0:
+                    raise CastError(f"--{name.replace('_', '-')} values must be > 0, got {getattr(self, name)}")
+
+    def schedule(self, name: str) -> tuple[float, float]:
+        """A ``start,end`` option (``maskllm_tau``, ``maskllm_kappa``) as two floats."""
+        raw = getattr(self, name)
+        try:
+            start, end = (float(x) for x in str(raw).split(","))
+        except ValueError:
+            raise CastError(f"--{name.replace('_', '-')} must be two numbers 'start,end', got {raw!r}") from None
+        return start, end
 
     @property
     def use_kd(self) -> bool:
-        return self.kd and self.eta > 0
+        kd = self.kd if self.kd is not None else self.method in KD_BY_DEFAULT
+        return kd and self.eta > 0
+
+    @property
+    def use_scaling(self) -> bool:
+        return self.scaling if self.scaling is not None else self.method in SCALING_BY_DEFAULT
+
+    @property
+    def effective_mask_interval(self) -> int:
+        """T1 as the mask learners use it: 0 (never recompute) with --fixed-mask."""
+        return 0 if self.fixed_mask else self.mask_interval
 
 
 # Paper hyperparameters (method.md §5, Table 11). Batch = global sequences per step; with batch_size 8 the
@@ -105,8 +187,8 @@ PRESETS: dict[str, dict] = {
     # a larger lr: AdamS moves a pruned weight by at most ~lr per step, so lr·T/2 must exceed the typical
     # |pruned weight| for the proportional decay to reach ~0 by the end (method.md §2).
     "smollm2-cpu": dict(
-        model="smollm2-135m", data="wiki-summaries", seq_len=256, batch_size=4, grad_accum=1, max_steps=120,
-        lr=5e-4, l1_decay=1e-5, eta=1 / 3, warmup_steps=6, log_every=10, val_sequences=16,
-        wikitext_windows=8, eval_seq_len=512, save_every=40,
+        model="smollm2-135m", data="wiki-summaries", seq_len=256, batch_size=2, grad_accum=1, max_steps=110,
+        lr=2e-3, l1_decay=1e-4, eta=1 / 3, warmup_steps=5, log_every=10, val_sequences=16,
+        wikitext_windows=8, eval_seq_len=512, save_every=50,
     ),
 }
