@@ -38,6 +38,7 @@ class BenchInferenceConfig:
     linear_repeats: int = option(20, "timed runs of each per-linear F.linear measurement (median)")
     seed: int = option(0, "seed of the random prompt (and of random: models)")
     json: bool = option(False, "print the report as one JSON object instead of a table")
+    json_out: str | None = option(None, "also write the report as JSON to this file")
 
     def validate(self) -> None:
         if not self.model:
@@ -105,4 +106,9 @@ def run(args: argparse.Namespace) -> int:
                         linear_repeats=cfg.linear_repeats)
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
     print(json.dumps(report.to_dict()) if cfg.json else format_report(report))
+    if cfg.json_out:
+        from pathlib import Path
+
+        Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.json_out).write_text(json.dumps(report.to_dict(), indent=2))
     return 0

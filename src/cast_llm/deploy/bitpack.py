@@ -34,13 +34,14 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
                          f"got range [{int(flat.min())}, {int(flat.max())}]")
     count = flat.numel()
     # pad to a multiple of 8 codes: 8 codes of b bits are exactly b bytes
-    padded = torch.zeros(math.ceil(count / 8) * 8, dtype=torch.int32, device=flat.device)
-    padded[:count] = flat.to(torch.int32)
-    shifts = torch.arange(bits, device=flat.device, dtype=torch.int32)
+    padded = torch.zeros(math.ceil(count / 8) * 8, dtype=torch.uint8, device=flat.device)
+    padded[:count] = flat
+    shifts = torch.arange(bits, device=flat.device, dtype=torch.uint8)
     stream = (padded.view(-1, 8, 1) >> shifts) & 1  # (count/8, 8 codes, b bits), LSB first
-    stream = stream.reshape(-1, bits, 8)  # (count/8, b bytes, 8 bits) of the same bit stream
-    byte_shifts = torch.arange(8, device=flat.device, dtype=torch.int32)
-    packed = (stream << byte_shifts).sum(-1).to(torch.uint8).reshape(-1)
+    stream = stream.view(-1, bits, 8)  # (count/8, b bytes, 8 bits) of the same bit stream
+    byte_shifts = torch.arange(8, device=flat.device, dtype=torch.uint8)
+    # the shifted bits are disjoint, so their uint8 sum is their OR and never exceeds 255
+    packed = (stream << byte_shifts).sum(-1, dtype=torch.uint8).view(-1)
     return packed[: packed_nbytes(count, bits)]
 
 
@@ -52,11 +53,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         raise ValueError(f"expected a 1-D uint8 tensor of {need} bytes for {count} codes of {bits} bits, "
                          f"got {packed.dtype} {tuple(packed.shape)}")
     groups = math.ceil(count / 8)
-    padded = torch.zeros(groups * bits, dtype=torch.int32, device=packed.device)
-    padded[:need] = packed.to(torch.int32)
-    byte_shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
+    padded = torch.zeros(groups * bits, dtype=torch.uint8, device=packed.device)
+    padded[:need] = packed
+    byte_shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
     stream = (padded.view(-1, 1) >> byte_shifts) & 1  # (bytes, 8 bits), LSB first
-    stream = stream.reshape(groups, 8, bits)  # (count/8, 8 codes, b bits)
-    shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
-    codes = (stream << shifts).sum(-1).to(torch.uint8).reshape(-1)
+    stream = stream.view(groups, 8, bits)  # (count/8, 8 codes, b bits)
+    shifts = torch.arange(bits, device=packed.device, dtype=torch.uint8)
+    codes = (stream << shifts).sum(-1, dtype=torch.uint8).view(-1)
     return codes[:count]

@@ -51,10 +51,10 @@ def choose_encoding(n: int, m: int, encoding: str = "auto") -> str:
 
 def _kept_positions(groups_mask: torch.Tensor, n: int) -> torch.Tensor:
     """(R, G, m) bool with exactly n True per group -> (R, G, n) int64 in-group columns, ascending."""
-    m = groups_mask.shape[-1]
-    cols = torch.arange(m, device=groups_mask.device).expand_as(groups_mask)
-    # pruned columns sort after every kept one (value m), so the first n are the kept columns in order
-    return torch.where(groups_mask, cols, m).sort(dim=-1).values[..., :n]
+    # c[j] = kept entries among columns 0..j; the (k+1)-th kept column is the count of columns with c <= k
+    # (no sort, no scatter: n comparisons and sums over m = 4 entries)
+    c = groups_mask.to(torch.uint8).cumsum(-1, dtype=torch.uint8)  # (R, G, m)
+    return torch.stack([(c <= k).sum(-1) for k in range(n)], dim=-1)
 
 
 @dataclass

@@ -96,6 +96,10 @@ def _linear_from_conv1d(conv) -> nn.Linear:
     return lin
 
 
+def _contiguous_input(module, args):
+    return (args[0].contiguous(), *args[1:])
+
+
 def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
     parent_name, _, child = fqn.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
@@ -149,6 +153,8 @@ def to_semi_structured_(
                 _set_submodule(model, t.fqn, module)
             sparse = to_sparse_semi_structured(module.weight.detach().contiguous())
             module.weight = nn.Parameter(sparse, requires_grad=False)  # the dense tensor is freed here
+            # the sparse F.linear flattens its input with .view(): make it contiguous (a no-op when it is)
+            module._cast_contiguous_hook = module.register_forward_pre_hook(_contiguous_input)
             swapped.append(t.fqn)
     finally:
         SparseSemiStructuredTensor._FORCE_CUTLASS = force_cutlass
@@ -166,6 +172,10 @@ def from_semi_structured_(model: nn.Module) -> list[str]:
         w = getattr(module, "weight", None)
         if isinstance(w, SparseSemiStructuredTensor):
             module.weight = nn.Parameter(w.to_dense(), requires_grad=False)
+            hook = getattr(module, "_cast_contiguous_hook", None)
+            if hook is not None:
+                hook.remove()
+                del module._cast_contiguous_hook
             restored.append(fqn)
     return restored
 
