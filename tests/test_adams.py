@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cast_llm
-import cast_llm.optim.adams as adams_mod
+import cast_llm.optim.functional as functional
 from cast_llm.errors import NonFiniteError
 from cast_llm.optim.adams import AdamS, adams
 from cast_llm.sparsity import is_nm, nm_mask
@@ -109,16 +109,19 @@ def test_matches_independent_reference_over_60_steps(foreach, storage, wd):
 
 
 # ----------------------------------------------------------------------------- dense groups = torch
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("path", ["forloop", "foreach", "fused"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_dense_groups_equal_torch_adamw(foreach, wd):
+def test_dense_groups_equal_torch_adamw(path, wd):
     g = torch.Generator().manual_seed(1)
     init = [torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)]
     ours = [torch.nn.Parameter(x.clone()) for x in init]
     theirs = [torch.nn.Parameter(x.clone()) for x in init]
-    opt = AdamS(ours, lr=0.01, l1_decay=0.5, total_steps=5, weight_decay=wd, foreach=foreach)
+    # AdamS's flags select the same torch kernel: (foreach, fused) = (False, -), (True, False), (None, None)
+    flags = {"forloop": (False, None), "foreach": (True, False), "fused": (None, None)}[path]
+    opt = AdamS(ours, lr=0.01, l1_decay=0.5, total_steps=5, weight_decay=wd, foreach=flags[0], fused=flags[1])
     ref_cls = torch.optim.AdamW if wd else torch.optim.Adam
-    ref = ref_cls(theirs, lr=0.01, weight_decay=wd, foreach=foreach)
+    torch_flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[path]
+    ref = ref_cls(theirs, lr=0.01, weight_decay=wd, **torch_flags)
     for _ in range(20):
         for a, b in zip(ours, theirs):
             a.grad = torch.randn(a.shape, generator=g, dtype=torch.float64)
@@ -162,9 +165,9 @@ def _run(steps=25, dtype=torch.float64, **kw):
 @pytest.mark.parametrize("storage", ["bool", "packed"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_fast_path_matches_reference_path(monkeypatch, storage, fused):
-    monkeypatch.setattr(adams_mod, "_CHUNK", 16)  # several cache blocks per tensor, ragged tails
+    monkeypatch.setattr(functional, "_CHUNK", 16)  # several cache blocks per tensor, ragged tails
     if not fused:
-        monkeypatch.setattr(adams_mod, "_fused_kernel_ok", lambda device: False)
+        monkeypatch.setattr(functional, "_fused_kernel_ok", lambda device: False)
     ref, _ = _run(foreach=False, mask_storage=storage)
     fast, _ = _run(foreach=True, mask_storage=storage)
     for a, b in zip(ref, fast):
@@ -175,7 +178,7 @@ def test_fast_path_matches_reference_path(monkeypatch, storage, fused):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("storage", ["bool", "packed"])
 def test_fast_path_matches_reference_path_on_cuda(monkeypatch, storage):
-    monkeypatch.setattr(adams_mod, "_CHUNK", 16)
+    monkeypatch.setattr(functional, "_CHUNK", 16)
     g = torch.Generator().manual_seed(8)
     w0 = torch.randn(8, 20, generator=g, dtype=torch.float64)
     results = []

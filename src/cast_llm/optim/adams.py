@@ -2,8 +2,9 @@
 
 A ``torch.optim.Optimizer`` whose ``"sparse": True`` param groups hold N:M targets and get the AdamS
 update, while every other group gets plain Adam/AdamW, so one optimizer serves a whole model. The math
-lives in the functional core :func:`adams` (a single-tensor reference path and a fast path); the class
-only keeps state, decides when masks are recomputed (Eq. 6) and checks gradients.
+lives in the functional core :func:`adams` (:mod:`cast_llm.optim.functional`: a single-tensor reference
+path, a cache-blocked fast path, and on CUDA a one-pass Triton kernel); the class only keeps state,
+decides when masks are recomputed (Eq. 6) and checks gradients.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import Optimizer
 
 from cast_llm.errors import NonFiniteError
-from cast_llm.sparsity.mask import is_nm_mask, nm_mask, pack_mask, packed_numel, unpack_mask
+from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam
+from cast_llm.sparsity.mask import is_nm_mask, nm_mask, pack_mask, unpack_mask
 
 try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
     from torch.distributed.tensor import DTensor as _DTensor
@@ -30,12 +31,7 @@ except ImportError:  # pragma: no cover
 __all__ = ["AdamS", "adams"]
 
 MASK_STORAGES = ("bool", "packed")
-# "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
-DECAY_MODES = ("proportional", "additive")
 NONFINITE_MODES = ("raise", "skip")
-# Elements per cache block in the fast path: its two scratch vectors (8 MiB in fp32) stay in L2/L3
-# while the 4-5 passes of Eq. 7-8 run over them; measured flat between 2**18 and 2**22 on CPU.
-_CHUNK = 1 << 20
 
 
 class AdamS(Optimizer):
@@ -97,6 +93,12 @@ class AdamS(Optimizer):
         weight_decay: decoupled weight decay (AdamW), 0 by default as in the paper.
         maximize: ascend the objective (the L1 decay still pulls towards 0).
         foreach: ``None``/``True`` = fast path, ``False`` = the single-tensor reference path.
+        fused: ``None`` (default): on CUDA, sparse groups use the one-pass Triton kernel
+            (:mod:`cast_llm.optim.triton_adams`) when Triton is importable, else the foreach path; dense
+            groups use torch's fused Adam kernel (CPU and CUDA; equal to ``AdamW(fused=True)``).
+            ``True``: the same, but a CUDA sparse parameter that cannot use the Triton kernel (Triton
+            missing, float64, odd strides) raises instead of falling back. ``False``: no fused kernel for
+            whole tensors (dense groups equal ``AdamW(foreach=True)``); the CPU fast path is unchanged.
         mask_storage: ``"bool"`` (1 byte per weight) or ``"packed"`` (1 bit per weight, the paper's
             "1/32" overhead); identical results either way.
         decay_mode: ``"proportional"`` (default, Eq. 7) or ``"additive"`` (AST, see above); a per-group
@@ -126,6 +128,7 @@ class AdamS(Optimizer):
         *,
         maximize: bool = False,
         foreach: bool | None = None,
+        fused: bool | None = None,
         mask_storage: str = "bool",
         nonfinite: str = "raise",
         decay_mode: str = "proportional",
@@ -137,7 +140,7 @@ class AdamS(Optimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
             mask_interval=mask_interval, n=n, m=m, weight_decay=weight_decay, maximize=maximize,
-            foreach=foreach, sparse=False, transposed=False, decay_mode=decay_mode,
+            foreach=foreach, fused=fused, sparse=False, transposed=False, decay_mode=decay_mode,
         )  # fmt: skip
         _check_hparams(defaults, "AdamS")
         self.mask_storage = mask_storage
@@ -152,6 +155,7 @@ class AdamS(Optimizer):
         self.__dict__.setdefault("skipped_steps", 0)
         for group in self.param_groups:
             group.setdefault("decay_mode", "proportional")
+            group.setdefault("fused", None)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -267,6 +271,11 @@ class AdamS(Optimizer):
                                  f"parameter of shape {tuple(shape)}")
             self.state[p]["mask"] = self._encode(mask.to(_local(p).device))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
+        for state in self.state.values():
+            # torch moves "step" to the parameter's device for groups with fused=True; AdamS reads t on the
+            # host every step (bias corrections, α_t), so it keeps the counts on the CPU: no device syncs
+            if torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
+                state["step"] = state["step"].cpu()
 
     # ----------------------------------------------------------------------------------------- step
     def _grads_finite(self, grads: list[Tensor]) -> bool:
@@ -347,12 +356,12 @@ class AdamS(Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        # torch's own Adam/AdamW math, so dense groups match torch.optim.AdamW exactly
-        _torch_adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=group["foreach"] is not False, has_complex=any(torch.is_complex(p) for p in params),
-            decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        # torch's own Adam/AdamW kernels, so dense groups match torch.optim.AdamW exactly
+        dense_adam(
+            [_local(p) for p in params], [_local(g) for g in grads], [_local(x) for x in exp_avgs],
+            [_local(x) for x in exp_avg_sqs], steps, foreach=group["foreach"], fused=group.get("fused"),
+            beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
         )  # fmt: skip
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
@@ -376,7 +385,7 @@ class AdamS(Optimizer):
         beta1, beta2 = group["betas"]
         adams(
             params, grads, exp_avgs, exp_avg_sqs, masks, steps,
-            foreach=group["foreach"], beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"],
+            foreach=group["foreach"], fused=group.get("fused"), beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"],
             l1_decay=group["l1_decay"], total_steps=group["total_steps"],
             weight_decay=group["weight_decay"], maximize=group["maximize"],
             # a state dict saved before decay modes existed has none: it was proportional
@@ -416,6 +425,17 @@ def _check_hparams(h: dict[str, Any], where: str) -> None:
             raise bad(name, "must be True or False")
     if h["foreach"] not in (None, True, False):
         raise bad("foreach", "must be None, True or False")
+    if h.get("fused") not in (None, True, False):
+        raise bad("fused", "must be None, True or False")
+    if h["foreach"] is False and h.get("fused"):
+        raise ValueError(f"{where}: foreach=False (the reference path) and fused=True exclude each other")
+    if h.get("fused"):
+        from cast_llm.optim import triton_adams
+
+        reason = triton_adams.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"{where}: fused=True needs the Triton kernel, which is unavailable: {reason}. "
+                             "Use fused=None (the default) to fall back to the foreach path.")
     if h.get("decay_mode", "proportional") not in DECAY_MODES:
         raise bad("decay_mode", f"must be one of {DECAY_MODES}")
 
@@ -458,159 +478,3 @@ def _is_dtensor(t: Tensor) -> bool:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
-
-
-def adams(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    masks: list[Tensor],
-    state_steps: list[Tensor],
-    *,
-    foreach: bool | None = None,
-    beta1: float,
-    beta2: float,
-    lr: float,
-    eps: float,
-    l1_decay: float,
-    total_steps: int,
-    weight_decay: float = 0.0,
-    maximize: bool = False,
-    decay_mode: str = "proportional",
-) -> None:
-    """Functional AdamS (Eq. 7-8; see :class:`AdamS` for the math), in place, like ``torch.optim.adamw``.
-
-    ``masks[i]`` is the kept-mask of ``params[i]``: bool of its shape, or the 1-D uint8 of
-    :func:`~cast_llm.sparsity.mask.pack_mask`. ``state_steps`` are scalar tensors holding ``t - 1``; they
-    are incremented here. ``foreach=False`` runs the single-tensor reference; ``None``/``True`` the fast
-    path (same results to rounding). Gradients must be finite (the class checks them).
-    """
-    lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
-    if decay_mode not in DECAY_MODES:
-        raise ValueError(f"adams: decay_mode must be one of {DECAY_MODES}, got {decay_mode!r}")
-    if len({len(x) for x in lists}) != 1:
-        raise ValueError(f"adams: list lengths differ: {[len(x) for x in lists]}")
-    impl = _single_tensor_adams if foreach is False else _multi_tensor_adams
-    impl(*lists, beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
-         weight_decay=weight_decay, maximize=maximize, decay_mode=decay_mode)
-
-
-def _kept(mask: Tensor, param: Tensor) -> Tensor:
-    return unpack_mask(mask, param.shape) if mask.dtype == torch.uint8 else mask
-
-
-def _single_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
-                         eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
-    """Reference path: Eq. 7-8 written out with one tensor at a time."""
-    for i, param in enumerate(params):
-        grad = -grads[i] if maximize else grads[i]
-        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
-        state_steps[i] += 1
-        t = int(state_steps[i].item())
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)  # μ_t: the loss gradient only
-        alpha = min(t / total_steps, 1.0)
-        if decay_mode == "proportional":
-            pruned_target = torch.sign(param).mul_(alpha * l1_decay).add_(exp_avg, alpha=1 - alpha)  # Eq. 7
-        else:  # AST: the decay is added to the momentum signal, ramped up by α
-            pruned_target = torch.mul(param, alpha * l1_decay).add_(exp_avg)
-        mu_tilde = torch.where(_kept(masks[i], param), exp_avg, pruned_target)
-        exp_avg_sq.mul_(beta2).addcmul_(mu_tilde, mu_tilde, value=1 - beta2)  # from μ~, every entry
-        bias_correction1 = 1 - beta1**t
-        bias_correction2 = 1 - beta2**t
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-        param.addcdiv_(mu_tilde, denom, value=-lr / bias_correction1)  # Eq. 8
-
-
-_BIT_TABLES: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-
-def _bit_table(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """(256, 8): row b holds the 8 bits of byte b as 0/1 in ``dtype`` (pack_mask's bit order)."""
-    key = (device, dtype)
-    if key not in _BIT_TABLES:
-        b = torch.arange(256, device=device).unsqueeze(1)
-        _BIT_TABLES[key] = ((b >> torch.arange(8, device=device)) & 1).to(dtype)
-    return _BIT_TABLES[key]
-
-
-def _fused_kernel_ok(device: torch.device) -> bool:
-    return hasattr(torch, "_fused_adam_") and device.type in ("cpu", "cuda")
-
-
-def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
-                        eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
-    """Fast path. Whole-list ``_foreach`` ops for the steps that need no mask; then, per cache block of
-    ``_CHUNK`` elements, Eq. 7 and the mask select into one scratch vector ``s`` (= μ~) and the rest of
-    Eq. 8 (v from μ~², bias corrections, θ update) as ONE pass of torch's fused Adam kernel.
-
-    That kernel computes Adam with β1 = 0 on "gradient" s and "first moment" s, i.e. v ← β2 v + (1-β2) s²
-    and θ ← θ - lr' s / (sqrt(v / (1-β2^t)) + ε); passing lr' = lr / (1-β1^t) restores the β1 bias
-    correction of Eq. 8. The mask is applied by ``lerp`` with an exact 0/1 weight (a select with no
-    rounding: weight 1 returns μ, weight 0 returns s), which vectorises where ``torch.where`` does not.
-    """
-    fast = [i for i, p in enumerate(params)
-            if all(x.is_contiguous() for x in (p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i]))]
-    if len(fast) < len(params):  # odd strides: the reference path handles them
-        slow = [i for i in range(len(params)) if i not in set(fast)]
-        _single_tensor_adams(*([x[i] for i in slow] for x in (params, grads, exp_avgs, exp_avg_sqs, masks,
-                                                              state_steps)),
-                             beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay,
-                             total_steps=total_steps, weight_decay=weight_decay, maximize=maximize,
-                             decay_mode=decay_mode)
-    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in fast:
-        by_device.setdefault((params[i].device, params[i].dtype), []).append(i)
-    for (device, dtype), idx in by_device.items():
-        P, G = [params[i] for i in idx], [grads[i] for i in idx]
-        MU, V, K, ST = ([x[i] for i in idx] for x in (exp_avgs, exp_avg_sqs, masks, state_steps))
-        if maximize:
-            G = torch._foreach_neg(G)
-        torch._foreach_add_(ST, 1)
-        if weight_decay != 0:
-            torch._foreach_mul_(P, 1 - lr * weight_decay)
-        torch._foreach_lerp_(MU, G, 1 - beta1)  # μ_t: the loss gradient only
-        del G
-        chunk = min(_CHUNK, max(p.numel() for p in P))
-        scratch = torch.empty(2 * chunk + 8, device=device, dtype=dtype)  # +8: a packed tail byte
-        s_buf, w_buf = scratch[:chunk], scratch[chunk:]
-        table = _bit_table(device, dtype) if any(k.dtype == torch.uint8 for k in K) else None
-        fused = _fused_kernel_ok(device)
-        device_steps: dict[int, Tensor] = {}
-        for p, mu, v, kept, st in zip(P, MU, V, K, ST):
-            t = int(st.item())
-            alpha = min(t / total_steps, 1.0)
-            bias_correction1 = 1 - beta1**t
-            if fused and device.type != "cpu":  # the kernel reads t from a tensor on its own device
-                if t not in device_steps:
-                    device_steps[t] = torch.tensor(float(t), device=device)
-                step_t = device_steps[t]
-            else:
-                step_t = st
-            p1, mu1, v1 = p.view(-1), mu.view(-1), v.view(-1)
-            packed = kept.dtype == torch.uint8
-            kept1 = kept if packed else kept.view(-1)
-            for lo in range(0, p1.numel(), chunk):
-                hi = min(lo + chunk, p1.numel())
-                th, m1, s, w = p1[lo:hi], mu1[lo:hi], s_buf[: hi - lo], w_buf[: hi - lo]
-                if decay_mode == "proportional":
-                    torch.sign(th, out=s).mul_(alpha * l1_decay).add_(m1, alpha=1 - alpha)  # Eq. 7, all entries
-                else:  # AST's additive decay, all entries
-                    torch.mul(th, alpha * l1_decay, out=s).add_(m1)
-                if packed:  # chunk % 8 == 0, so every block starts on a byte boundary
-                    nbytes = packed_numel(hi - lo)
-                    rows = w_buf[: 8 * nbytes].view(nbytes, 8)
-                    torch.index_select(table, 0, kept1[lo // 8 : lo // 8 + nbytes].int(), out=rows)
-                else:  # through uint8: bool -> float conversion does not vectorise, uint8 -> float does
-                    w.copy_(kept1[lo:hi].view(torch.uint8))
-                s.lerp_(m1, w)  # μ~: kept -> μ, pruned -> Eq. 7
-                if fused:
-                    torch._fused_adam_([th], [s], [s], [v1[lo:hi]], [], [step_t], lr=lr / bias_correction1,
-                                       beta1=0.0, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
-                                       maximize=False)
-                else:
-                    v1[lo:hi].mul_(beta2).addcmul_(s, s, value=1 - beta2)
-                    denom = torch.sqrt(v1[lo:hi], out=w).div_(math.sqrt(1 - beta2**t)).add_(eps)
-                    th.addcdiv_(s, denom, value=-lr / bias_correction1)
