@@ -137,4 +137,6 @@ class ValidationPerplexity(Observer):
 
 
 def default_observers(cfg) -> list[Observer]:
-    return [MaskStats(), ValidationPerplexity()]
+    from cast_llm.analysis import analysis_observers  # per-layer stats, weight tracking, ratio histograms
+
+    return [MaskStats(), ValidationPerplexity(), *analysis_observers(cfg)]

@@ -1,0 +1,31 @@
+"""Mask-learning dynamics (method.md §7): per-layer statistics, weight tracking (Table 2) and the
+``|pruned| / |kept|`` ratio histograms (Fig. 3), as pure functions and as training-loop observers.
+
+See docs/analysis.md for the definition of every logged quantity and where it is stored.
+"""
+
+from cast_llm.analysis.layers import LayerCounts, layer_counts, packed_flips, packed_popcount
+from cast_llm.analysis.ratios import RatioHistogram, group_ratios, parse_hist_steps, resolve_hist_steps
+from cast_llm.analysis.tracking import TrackerState, sample_positions
+
+__all__ = [
+    "LayerCounts",
+    "layer_counts",
+    "packed_flips",
+    "packed_popcount",
+    "RatioHistogram",
+    "group_ratios",
+    "parse_hist_steps",
+    "resolve_hist_steps",
+    "TrackerState",
+    "sample_positions",
+    "analysis_observers",
+]
+
+
+def analysis_observers(cfg):
+    """The analysis observers a :class:`~cast_llm.train.config.TrainConfig` asks for (lazy import: the
+    observers need the training package, the pure functions above do not)."""
+    from cast_llm.analysis.observers import analysis_observers as build
+
+    return build(cfg)

@@ -1,0 +1,113 @@
+"""The analysis files a training run writes next to ``metrics.jsonl`` — their names, writers and readers.
+
+==================  ================================================================================
+``layers.jsonl``    one record per log step: ``{"step", "flip_rate": {fqn: r}, "initial_flip_rate":
+                    {fqn: i}, "sparse_weight_ratio": {fqn: S}}`` (per-layer §7 statistics)
+``ratio_hist.npz``  ρ histograms at the chosen steps: ``steps``, ``progress``, ``lin_edges``,
+                    ``lin_counts`` (K, bins), ``lin_overflow``, ``log10_edges``, ``log_counts``,
+                    ``log_underflow``, ``log_overflow``, ``groups``, ``mean``
+``dynamics.json``   final values: ``"weight_tracking"`` (Table 2) and ``"ratio_histograms"`` (summaries)
+==================  ================================================================================
+
+Writers replace files atomically (write a temporary file, then rename), so a run killed mid-write never
+leaves a torn file. See docs/analysis.md for what every quantity means.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LAYERS_FILE = "layers.jsonl"
+RATIO_FILE = "ratio_hist.npz"
+DYNAMICS_FILE = "dynamics.json"
+LAYER_METRICS = ("flip_rate", "initial_flip_rate", "sparse_weight_ratio")
+
+
+def _replace(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def set_json_key(path: Path, key: str, value: Any | None) -> None:
+    """Set (or, with None, remove) one top-level key of a JSON object file; other keys are kept, so
+    several observers can share ``dynamics.json`` without knowing about each other."""
+    data = read_json(path)
+    if value is None:
+        if key not in data:
+            return
+        data.pop(key)
+    else:
+        data[key] = value
+    _replace(Path(path), lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
+def truncate_jsonl(path: Path, before_step: int) -> None:
+    """Keep only the records with ``step < before_step`` (a resumed run writes the later ones again)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < before_step]
+    _replace(path, lambda f: f.write("".join(ln + "\n" for ln in keep).encode()))
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with Path(path).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_layers(path: Path) -> dict[str, Any] | None:
+    """``layers.jsonl`` as arrays: ``{"steps": (T,), "names": [L], metric: (T, L) float array}``, or None."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if not recs:
+        return None
+    names = list(recs[-1]["flip_rate"])
+    out: dict[str, Any] = {"steps": np.array([r["step"] for r in recs]), "names": names}
+    for key in LAYER_METRICS:
+        out[key] = np.array([[r[key].get(n, np.nan) for n in names] for r in recs], dtype=float)
+    return out
+
+
+def save_ratio_histograms(path: Path, hists: list) -> None:
+    """Write :class:`~cast_llm.analysis.ratios.RatioHistogram` objects as one ``.npz`` (module table)."""
+    from cast_llm.analysis.ratios import LIN_BINS, LIN_MAX, LOG_BINS, LOG_MAX, LOG_MIN
+
+    arrays = {
+        "steps": np.array([h.step for h in hists], dtype=np.int64),
+        "progress": np.array([h.progress for h in hists], dtype=float),
+        "lin_edges": np.linspace(0.0, LIN_MAX, LIN_BINS + 1),
+        "lin_counts": np.array([h.lin_counts.numpy() for h in hists], dtype=np.int64).reshape(-1, LIN_BINS),
+        "lin_overflow": np.array([h.lin_overflow for h in hists], dtype=np.int64),
+        "log10_edges": np.linspace(LOG_MIN, LOG_MAX, LOG_BINS + 1),
+        "log_counts": np.array([h.log_counts.numpy() for h in hists], dtype=np.int64).reshape(-1, LOG_BINS),
+        "log_underflow": np.array([h.log_underflow for h in hists], dtype=np.int64),
+        "log_overflow": np.array([h.log_overflow for h in hists], dtype=np.int64),
+        "groups": np.array([h.groups for h in hists], dtype=np.int64),
+        "mean": np.array([np.nan if h.mean is None else h.mean for h in hists], dtype=float),
+    }
+    _replace(Path(path), lambda f: np.savez(f, **arrays))
+
+
+def load_ratio_histograms(path: Path) -> dict[str, np.ndarray] | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        data = {k: z[k] for k in z.files}
+    return data if data["steps"].size else None

@@ -1,0 +1,38 @@
+"""``cast-llm report RUN_DIR [RUN_DIR…]``: a Markdown (and, with ``--html``, a self-contained HTML) report
+of one or several training runs, with PNG plots; several runs are overlaid on the same axes.
+
+Writes ``report.md``, ``report.html`` and the PNGs to ``--output`` (default: ``RUN_DIR/report`` for one
+run, ``./cast-llm-report`` for several). What each plotted quantity means: docs/analysis.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cast_llm.config import add_arguments, cli_layer, option, resolve
+
+
+@dataclass
+class ReportOptions:
+    output: str | None = option(None, "folder for report.md, report.html and the PNGs "
+                                      "(default: RUN_DIR/report for one run, ./cast-llm-report for several)")
+    html: bool = option(False, "also write report.html with the PNGs embedded (one self-contained file)")
+    title: str | None = option(None, "report title (default: the run labels)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("report", help="Markdown/HTML report with plots of one or several training runs",
+                              description=__doc__.split("\n\n")[0].replace("``", "'"))
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) written by cast-llm train")
+    add_arguments(p, ReportOptions)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from cast_llm.report import build_report
+
+    opts = resolve(ReportOptions, ("command line", cli_layer(args, ReportOptions)))
+    files = build_report(args.run_dirs, opts.output, html=opts.html, title=opts.title)
+    print(f"report: {files.markdown}" + (f", {files.html}" if files.html else "")
+          + f" ({len(files.images)} figures in {files.folder})")
+    return 0
