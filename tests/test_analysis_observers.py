@@ -163,9 +163,16 @@ def test_fresh_run_drops_files_of_a_replaced_run(tmp_path):
     assert not (tmp_path / RATIO_FILE).exists()
 
 
-def test_analysis_observers_follow_the_config():
+def test_analysis_observers_follow_the_config(tmp_path):
     names = lambda cfg: [ob.name for ob in analysis_observers(cfg)]  # noqa: E731
-    assert names(SimpleNamespace()) == ["layer_stats", "weight_tracking"]
     full = SimpleNamespace(layer_stats=True, track_weights=10, ratio_hist_steps="1.0", m=4)
     assert names(full) == ["layer_stats", "weight_tracking", "ratio_hist"]
-    assert names(SimpleNamespace(layer_stats=False, track_weights=0, ratio_hist_steps="")) == []
+    off = SimpleNamespace(layer_stats=False, track_weights=0, ratio_hist_steps="")
+    assert names(off) == ["analysis_cleanup"]
+    # a fresh run with everything off drops what an earlier run of the folder wrote
+    (tmp_path / LAYERS_FILE).write_text("{}\n")
+    (tmp_path / RATIO_FILE).write_bytes(b"old")
+    (tmp_path / DYNAMICS_FILE).write_text(json.dumps({"weight_tracking": {}, "ratio_histograms": {}, "x": 1}))
+    _script(analysis_observers(off), tmp_path, steps=range(1, 3))
+    assert not (tmp_path / LAYERS_FILE).exists() and not (tmp_path / RATIO_FILE).exists()
+    assert json.loads((tmp_path / DYNAMICS_FILE).read_text()) == {"x": 1}

@@ -230,15 +230,45 @@ class RatioHistograms(Observer):
         self.hists = [RatioHistogram.from_state_dict(h) for h in state.get("hists", [])]
 
 
+class _DisabledOutputs(Observer):
+    """Removes, at the first step of a fresh run, what the *disabled* analysis observers wrote in an earlier
+    run of the same folder (``--overwrite`` only clears the trainer's own files), so a report never mixes
+    a replaced run's per-layer statistics or histograms into this one."""
+
+    name = "analysis_cleanup"
+
+    def __init__(self, files: list[str], keys: list[str]):
+        self.files, self.keys = files, keys
+
+    def on_step(self, ctx: StepContext):
+        if ctx.step == 1 and ctx.is_main and (self.files or self.keys):
+            for name in self.files:
+                (ctx.run_dir / name).unlink(missing_ok=True)
+            for key in self.keys:
+                set_json_key(ctx.run_dir / DYNAMICS_FILE, key, None)
+            self.files, self.keys = [], []
+        return None
+
+
 def analysis_observers(cfg) -> list[Observer]:
     """The observers the config asks for (``layer_stats``, ``track_weights``, ``ratio_hist_steps``)."""
     out: list[Observer] = []
+    stale_files, stale_keys = [], []
     if getattr(cfg, "layer_stats", True):
         out.append(LayerMaskStats())
+    else:
+        stale_files.append(LAYERS_FILE)
     k = getattr(cfg, "track_weights", 10_000)
     if k:
         out.append(WeightTracking(k, seed=getattr(cfg, "seed", 0)))
+    else:
+        stale_keys.append(WeightTracking.name)
     steps = getattr(cfg, "ratio_hist_steps", "")
     if steps:
         out.append(RatioHistograms(steps, m=getattr(cfg, "m", 4)))
+    else:
+        stale_files.append(RATIO_FILE)
+        stale_keys.append("ratio_histograms")
+    if stale_files or stale_keys:
+        out.append(_DisabledOutputs(stale_files, stale_keys))
     return out

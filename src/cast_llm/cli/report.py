@@ -14,10 +14,10 @@ from cast_llm.config import add_arguments, cli_layer, option, resolve
 
 @dataclass
 class ReportOptions:
-    output: str | None = option(None, "folder for report.md, report.html and the PNGs "
-                                      "(default: RUN_DIR/report for one run, ./cast-llm-report for several)")
+    output: str | None = option(None, "folder for report.md, report.html and the PNGs; None: RUN_DIR/report "
+                                      "for one run, ./cast-llm-report for several")
     html: bool = option(False, "also write report.html with the PNGs embedded (one self-contained file)")
-    title: str | None = option(None, "report title (default: the run labels)")
+    title: str | None = option(None, "report title; None: the run labels")
 
 
 def register(subparsers) -> None:
