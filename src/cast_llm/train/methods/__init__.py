@@ -3,14 +3,31 @@
 A method decides how the model is prepared (weight scaling, sparse-forward wrappers), which optimizer
 updates it, what the current masks are, and how the final N:M model is produced. The loop itself —
 data, KD, accumulation, clipping, logging, checkpoints, export — is shared by every method.
+
+* ``cast`` — CAST (method.md §5) and its ablations (``--no-kd``, ``--no-scaling``, ``--fixed-mask``,
+  ``--mask-learner srste``);
+* ``naive`` — one-shot mask, fixed, pruned weights exactly 0 (§6);
+* ``srste`` — sparse STE forward + SR-STE decay, AdamW (§6);
+* ``ast`` — STE forward + additive decay inside AdamS + KD (§6);
+* ``maskllm`` — learnable Gumbel-softmax masks over the N:M patterns, weights frozen (§6).
 """
 
 from __future__ import annotations
 
+from cast_llm.train.methods.ast import ASTMethod
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.cast import CastMethod
+from cast_llm.train.methods.maskllm import MaskLLMMethod
+from cast_llm.train.methods.naive import NaiveMethod
+from cast_llm.train.methods.srste import SRSTEMethod
 
-REGISTRY: dict[str, type[TrainingMethod]] = {"cast": CastMethod}
+REGISTRY: dict[str, type[TrainingMethod]] = {
+    "cast": CastMethod,
+    "naive": NaiveMethod,
+    "srste": SRSTEMethod,
+    "ast": ASTMethod,
+    "maskllm": MaskLLMMethod,
+}
 
 
 def get_method(name: str) -> TrainingMethod:
@@ -21,4 +38,5 @@ def get_method(name: str) -> TrainingMethod:
     return REGISTRY[name]()
 
 
-__all__ = ["TrainingMethod", "CastMethod", "REGISTRY", "get_method"]
+__all__ = ["TrainingMethod", "CastMethod", "NaiveMethod", "SRSTEMethod", "ASTMethod", "MaskLLMMethod", "REGISTRY",
+           "get_method"]

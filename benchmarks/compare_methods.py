@@ -1,0 +1,356 @@
+"""Every way to get a 2:4 model, on one model at equal compute (method.md §6, §8; the paper's Tables 5/6).
+
+Runs dense, the one-shot baselines (magnitude, Wanda, SparseGPT: ``cast-llm prune``), and the training
+methods (naive retraining, SR-STE, AST, CAST; optionally CAST's ablations and MaskLLM: ``cast-llm train``)
+with the same model, data, sequence length and evaluation, and writes
+``docs/results/compare-<model>-<budget>.md`` (table, tokens, wall time, the command of every run, whether
+the paper's ordering holds) plus a bar chart ``compare-<model>-<budget>.png``.
+
+**Equal compute** (method.md §4): distillation costs ~4/3 of plain training, so runs with a teacher get 3/4
+of the ``--tokens`` budget of runs without one. **Evaluation**: the trainer's own held-out slice and
+WikiText-2 windows (``cast_llm.train.trainer.Evaluator``) for every row, so all rows are comparable.
+
+Tiers::
+
+    python benchmarks/compare_methods.py --tier quick     # tiny random LLaMA, seconds (run by the tests)
+    python benchmarks/compare_methods.py --tier cpu       # SmolLM2-135M, small budget, ~1 h on 2 cores
+    python benchmarks/compare_methods.py --tier gpu --data big.jsonl   # --device cuda, bf16, 40M tokens
+
+Finished runs are reused when the script is started again (``--fresh`` redoes them); a failed run is
+reported in the table and does not stop the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare_report import ORDER_CHECK, write_chart, write_report  # noqa: E402
+
+# Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib).
+TIERS: dict[str, dict] = {
+    # a tiny random LLaMA built locally; seconds in all, so that the test suite runs it
+    "quick": dict(tokens=256, seq_len=32, batch_size=2, grad_accum=1, lr=3e-3, l1_decay=1e-4, eta=1 / 3,
+                  log_every=2, mask_interval=2, val_sequences=1, wikitext_windows=1, eval_seq_len=32,
+                  calib_samples=4, device="cpu", precision="fp32"),
+    # SmolLM2-135M on the embedded corpus, sized for ~1 h on 2 shared CPU cores (100-150 training tok/s).
+    # Short sequences (128) buy more optimizer steps for the same tokens: ~94 steps without KD, ~71 with.
+    # lr as the smollm2-cpu preset: AdamS moves a pruned weight by ~lr per step, so short runs need a large
+    # lr for the decay to reach ~0 (method.md §2); the same lr for every method keeps the comparison fair.
+    "cpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=48_000, seq_len=128, batch_size=4,
+                grad_accum=1, lr=5e-4, l1_decay=1e-5, eta=1 / 3, log_every=10, mask_interval=10,
+                val_sequences=32, wikitext_windows=8, eval_seq_len=512, calib_samples=128, device="cpu",
+                precision="fp32"),
+    # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data)
+    "gpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=40_000_000, seq_len=2048, batch_size=8,
+                grad_accum=4, lr=1e-4, l1_decay=1e-6, eta=1 / 3, log_every=10, mask_interval=10,
+                val_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128, device="cuda",
+                precision="bf16"),
+}
+SHARED_KEYS = ("model", "data", "seq_len", "seed")  # what the one-shot runs share with the training runs
+
+
+@dataclass
+class Entry:
+    """One row: ``kind`` dense / oneshot / train; ``args`` extra `cast-llm train` (or prune) flags."""
+
+    key: str
+    label: str
+    kind: str
+    args: list[str] = field(default_factory=list)
+    kd: bool = False
+    weight_update: str = "—"
+    mask: str = "—"
+
+
+CORE = [
+    Entry("dense", "Dense", "dense"),
+    Entry("magnitude", "Magnitude", "oneshot", ["--method", "magnitude"], mask="one-shot"),
+    Entry("wanda", "Wanda", "oneshot", ["--method", "wanda"], mask="one-shot"),
+    Entry("sparsegpt", "SparseGPT", "oneshot", ["--method", "sparsegpt"], weight_update="OBS", mask="one-shot"),
+    Entry("naive", "Naive retraining", "train", ["--method", "naive"], weight_update="AdamW", mask="fixed"),
+    Entry("srste", "SR-STE", "train", ["--method", "srste"], weight_update="AdamW + STE", mask="learned"),
+    Entry("ast", "AST", "train", ["--method", "ast"], kd=True, weight_update="AdamS-additive + STE",
+          mask="learned"),
+    Entry("cast", "CAST", "train", ["--method", "cast"], kd=True, weight_update="AdamS", mask="learned"),
+]
+MASKLLM = [Entry("maskllm", "MaskLLM", "train", ["--method", "maskllm"], weight_update="frozen", mask="learned")]
+ABLATIONS = [
+    Entry("naive-kd", "Naive + KD", "train", ["--method", "naive", "--kd"], kd=True, weight_update="AdamW",
+          mask="fixed"),
+    Entry("naive-kd-adams", "Naive + KD + AdamS", "train", ["--method", "cast", "--fixed-mask", "--no-scaling"],
+          kd=True, weight_update="AdamS", mask="fixed"),
+    Entry("cast-no-kd", "CAST w/o KD", "train", ["--method", "cast", "--no-kd"], weight_update="AdamS",
+          mask="learned"),
+    Entry("cast-fixed-mask", "CAST, fixed mask", "train", ["--method", "cast", "--fixed-mask"], kd=True,
+          weight_update="AdamS", mask="fixed"),
+    Entry("cast-no-scaling", "CAST w/o scaling", "train", ["--method", "cast", "--no-scaling"], kd=True,
+          weight_update="AdamS", mask="learned"),
+    Entry("cast-srste", "CAST, SR-STE mask learner", "train", ["--method", "cast", "--mask-learner", "srste"],
+          kd=True, weight_update="AdamW + STE", mask="learned"),
+]
+
+
+def budget_name(tokens: int) -> str:
+    """40000 -> 40k, 40000000 -> 40M, 1500000000 -> 1.5B (3 significant digits)."""
+    for unit, div in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if tokens >= div:
+            return f"{tokens / div:.3g}{unit}"
+    return str(tokens)
+
+
+def _flag(k: str, v) -> list[str]:
+    flag = "--" + k.replace("_", "-")
+    if isinstance(v, bool):
+        return [flag] if v else ["--no-" + k.replace("_", "-")]
+    return [flag, str(v)]
+
+
+class Comparison:
+    def __init__(self, opts: argparse.Namespace):
+        from cast_llm.config import parse_count
+
+        self.opts = opts
+        self.tier = dict(TIERS[opts.tier])
+        for k in ("model", "data", "device"):
+            if getattr(opts, k):
+                self.tier[k] = getattr(opts, k)
+        if opts.tokens:
+            self.tier["tokens"] = parse_count(opts.tokens)
+        self.tier.setdefault("seed", 0)
+        self.budget = int(self.tier["tokens"])
+        self.inprocess = opts.tier == "quick"
+        if self.inprocess and not opts.threads:
+            opts.threads = 1  # tiny matrices: one thread is fastest, and never oversubscribes a CI machine
+        root = Path(opts.runs_dir) if opts.runs_dir else REPO / "runs" / "compare"
+        self.entries = CORE + (MASKLLM if opts.maskllm else []) + (ABLATIONS if opts.ablations else [])
+        self.only = set(opts.only.split(",")) if opts.only else None
+        if self.only:  # rows named in --only run; other rows of the table are kept if already finished
+            self.entries = [e for e in CORE + MASKLLM + ABLATIONS
+                            if e.key in self.only or e in self.entries]
+        if opts.tier == "quick":
+            self._build_quick_model(root)
+        elif "wikitext_file" not in self.tier:
+            from cast_llm.eval.ppl import wikitext2_file
+
+            found = wikitext2_file()  # explicit in every command, so each run evaluates the same file
+            if found is None:
+                print("warning: no WikiText-2 file found (set CAST_WIKITEXT2); WikiText-2 ppl will be n/a")
+            else:
+                self.tier["wikitext_file"] = str(found.resolve())
+        self.model_name = Path(self.tier["model"]).name if opts.tier == "quick" else self.tier["model"]
+        self.runs = root / f"{self.model_name}-{budget_name(self.budget)}"
+        self.runs.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _build_quick_model(self, root: Path) -> None:
+        """A seeded tiny LLaMA with a 512-token BPE trained on a small corpus, and an evaluation text."""
+        import torch
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+        d = root / "quick-assets"
+        d.mkdir(parents=True, exist_ok=True)
+        words = ("sparse networks keep two of every four weights while training with distillation recovers "
+                 "quality and tensor cores accelerate the semi structured pattern").split()
+        g = torch.Generator().manual_seed(0)
+        docs = []
+        for i in range(60):
+            idx = torch.randint(len(words), (80,), generator=g).tolist()
+            docs.append(f"Document {i}. " + " ".join(words[j] for j in idx))
+        corpus = d / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+        (d / "eval.txt").write_text(" ".join(words * 40))
+        model_dir = d / "tiny-llama"
+        if not (model_dir / "config.json").is_file():
+            # a small vocabulary keeps the logits (and so every step) cheap
+            bpe = Tokenizer(models.BPE())
+            bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            bpe.decoder = decoders.ByteLevel()
+            bpe.train_from_iterator(docs, trainers.BpeTrainer(
+                vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+            tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                          bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+            cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
+                              tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+            tok.save_pretrained(model_dir)
+        self.tier.update(model=str(model_dir), data=str(corpus), wikitext_file=str(d / "eval.txt"))
+
+    def train_config(self, tokens: int, extra: list[str], out: Path):
+        """The TrainConfig of a training row (flags resolved exactly as the CLI resolves them)."""
+        from cast_llm.cli import build_parser
+        from cast_llm.cli.train import build_config
+
+        return build_config(build_parser().parse_args(self.train_argv(tokens, extra, out)))
+
+    def train_argv(self, tokens: int, extra: list[str], out: Path) -> list[str]:
+        argv = ["train", "--output-dir", str(out), "--tokens", str(tokens), "--no-progress",
+                "--no-baseline-eval", "--overwrite"]
+        for k, v in self.tier.items():
+            if k != "tokens":
+                argv += _flag(k, v)
+        return argv + extra
+
+    def prune_argv(self, extra: list[str], out: Path) -> list[str]:
+        t = self.tier
+        return ["prune", *extra, "--model", t["model"], "--data", t["data"], "--seq-len", str(t["seq_len"]),
+                "--calib-samples", str(t["calib_samples"]), "--seed", str(t["seed"]), "--device", t["device"],
+                "--output-dir", str(out), "--overwrite"]
+
+    # ------------------------------------------------------------------------------------------ running
+    def _run_cli(self, argv: list[str], log: Path) -> int:
+        if self.inprocess:
+            from cast_llm.cli import main
+
+            return main(argv)
+        env = dict(os.environ)
+        if self.opts.threads:
+            # on a shared machine, spinning OpenMP workers waiting for descheduled siblings waste most of the
+            # CPU: fewer threads and a passive wait policy are much faster there
+            env.update(OMP_NUM_THREADS=str(self.opts.threads), OMP_WAIT_POLICY="PASSIVE")
+        with log.open("w") as f:
+            return subprocess.run([sys.executable, "-m", "cast_llm.cli", *argv], stdout=f,
+                                  stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+
+    def evaluator(self):
+        """The trainer's Evaluator on the same held-out slice and WikiText-2 windows as the training runs."""
+        if getattr(self, "_evaluator", None) is None:
+            from cast_llm.data import prepare
+            from cast_llm.models import load_tokenizer
+            from cast_llm.train.trainer import Evaluator
+
+            cfg = self.train_config(self.budget, [], self.runs / "_eval")
+            tok = load_tokenizer(cfg.model)
+            data = prepare(cfg.data, tok, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                           max_documents=cfg.max_documents)
+            self._evaluator = Evaluator(cfg, tok, data.val, None)
+        return self._evaluator
+
+    def evaluate_checkpoint(self, path: str) -> dict:
+        import torch
+
+        from cast_llm.models import load_model
+
+        device = "cuda" if self.tier["device"] == "cuda" else "cpu"
+        model = load_model(path, dtype=torch.float32).to(device).eval()
+        with torch.no_grad():
+            return self.evaluator().both(model)
+
+    def run_entry(self, e: Entry) -> dict:
+        out = self.runs / e.key
+        done = out / "compare_row.json"
+        if done.is_file() and not self.opts.fresh:
+            return json.loads(done.read_text())
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        row = {"key": e.key, "label": e.label, "kind": e.kind, "kd": e.kd, "weight_update": e.weight_update,
+               "mask": e.mask, "tokens": 0}
+        if e.kind == "dense":
+            row["command"] = f"(evaluation of {self.tier['model']})"
+            ppl = self.evaluate_checkpoint(self.tier["model"])
+        elif e.kind == "oneshot":
+            argv = self.prune_argv(e.args, out / "model")
+            row["command"] = "cast-llm " + shlex.join(argv)
+            if self._run_cli(argv, out / "log.txt") != 0:
+                return self._failed(row, out)
+            ppl = self.evaluate_checkpoint(str(out / "model"))
+            row["calib_tokens"] = self.tier["calib_samples"] * self.tier["seq_len"]
+        else:
+            tokens = self.budget * 3 // 4 if e.kd else self.budget  # equal compute: KD costs 4/3 (§4)
+            argv = self.train_argv(tokens, e.args, out / "model")
+            row["command"] = "cast-llm " + shlex.join(argv)
+            if self._run_cli(argv, out / "log.txt") != 0:
+                return self._failed(row, out)
+            res = json.loads((out / "model" / "results.json").read_text())
+            ppl = {split: res["perplexity"][split]["sparse"] for split in ("heldout", "wikitext2")}
+            row["tokens"] = res["tokens_trained"]
+            row["train_wall_s"] = res["wall_time_s"]
+        row.update(heldout=ppl["heldout"], wikitext2=ppl["wikitext2"],
+                   wall_s=round(time.perf_counter() - t0, 1), status="ok")
+        done.write_text(json.dumps(row, indent=2))
+        return row
+
+    def _failed(self, row: dict, out: Path) -> dict:
+        log = out / "log.txt"
+        tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["(in-process run failed)"]
+        row.update(status="failed", error=tail[0][-300:] if tail else "", heldout=None, wikitext2=None)
+        print(f"  {row['key']} FAILED: {row['error']}", flush=True)
+        return row
+
+    def run(self) -> tuple[Path, Path]:
+        import torch
+
+        if self.opts.threads:
+            torch.set_num_threads(self.opts.threads)  # the in-process runs and the evaluations
+        t0 = time.perf_counter()
+        rows = []
+        for e in self.entries:
+            if self.only and e.key not in self.only:
+                done = self.runs / e.key / "compare_row.json"
+                if done.is_file():
+                    rows.append(json.loads(done.read_text()))
+                continue
+            print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} ...", flush=True)
+            rows.append(self.run_entry(e))
+            r = rows[-1]
+            if r["status"] == "ok":
+                print(f"          held-out {r['heldout']}  WikiText-2 {r['wikitext2']}  ({r['wall_s']:.0f} s)",
+                      flush=True)
+        docs = Path(self.opts.docs_dir) if self.opts.docs_dir else REPO / "docs" / "results"
+        docs.mkdir(parents=True, exist_ok=True)
+        stem = f"compare-{self.model_name}-{budget_name(self.budget)}"
+        meta = {"tier": self.opts.tier, "model": self.tier["model"], "data": self.tier["data"],
+                "budget": self.budget, "settings": self.tier, "total_wall_s": round(time.perf_counter() - t0, 1),
+                "command": "python benchmarks/compare_methods.py " + shlex.join(sys.argv[1:]),
+                "runs_dir": str(self.runs)}
+        png = write_chart(rows, meta, docs / f"{stem}.png")
+        md = write_report(rows, meta, docs / f"{stem}.md", png)
+        (self.runs / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"wrote {md} and {png} ({meta['total_wall_s']:.0f} s in all)")
+        return md, png
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tier", choices=sorted(TIERS), default="cpu", help="quick / cpu / gpu defaults")
+    p.add_argument("--tokens", help="training tokens of runs WITHOUT KD (KD runs get 3/4), e.g. 40k, 40M")
+    p.add_argument("--model", help="override the tier's model")
+    p.add_argument("--data", help="override the tier's data (--data of cast-llm train)")
+    p.add_argument("--device", help="override the tier's device (cpu / cuda)")
+    p.add_argument("--ablations", action="store_true", help="also run CAST's ablations and naive + KD (+ AdamS)")
+    p.add_argument("--maskllm", action="store_true", help="also run MaskLLM")
+    p.add_argument("--only", help="comma-separated row keys to run (e.g. maskllm,cast-no-kd); the report "
+                                  "also keeps every other row that already finished")
+    p.add_argument("--runs-dir", help="where the runs go (default runs/compare)")
+    p.add_argument("--docs-dir", help="where the report goes (default docs/results)")
+    p.add_argument("--fresh", action="store_true", help="redo runs that already finished")
+    p.add_argument("--threads", type=int, help="CPU threads per run (default: torch's); 1 is fastest for the "
+                                               "quick tier and on a crowded machine")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    Comparison(parse_args(argv)).run()
+    return 0
+
+
+__all__ = ["ORDER_CHECK", "main", "TIERS", "budget_name"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The report of ``compare_methods.py``: the Markdown table (the paper's Tables 5/6 for one model), the check
+of the paper's ordering (method.md §8) and the bar chart."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+# The ordering method.md §8 asks to reproduce: CAST < SR-STE ≲ naive ≪ SparseGPT < Wanda < magnitude.
+# (a, b, slack): ppl(a) < ppl(b) · slack; "≲" is read as "at most 5 % worse".
+ORDER_CHECK = [("cast", "srste", 1.0), ("srste", "naive", 1.05), ("naive", "sparsegpt", 1.0),
+               ("sparsegpt", "wanda", 1.0), ("wanda", "magnitude", 1.0)]
+EXTRA_CHECK = [("cast", "ast", 1.0)]  # the paper also has CAST ahead of its predecessor
+COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": "#c0392b"}
+
+
+def _num(v, fmt="{:.2f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def ordering(rows: list[dict], split: str) -> list[tuple[str, str, bool | None, str]]:
+    """``(a, b, holds, detail)`` for every pair of :data:`ORDER_CHECK` + :data:`EXTRA_CHECK` with both rows."""
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    out = []
+    for a, b, slack in ORDER_CHECK + EXTRA_CHECK:
+        if a not in by or b not in by:
+            continue
+        pa, pb = by[a][split], by[b][split]
+        sign = "≲" if slack > 1 else "<"
+        out.append((a, b, pa < pb * slack, f"{by[a]['label']} {pa:.2f} {sign} {by[b]['label']} {pb:.2f}"))
+    return out
+
+
+def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> Path:
+    s = meta["settings"]
+    lines = [
+        f"# 2:4 methods compared on {meta['model']} at equal compute ({meta['tier']} tier)",
+        "",
+        f"Generated {datetime.date.today().isoformat()} by `{meta['command']}` "
+        f"({meta['total_wall_s']:.0f} s in all, runs in `{meta['runs_dir']}`).",
+        "",
+        f"Model `{meta['model']}`, data `{meta['data']}`, training sequences of {s['seq_len']} tokens, "
+        f"{s['batch_size'] * s['grad_accum']} sequences per step, lr {s['lr']:g} for every method (cosine, 2 % "
+        f"warm-up), AdamS λ {s['l1_decay']:g}, KD η {s['eta']:.2f}, masks recomputed every {s['mask_interval']} "
+        f"steps, device {s['device']}, precision {s['precision']}. **Equal compute**: runs without a teacher get "
+        f"{meta['budget']:,} tokens, runs with KD get 3/4 of that (KD costs ~4/3, method.md §4). One-shot "
+        f"methods calibrate on {s['calib_samples']} training sequences of {s['seq_len']} tokens. Perplexity: "
+        f"held-out = {s['val_sequences']} held-out sequences of the training data; WikiText-2 = raw test split, "
+        f"windows of {s['eval_seq_len']}, {s['wikitext_windows'] or 'all'} windows. Lower is better.",
+        "",
+        "| Method | Type | Weight update | Mask | KD | Training tokens | Held-out ppl | WikiText-2 ppl | Wall time |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        kind = {"dense": "—", "oneshot": "one-shot", "train": "training"}[r["kind"]]
+        tokens = f"{r['tokens']:,}" if r["kind"] == "train" and r.get("tokens") else "—"
+        if r.get("status") != "ok":
+            lines.append(f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | "
+                         f"{'yes' if r['kd'] else 'no'} | {tokens} | failed | failed | — |")
+            continue
+        lines.append(f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
+                     f"| {tokens} | {_num(r['heldout'])} | {_num(r['wikitext2'])} | {r['wall_s']:.0f} s |")
+    if png is not None:
+        lines += ["", f"![perplexities]({png.name})"]
+    lines += ["", "## The paper's ordering", "",
+              "method.md §8: CAST < SR-STE ≲ naive retraining ≪ SparseGPT < Wanda < magnitude "
+              "(≲: at most 5 % worse), and CAST < AST.", ""]
+    for split, name in (("wikitext2", "WikiText-2"), ("heldout", "held-out")):
+        checks = ordering(rows, split)
+        held = sum(1 for c in checks if c[2])
+        lines.append(f"- **{name}**: {held}/{len(checks)} pairs hold.")
+        lines += [f"  - {'✓' if ok else '✗'} {detail}" for _, _, ok, detail in checks]
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if failed:
+        lines += ["", "## Failed runs", ""] + [f"- {r['label']}: {r.get('error', '')}" for r in failed]
+    lines += ["", "## Commands", "", "Every row, as run (from the repository root):", ""]
+    lines += [f"- {r['label']}: `{r.get('command', '')}`" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_chart(rows: list[dict], meta: dict, path: Path) -> Path | None:
+    """Horizontal bars (log scale) of both perplexities per method; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return None
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return None
+    labels = [r["label"] for r in ok]
+    colors = [COLORS["cast"] if r["key"].startswith("cast") else COLORS[r["kind"]] for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(ok) + 1.8), sharey=True)
+    for ax, (split, name) in zip(axes, (("heldout", "held-out"), ("wikitext2", "WikiText-2"))):
+        vals = [r[split] for r in ok]
+        y = range(len(ok))
+        ax.barh(list(y), vals, color=colors)
+        ax.set_xscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 300, not 3×10²
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
+        ax.tick_params(axis="x", which="minor", labelsize=8)
+        ax.set_xlim(min(vals) / 1.3, max(vals) * 4)  # room on the right for the value labels
+        for yi, v in zip(y, vals):
+            ax.text(v * 1.06, yi, f"{v:.1f}", va="center", fontsize=9)
+        dense = next((r[split] for r in ok if r["kind"] == "dense"), None)
+        if dense is not None:
+            ax.axvline(dense, color=COLORS["dense"], linestyle="--", linewidth=1)
+        ax.set_xlabel(f"{name} perplexity (log scale, lower is better)")
+        ax.grid(axis="x", which="both", alpha=0.2)
+    axes[0].set_yticks(list(range(len(ok))))
+    axes[0].set_yticklabels(labels)
+    axes[0].invert_yaxis()  # once: the axes share y, so the first row (dense) is on top in both
+    legend = [Patch(color=COLORS[k], label=name) for k, name in (("dense", "dense"), ("oneshot", "one-shot"),
+                                                                  ("train", "retraining baselines"),
+                                                                  ("cast", "CAST and its ablations"))]
+    fig.legend(handles=legend, loc="lower center", ncol=4, frameon=False, fontsize=9)
+    fig.suptitle(f"2:4 sparse {Path(meta['model']).name}: {meta['budget']:,} training tokens "
+                 f"(KD runs 3/4 of it), {meta['tier']} tier", fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

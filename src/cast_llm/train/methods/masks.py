@@ -1,0 +1,75 @@
+"""Masks shared by the training methods: the initial one-shot mask (``--init-mask``), magnitude refreshes
+(Eq. 6), and the names under which a method reports its masks to the loop.
+
+The initial mask is magnitude (Eq. 6) by default, or Wanda / SparseGPT (method.md §6) calibrated on
+``--calib-samples`` sequences of the run's own training data through :func:`cast_llm.prune.prune_model`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from cast_llm.errors import CastError
+from cast_llm.sparsity.mask import nm_mask
+
+__all__ = ["magnitude_mask", "initial_masks", "mask_keys", "refresh_due"]
+
+
+def magnitude_mask(weight: torch.Tensor, transposed: bool, n: int, m: int) -> torch.Tensor:
+    """Eq. 6 in the weight's own layout (Conv1D ``(in, out)`` weights group along dim 0)."""
+    w = weight.detach()
+    return nm_mask(w.t(), n, m).t().contiguous() if transposed else nm_mask(w, n, m)
+
+
+def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool = False) -> dict[str, torch.Tensor]:
+    """``{target fqn: bool mask in the weight's layout}`` from the one-shot method ``cfg.init_mask``.
+
+    ``apply=True`` prunes ``model`` itself with it (naive retraining starts from the one-shot *model*:
+    pruned weights zeroed, and SparseGPT's reconstructed kept weights); ``apply=False`` leaves the weights
+    untouched (the mask learners start from the dense weights and take only the mask).
+    """
+    from cast_llm.targets import find_targets
+
+    targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
+    if cfg.init_mask == "magnitude":
+        masks = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets}
+        if apply:
+            with torch.no_grad():
+                for t in targets:
+                    t.weight.masked_fill_(~masks[t.fqn], 0.0)
+        return masks
+    if data is None:
+        raise CastError(f"--init-mask {cfg.init_mask} needs calibration data; pass the run's data to prepare_model")
+    from cast_llm.data import calibration_samples
+    from cast_llm.prune import prune_model
+
+    samples = min(cfg.calib_samples, data.train.shape[0])
+    calib = calibration_samples(data, samples, seed=cfg.seed)
+    subject = model if apply else copy.deepcopy(model)  # a copy: the one-shot pruner edits weights in place
+    sub_targets = targets if apply else find_targets(subject, n=cfg.n, m=cfg.m,
+                                                     skip_incompatible=cfg.skip_incompatible)
+    result = prune_model(subject, cfg.init_mask, calib, n=cfg.n, m=cfg.m, device=device, targets=sub_targets)
+    by_fqn = {t.fqn: t for t in targets}
+    # prune_model's masks are (out, in); Conv1D weights are stored (in, out)
+    return {fqn: (mask.t().contiguous() if by_fqn[fqn].transposed else mask).to(by_fqn[fqn].weight.device)
+            for fqn, mask in result.masks.items()}
+
+
+def mask_keys(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{target fqn: key}`` under which the loop's observers find each weight (``{key}.weight`` or
+    ``{key}.base_layer.weight``), for weights nested in one or two wrappers."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    keys = {}
+    for fqn, w in weights.items():
+        owner = names[id(w)].removesuffix(".weight")
+        keys[fqn] = owner.removesuffix(".base_layer")
+    return keys
+
+
+def refresh_due(step: int, interval: int) -> bool:
+    """Whether the masks are recomputed before optimizer step ``t = step + 1``: ``t mod T1 == 0``, the rule
+    of Algorithm 1 (so every mask learner refreshes at the same steps as AdamS)."""
+    return interval > 0 and (step + 1) % interval == 0

@@ -1,0 +1,33 @@
+"""SR-STE (Zhou et al., 2021; method.md §6): sparse forward ``W ⊙ M`` with a straight-through gradient to
+all of ``W``, the decay ``λ_W (1 − M) ⊙ W`` added to the gradient of pruned entries, masks recomputed from
+``|W|`` every ``--mask-interval`` steps (before the forward, so forward and decay share the mask), AdamW as
+the base optimizer (:class:`cast_llm.optim.SRSTEAdamW`).
+
+λ_W is ``--srste-decay`` (default 2e-4, the SR-STE paper's value; method.md gives none). Under Adam the decay
+competes with the gradient inside the normalised update, so its effect scales with λ_W / |g|, not with the
+learning rate as under SGD.
+
+Also the mask learner of ``--method cast --mask-learner srste`` (the §6 ablation), which adds KD and weight
+scaling (inside the sparse forward) to exactly this.
+"""
+
+from __future__ import annotations
+
+from cast_llm.train.methods.sparse_forward import SparseForwardMethod
+
+
+class SRSTEMethod(SparseForwardMethod):
+    name = "srste"
+    ste = True
+
+    def build_optimizer(self, model, cfg, total_steps: int):
+        from cast_llm.optim import SRSTEAdamW
+
+        masks = {w.weight: w.mask for w in self.wrappers.values()}  # shared with the forward
+        return SRSTEAdamW(self.weight_groups(model, cfg), masks, srste_decay=cfg.srste_decay, lr=cfg.lr,
+                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    def export_metadata(self, cfg):
+        meta = super().export_metadata(cfg)
+        meta["training"]["srste_decay"] = cfg.srste_decay
+        return meta
