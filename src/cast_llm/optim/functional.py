@@ -151,9 +151,9 @@ def _fused_kernel_ok(device: torch.device) -> bool:
 
 def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
                         eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
-    """Fast path. Whole-list ``_foreach`` ops for the steps that need no mask; then, per cache block of
-    ``_CHUNK`` elements, Eq. 7 and the mask select into one scratch vector ``s`` (= μ~) and the rest of
-    Eq. 8 (v from μ~², bias corrections, θ update) as ONE pass of torch's fused Adam kernel.
+    """Fast path. Per cache block of ``_CHUNK`` elements: weight decay and μ_t, Eq. 7 and the mask select
+    into one scratch vector ``s`` (= μ~), and the rest of Eq. 8 (v from μ~², bias corrections, θ update)
+    as ONE pass of torch's fused Adam kernel — every input is read from memory once.
 
     That kernel computes Adam with β1 = 0 on "gradient" s and "first moment" s, i.e. v ← β2 v + (1-β2) s²
     and θ ← θ - lr' s / (sqrt(v / (1-β2^t)) + ε); passing lr' = lr / (1-β1^t) restores the β1 bias
@@ -175,30 +175,31 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
     for (device, dtype), idx in by_device.items():
         P, G = [params[i] for i in idx], [grads[i] for i in idx]
         MU, V, K, ST = ([x[i] for i in idx] for x in (exp_avgs, exp_avg_sqs, masks, state_steps))
-        if maximize:
-            G = torch._foreach_neg(G)
         torch._foreach_add_(ST, 1)
-        if weight_decay != 0:
-            torch._foreach_mul_(P, 1 - lr * weight_decay)
-        torch._foreach_lerp_(MU, G, 1 - beta1)  # μ_t: the loss gradient only
-        del G
         chunk = min(_CHUNK if device.type == "cpu" else _CHUNK_GPU, max(p.numel() for p in P))
         scratch = torch.empty(2 * chunk + 8, device=device, dtype=dtype)  # +8: a packed tail byte
         s_buf, w_buf = scratch[:chunk], scratch[chunk:]
         table = _bit_table(device, dtype) if any(k.dtype == torch.uint8 for k in K) else None
         fused = _fused_kernel_ok(device)
         device_steps: dict[int, Tensor] = {}
-        for p, mu, v, kept, st in zip(P, MU, V, K, ST):
+        for p, grad, mu, v, kept, st in zip(P, G, MU, V, K, ST):
             t = int(st.item())
             alpha = min(t / total_steps, 1.0)
             bias_correction1 = 1 - beta1**t
             step_t = _step_on(device, t, st, device_steps) if fused else st
-            p1, mu1, v1 = p.view(-1), mu.view(-1), v.view(-1)
+            p1, g1, mu1, v1 = p.view(-1), grad.view(-1), mu.view(-1), v.view(-1)
             packed = kept.dtype == torch.uint8
             kept1 = kept if packed else kept.view(-1)
             for lo in range(0, p1.numel(), chunk):
                 hi = min(lo + chunk, p1.numel())
                 th, m1, s, w = p1[lo:hi], mu1[lo:hi], s_buf[: hi - lo], w_buf[: hi - lo]
+                # the whole update of a block runs while it is in cache: θ and μ are read from memory once
+                if weight_decay != 0:
+                    th.mul_(1 - lr * weight_decay)
+                if maximize:
+                    m1.lerp_(torch.neg(g1[lo:hi], out=s), 1 - beta1)  # μ_t: the loss gradient only
+                else:
+                    m1.lerp_(g1[lo:hi], 1 - beta1)
                 if decay_mode == "proportional":
                     torch.sign(th, out=s).mul_(alpha * l1_decay).add_(m1, alpha=1 - alpha)  # Eq. 7, all entries
                 else:  # AST's additive decay, all entries

@@ -201,6 +201,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     teacher = None
     if method.uses_kd(cfg):
         teacher = copy.deepcopy(model).eval().requires_grad_(False)
+        if _precision(cfg, "cpu" if cpu else "cuda") == "bf16":  # the training dtype: half the memory of
+            teacher.to(torch.bfloat16)  # fp32 weights, and no weight casts by autocast at every forward
     method.prepare_model(model, cfg, data=data, device=accelerator.device)
     model.train()
     optimizer = method.build_optimizer(model, cfg, total_steps)
@@ -212,6 +214,8 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     if teacher is not None:
         teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
     raw = accelerator.unwrap_model(model)
+    for module in (raw, teacher):
+        _keep_output_dtype(module)
     raw_opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it; methods need the AdamS itself
 
     cfg_dict = asdict(cfg)
@@ -356,6 +360,18 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
+
+
+def _keep_output_dtype(module) -> None:
+    """Undo accelerate's mixed-precision forward wrapper (autocast + cast of every output to fp32).
+
+    For a causal LM that cast is a second, twice as large copy of the full-vocabulary logits, for the
+    student and for the teacher. The loop already runs forward, loss and backward under
+    ``accelerator.autocast()`` and the losses compute in fp32 chunk by chunk, so the logits can stay in the
+    autocast dtype: numerically identical (bf16 -> fp32 is exact, and the gradient went back to bf16 anyway).
+    """
+    if module is not None and "_original_forward" in module.__dict__:
+        module.forward = module.__dict__.pop("_original_forward")
 
 
 class _nullcontext:

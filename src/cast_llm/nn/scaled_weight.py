@@ -1,0 +1,97 @@
+"""``W_scale = Diag(A) W`` (method.md §3, Eq. 11-12) with a backward that moves as little memory as possible.
+
+ScaledLinear builds the scaled weight once per forward and runs one dense matmul. Through plain autograd
+(``(W.unflatten(...) * A).to(dtype)``, then autocast's cast) that costs, per weight entry and step, two
+extra full-size temporaries and about 8 memory passes (fp32; more under bf16 autocast: 46 bytes moved per
+entry against 14 for a plain autocast linear). :func:`scaled_weight` does the same math in:
+
+* forward: ONE pass — the product is formed in fp32 (the promoted dtype) and written straight in the
+  dtype the matmul will use (the autocast dtype, else the weight's), so autocast has nothing left to cast;
+* backward: ONE pass over ``(∂L/∂W_scale, W)`` producing both ``∂L/∂W = A ⊙ ∂L/∂W_scale`` (in W's dtype)
+  and ``∂L/∂A = Σ_block ∂L/∂W_scale ⊙ W`` (in A's dtype); on CPU the product for ``∂L/∂A`` is formed in
+  cache-sized blocks of rows, so it never goes to memory.
+
+Numerically it is the autograd version: every product is formed in the same dtype and rounded once, and
+``∂L/∂A`` is reduced row by row as autograd reduces it (for the transposed Conv1D layout, the CPU sums
+each block's entries slice by slice: equal to rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["scaled_weight"]
+
+# Entries per block of the CPU backward: its product temporary (256 KiB in fp32) stays in L2 while it is
+# summed, and the rows of ∂L/∂W_scale it read are still in cache for ∂L/∂W.
+_BLOCK = 1 << 16
+
+
+def scaled_weight(weight: Tensor, scale: Tensor, n_groups: int, transposed: bool, out_dtype: torch.dtype) -> Tensor:
+    """``Diag(A) W`` block-wise (Eq. 12) in ``weight``'s layout and ``out_dtype``; differentiable in both.
+
+    ``weight``: ``(out, in)`` (``(in, out)`` when ``transposed``, GPT-2 Conv1D); ``scale``: ``(out, n_groups)``.
+    """
+    return _ScaledWeight.apply(weight, scale, n_groups, transposed, out_dtype)
+
+
+def _blocks(t: Tensor, n_groups: int, transposed: bool) -> Tensor:
+    """``t`` in the weight's layout as column blocks: ``(out, g, in/g)``, or ``(g, in/g, out)`` when transposed."""
+    if transposed:
+        return t.unflatten(0, (n_groups, t.shape[0] // n_groups))
+    return t.unflatten(1, (n_groups, t.shape[1] // n_groups))
+
+
+def _scale_view(scale: Tensor, transposed: bool) -> Tensor:
+    """``scale`` (out, g) broadcastable against :func:`_blocks`: ``(out, g, 1)`` or ``(g, 1, out)``."""
+    return scale.t().unsqueeze(1) if transposed else scale.unsqueeze(-1)
+
+
+class _ScaledWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, scale, n_groups, transposed, out_dtype):
+        ctx.save_for_backward(weight, scale)
+        ctx.n_groups, ctx.transposed = n_groups, transposed
+        out = torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
+        # promoted-dtype product, rounded once into out (a bf16 weight times an fp32 scale is formed in fp32)
+        torch.mul(_blocks(weight, n_groups, transposed), _scale_view(scale, transposed),
+                  out=_blocks(out, n_groups, transposed))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, scale = ctx.saved_tensors
+        g, transposed = ctx.n_groups, ctx.transposed
+        need_w, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gb, wb, a = _blocks(grad, g, transposed), _blocks(weight, g, transposed), _scale_view(scale, transposed)
+        # the dtype autograd forms ∂L/∂A's products in: the promotion of all three (fp32 for bf16 weights)
+        acc = torch.promote_types(torch.promote_types(grad.dtype, weight.dtype), scale.dtype)
+        upcast = gb.dtype != acc and wb.dtype != acc  # else torch.mul promotes by itself, exactly
+        grad_w = torch.empty_like(weight) if need_w else None
+        gwb = _blocks(grad_w, g, transposed) if need_w else None
+        grad_a = None
+        if need_a:
+            grad_a = torch.empty((g, scale.shape[0]) if transposed else tuple(scale.shape), dtype=scale.dtype,
+                                 device=scale.device)
+        # Slices along the rows of (out, g, in/g), or along the entries (dim 1) of the transposed
+        # (g, in/g, out) view; one slice off the CPU (no cache to fit), cache-sized slices on it.
+        dim = 1 if transposed else 0
+        n = gb.shape[dim]
+        per_index = gb.numel() // max(1, n)
+        step = n if grad.device.type != "cpu" else max(1, _BLOCK // max(1, per_index))
+        for lo in range(0, n, step):
+            sl = (slice(None), slice(lo, lo + step)) if transposed else (slice(lo, lo + step),)
+            if need_a:
+                prod = torch.mul(gb[sl].to(acc) if upcast else gb[sl], wb[sl])
+                if not transposed:  # each row's blocks are reduced whole, as autograd does
+                    torch.sum(prod, dim=-1, dtype=scale.dtype, out=grad_a[lo : lo + step])
+                elif lo == 0:  # partial sums over this slice of every block's entries: (g, out)
+                    torch.sum(prod, dim=1, dtype=scale.dtype, out=grad_a)
+                else:
+                    grad_a.add_(prod.sum(dim=1, dtype=scale.dtype))
+            if need_w:  # ∂L/∂W = A ⊙ ∂L/∂W_scale, formed in the promoted dtype, rounded once to W's
+                torch.mul(gb[sl], a if transposed else a[lo : lo + step], out=gwb[sl])
+        if need_a and transposed:
+            grad_a = grad_a.t()
+        return grad_w, grad_a, None, None, None
