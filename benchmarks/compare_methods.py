@@ -37,25 +37,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_report import ORDER_CHECK, write_chart, write_report  # noqa: E402
 
-# Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib).
+# Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib), except
+# "adams": the lr and λ of the runs whose pruned weights AdamS must decay to ~0 during training (CAST and its
+# AdamS ablations). AdamS moves a weight by at most ~lr per step, so those runs need lr·T/2 above the typical
+# |pruned weight| (method.md §2; SmolLM2-135M: median 0.056): a short run needs a larger lr than the masked-
+# forward baselines, which never have to move a pruned weight at all. Both lrs are recorded in every row.
 TIERS: dict[str, dict] = {
     # a tiny random LLaMA built locally; seconds in all, so that the test suite runs it
     "quick": dict(tokens=256, seq_len=32, batch_size=2, grad_accum=1, lr=3e-3, l1_decay=1e-4, eta=1 / 3,
                   log_every=2, mask_interval=2, val_sequences=1, wikitext_windows=1, eval_seq_len=32,
-                  calib_samples=4, device="cpu", precision="fp32"),
-    # SmolLM2-135M on the embedded corpus, sized for ~1 h on 2 shared CPU cores (100-150 training tok/s).
+                  calib_samples=4, device="cpu", precision="fp32", adams={}),
+    # SmolLM2-135M on the embedded corpus, sized for ~1 h on 2 free CPU cores (100-150 training tok/s).
     # Short sequences (128) buy more optimizer steps for the same tokens: ~94 steps without KD, ~71 with.
-    # lr as the smollm2-cpu preset: AdamS moves a pruned weight by ~lr per step, so short runs need a large
-    # lr for the decay to reach ~0 (method.md §2); the same lr for every method keeps the comparison fair.
+    # Baselines: lr 5e-4 (a usual fine-tuning lr; AdamW); AdamS runs: the smollm2-cpu preset's 2e-3 / 1e-4.
     "cpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=48_000, seq_len=128, batch_size=4,
-                grad_accum=1, lr=5e-4, l1_decay=1e-5, eta=1 / 3, log_every=10, mask_interval=10,
+                grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=1 / 3, log_every=10, mask_interval=10,
                 val_sequences=32, wikitext_windows=8, eval_seq_len=512, calib_samples=128, device="cpu",
-                precision="fp32"),
-    # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data)
+                precision="fp32", adams=dict(lr=2e-3)),
+    # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data);
+    # ~610 steps of 65k tokens: AdamS runs at lr 4e-4 so that lr·T/2 ≈ 0.12 (not yet run: ours, untested)
     "gpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=40_000_000, seq_len=2048, batch_size=8,
-                grad_accum=4, lr=1e-4, l1_decay=1e-6, eta=1 / 3, log_every=10, mask_interval=10,
+                grad_accum=4, lr=1e-4, l1_decay=2e-5, eta=1 / 3, log_every=10, mask_interval=10,
                 val_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128, device="cuda",
-                precision="bf16"),
+                precision="bf16", adams=dict(lr=4e-4)),
 }
 SHARED_KEYS = ("model", "data", "seq_len", "seed")  # what the one-shot runs share with the training runs
 
@@ -69,6 +73,7 @@ class Entry:
     kind: str
     args: list[str] = field(default_factory=list)
     kd: bool = False
+    adams: bool = False  # AdamS decays the pruned weights: the tier's "adams" lr applies
     weight_update: str = "—"
     mask: str = "—"
 
@@ -82,19 +87,22 @@ CORE = [
     Entry("srste", "SR-STE", "train", ["--method", "srste"], weight_update="AdamW + STE", mask="learned"),
     Entry("ast", "AST", "train", ["--method", "ast"], kd=True, weight_update="AdamS-additive + STE",
           mask="learned"),
-    Entry("cast", "CAST", "train", ["--method", "cast"], kd=True, weight_update="AdamS", mask="learned"),
+    Entry("cast", "CAST", "train", ["--method", "cast"], kd=True, adams=True, weight_update="AdamS",
+          mask="learned"),
 ]
 MASKLLM = [Entry("maskllm", "MaskLLM", "train", ["--method", "maskllm"], weight_update="frozen", mask="learned")]
 ABLATIONS = [
     Entry("naive-kd", "Naive + KD", "train", ["--method", "naive", "--kd"], kd=True, weight_update="AdamW",
           mask="fixed"),
     Entry("naive-kd-adams", "Naive + KD + AdamS", "train", ["--method", "cast", "--fixed-mask", "--no-scaling"],
-          kd=True, weight_update="AdamS", mask="fixed"),
-    Entry("cast-no-kd", "CAST w/o KD", "train", ["--method", "cast", "--no-kd"], weight_update="AdamS",
-          mask="learned"),
+          kd=True, adams=True, weight_update="AdamS", mask="fixed"),
+    Entry("cast-no-kd", "CAST w/o KD", "train", ["--method", "cast", "--no-kd"], adams=True,
+          weight_update="AdamS", mask="learned"),
     Entry("cast-fixed-mask", "CAST, fixed mask", "train", ["--method", "cast", "--fixed-mask"], kd=True,
-          weight_update="AdamS", mask="fixed"),
+          adams=True, weight_update="AdamS", mask="fixed"),
     Entry("cast-no-scaling", "CAST w/o scaling", "train", ["--method", "cast", "--no-scaling"], kd=True,
+          adams=True, weight_update="AdamS", mask="learned"),
+    Entry("cast-base-lr", "CAST at the baselines' lr", "train", ["--method", "cast"], kd=True,
           weight_update="AdamS", mask="learned"),
     Entry("cast-srste", "CAST, SR-STE mask learner", "train", ["--method", "cast", "--mask-learner", "srste"],
           kd=True, weight_update="AdamW + STE", mask="learned"),
@@ -202,7 +210,7 @@ class Comparison:
         argv = ["train", "--output-dir", str(out), "--tokens", str(tokens), "--no-progress",
                 "--no-baseline-eval", "--overwrite"]
         for k, v in self.tier.items():
-            if k != "tokens":
+            if k not in ("tokens", "adams"):
                 argv += _flag(k, v)
         return argv + extra
 
@@ -272,7 +280,10 @@ class Comparison:
             row["calib_tokens"] = self.tier["calib_samples"] * self.tier["seq_len"]
         else:
             tokens = self.budget * 3 // 4 if e.kd else self.budget  # equal compute: KD costs 4/3 (§4)
-            argv = self.train_argv(tokens, e.args, out / "model")
+            hp = {**{k: self.tier[k] for k in ("lr", "l1_decay")}, **(self.tier["adams"] if e.adams else {})}
+            argv = self.train_argv(tokens, e.args + [x for k, v in hp.items() for x in _flag(k, v)],
+                                   out / "model")
+            row["lr"] = hp["lr"]
             row["command"] = "cast-llm " + shlex.join(argv)
             if self._run_cli(argv, out / "log.txt") != 0:
                 return self._failed(row, out)

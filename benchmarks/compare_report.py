@@ -15,7 +15,15 @@ COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": 
 
 
 def _num(v, fmt="{:.2f}") -> str:
-    return "n/a" if v is None else fmt.format(v)
+    return "—" if v is None else fmt.format(v)
+
+
+def _lr_note(s: dict) -> str:
+    adams = s.get("adams", {}).get("lr")
+    if adams is None or adams == s["lr"]:
+        return f"{s['lr']:g} for every method"
+    return (f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to ~0 "
+            "during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")
 
 
 def ordering(rows: list[dict], split: str) -> list[tuple[str, str, bool | None, str]]:
@@ -40,26 +48,28 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"({meta['total_wall_s']:.0f} s in all, runs in `{meta['runs_dir']}`).",
         "",
         f"Model `{meta['model']}`, data `{meta['data']}`, training sequences of {s['seq_len']} tokens, "
-        f"{s['batch_size'] * s['grad_accum']} sequences per step, lr {s['lr']:g} for every method (cosine, 2 % "
-        f"warm-up), AdamS λ {s['l1_decay']:g}, KD η {s['eta']:.2f}, masks recomputed every {s['mask_interval']} "
+        f"{s['batch_size'] * s['grad_accum']} sequences per step, cosine schedule with 2 % warm-up, peak lr as in "
+        f"the table ({_lr_note(s)}), AdamS λ {s['l1_decay']:g}, SR-STE/AST λ_W 2e-4, KD η {s['eta']:.2f}, masks "
+        f"recomputed every {s['mask_interval']} "
         f"steps, device {s['device']}, precision {s['precision']}. **Equal compute**: runs without a teacher get "
         f"{meta['budget']:,} tokens, runs with KD get 3/4 of that (KD costs ~4/3, method.md §4). One-shot "
         f"methods calibrate on {s['calib_samples']} training sequences of {s['seq_len']} tokens. Perplexity: "
         f"held-out = {s['val_sequences']} held-out sequences of the training data; WikiText-2 = raw test split, "
         f"windows of {s['eval_seq_len']}, {s['wikitext_windows'] or 'all'} windows. Lower is better.",
         "",
-        "| Method | Type | Weight update | Mask | KD | Training tokens | Held-out ppl | WikiText-2 ppl | Wall time |",
-        "|---|---|---|---|---|---:|---:|---:|---:|",
+        "| Method | Type | Weight update | Mask | KD | lr | Training tokens | Held-out ppl | WikiText-2 ppl "
+        "| Wall time |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         kind = {"dense": "—", "oneshot": "one-shot", "train": "training"}[r["kind"]]
         tokens = f"{r['tokens']:,}" if r["kind"] == "train" and r.get("tokens") else "—"
+        head = (f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
+                f"| {_num(r.get('lr'), '{:g}')} | {tokens} ")
         if r.get("status") != "ok":
-            lines.append(f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | "
-                         f"{'yes' if r['kd'] else 'no'} | {tokens} | failed | failed | — |")
+            lines.append(head + "| failed | failed | — |")
             continue
-        lines.append(f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
-                     f"| {tokens} | {_num(r['heldout'])} | {_num(r['wikitext2'])} | {r['wall_s']:.0f} s |")
+        lines.append(head + f"| {_num(r['heldout'])} | {_num(r['wikitext2'])} | {r['wall_s']:.0f} s |")
     if png is not None:
         lines += ["", f"![perplexities]({png.name})"]
     lines += ["", "## The paper's ordering", "",
