@@ -22,6 +22,7 @@ class CastMethod(TrainingMethod):
 
     def __init__(self):
         self._srste = None  # the SR-STE mask learner, when --mask-learner srste
+        self._init_masks = None  # a one-shot mask for AdamS to start from (--init-mask wanda|sparsegpt)
 
     def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
         from cast_llm.nn import wrap_scaling_
@@ -32,7 +33,6 @@ class CastMethod(TrainingMethod):
 
             self._srste = SRSTEMethod()
             return self._srste.prepare_model(model, cfg, data=data, device=device)
-        self._init_masks = None
         if cfg.init_mask != "magnitude":  # Eq. 6 is what AdamS computes by itself at its first step
             from cast_llm.train.methods.masks import initial_masks
 
