@@ -104,15 +104,12 @@ def save_sparse_checkpoint(
 ) -> Path:
     """Verify and write ``model`` as an HF checkpoint with a ``sparsity`` entry in its config.
 
-    Written into a temporary folder beside ``output_dir`` first; files are moved in only once the whole
-    checkpoint is on disk, and ``cast_llm.json`` (the completion marker) last.
+    Nothing is written unless every target is N:M; then :func:`save_hf_checkpoint` writes atomically.
     """
     from cast_llm.targets import find_targets
 
     targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
     rows = verify_nm(model, n=n, m=m, targets=targets)
-    out = Path(output_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     info = {
         "pattern": f"{n}:{m}",
         "n": n,
@@ -123,14 +120,29 @@ def save_sparse_checkpoint(
         "cast_llm_version": __version__,
         **(metadata or {}),
     }
+    return save_hf_checkpoint(model, tokenizer, output_dir, info, kind="sparse-model")
+
+
+def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[str, Any], *,
+                       kind: str = "model") -> Path:
+    """Write ``model`` (+ tokenizer) as an HF checkpoint whose ``config.json`` carries ``sparsity``.
+
+    No N:M check here (:func:`save_sparse_checkpoint` does that first); this is the atomic writing shared
+    by sparse exports and by outputs that are knowingly dense (``cast-llm finetune --mode dense``, whose
+    ``sparsity`` entry says ``pattern: none``). Written into a temporary folder beside ``output_dir``;
+    files are moved in only once the whole checkpoint is on disk, and ``cast_llm.json`` (the completion
+    marker, holding ``kind``) last.
+    """
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     had = getattr(model.config, "sparsity", None)
-    model.config.sparsity = info
+    model.config.sparsity = sparsity
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": "sparse-model", "sparsity": info}, indent=2))
+        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity}, indent=2))
         _move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -139,16 +139,23 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a causal LM (fp32 master weights by default), in eval mode, on ``device``."""
+def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               auto_class=None, **from_pretrained_kwargs):
+    """Load a causal LM (fp32 master weights by default), in eval mode, on ``device``.
+
+    ``auto_class`` picks another head on the same backbone (e.g. ``AutoModelForSequenceClassification``
+    with ``num_labels=...`` in ``from_pretrained_kwargs``, as ``cast-llm finetune --task classification``
+    does); the default is ``AutoModelForCausalLM``.
+    """
     from transformers import AutoModelForCausalLM
 
+    auto_class = auto_class or AutoModelForCausalLM
     path, gguf = resolve_model_path(name_or_path)
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, **from_pretrained_kwargs}
     if gguf:
         kwargs["gguf_file"] = gguf
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise _hub_error(name_or_path, e) from None
     if gguf:
