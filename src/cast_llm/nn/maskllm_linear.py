@@ -87,7 +87,9 @@ class MaskLLMLinear(nn.Module):
         if not self.training:
             return self.hard_mask().to(self.weight.dtype)
         z = self.kappa * self.logits
-        gumbel = torch.empty_like(z).exponential_().log_().neg_()  # -log(Exp(1)) ~ Gumbel(0, 1)
+        # -log(Exp(1)) ~ Gumbel(0, 1); an exponential sample of exactly 0 (u = 0, ~1 in 2^24 per entry: several
+        # per step at LLM sizes) would give +inf and a NaN softmax, so it is clamped to the smallest normal
+        gumbel = torch.empty_like(z).exponential_().clamp_min_(torch.finfo(z.dtype).tiny).log_().neg_()
         y = F.softmax((z + gumbel) / self.tau, dim=-1)  # (out, in/m, K)
         rows = (y @ self.patterns.to(y.dtype)).flatten(-2)  # (out, in/m, m) -> (out, in)
         return self._rows_to_layout(rows).to(self.weight.dtype)
