@@ -11,6 +11,7 @@ from pathlib import Path
 ORDER_CHECK = [("cast", "srste", 1.0), ("srste", "naive", 1.05), ("naive", "sparsegpt", 1.0),
                ("sparsegpt", "wanda", 1.0), ("wanda", "magnitude", 1.0)]
 EXTRA_CHECK = [("cast", "ast", 1.0)]  # the paper also has CAST ahead of its predecessor
+NOTES_MARKER = "<!-- notes: kept when the report is regenerated -->"
 COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": "#c0392b"}
 
 
@@ -85,7 +86,10 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         lines += ["", "## Failed runs", ""] + [f"- {r['label']}: {r.get('error', '')}" for r in failed]
     lines += ["", "## Commands", "", "Every row, as run (from the repository root):", ""]
     lines += [f"- {r['label']}: `{r.get('command', '')}`" for r in rows]
-    path.write_text("\n".join(lines) + "\n")
+    # hand-written discussion below the marker survives a regeneration (e.g. --only adding rows)
+    old = path.read_text() if path.is_file() else ""
+    notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
+    path.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
     return path
 
 
