@@ -70,15 +70,20 @@ def _chunk_terms(
     temperature: float,
     need_grad: bool,
     dtype: torch.dtype = torch.float32,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Summed KL (× T²) and CE over one chunk of rows, and the per-row gradient of ``η·KL·T² + (1−η)·CE``.
 
-    ``s`` / ``t``: (c, V) student / teacher logits of any float dtype; ``y``: (c,) int64 labels, all valid.
-    Works in ``dtype`` (float32; float64 for float64 inputs) and reuses buffers in place so that at most
-    ~3 (c, V) such tensors are alive.
+    ``s`` / ``t``: (c, V) student / teacher logits of any float dtype; ``y``: (c,) int64 labels, all valid
+    unless ``valid`` (c,) bool marks the rows that count: the others are computed (they may hold anything,
+    NaN included) but left out of both sums and get a zero gradient row. Works in ``dtype`` (float32;
+    float64 for float64 inputs) and reuses buffers in place so that at most ~3 (c, V) such tensors are alive.
     """
     T = temperature
     rows = torch.arange(y.numel(), device=y.device)
+    if valid is not None:
+        rows = rows[valid]
+        y = y[valid]
     kl = s.new_zeros((), dtype=dtype)
 
     def log_probs(z: torch.Tensor) -> torch.Tensor:
@@ -92,7 +97,8 @@ def _chunk_terms(
         lt = log_probs(t)  # log P_t^T
         pt = lt.exp()
         # KL(P_t ‖ P_s) = Σ_v P_t (log P_t − log P_s), reusing lt's storage
-        kl = lt.sub_(ls).mul_(pt).sum() * (T * T)
+        terms = lt.sub_(ls).mul_(pt)
+        kl = (terms.sum() if valid is None else terms.sum(dim=1)[valid].sum()) * (T * T)
         del lt
     if T == 1.0:
         ls1 = ls
@@ -117,6 +123,8 @@ def _chunk_terms(
         grad = ls1.exp_()
     if eta < 1:
         grad[rows, y] -= 1.0 - eta
+    if valid is not None:
+        grad[~valid] = 0.0  # the few ignored rows (e.g. the last token of each sequence)
     return kl, ce, grad
 
 
@@ -146,30 +154,38 @@ class _ChunkedKD(torch.autograd.Function):
                 f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got e.g. {bad}"
             )
 
-        all_valid = n == n_rows  # then chunks are plain slices (views, no gather copies)
+        # Chunks are plain slices (views, no copies) unless many rows are ignored: then only the valid ones
+        # are gathered. A causal LM ignores 1 row of every sequence — computing it costs less than the two
+        # gathered copies of the logits and the scattered copy of the gradient it saves.
+        contiguous = (n_rows - n) * 8 <= n_rows
+        valid_all = None if n == n_rows else valid
         grad = None
         if need_grad:
-            grad = torch.empty_like(student) if all_valid else torch.zeros_like(student)
+            grad = torch.empty_like(student) if contiguous else torch.zeros_like(student)
         kd_sum, ce_sum = zero.clone(), zero.clone()
-        step = chunk_size or n
-        for start in range(0, n, step):
-            if all_valid:
+        total = n_rows if contiguous else n
+        step = chunk_size or total
+        for start in range(0, total, step):
+            v = None
+            if contiguous:
                 sel = slice(start, start + step)
                 s, y = student[sel], labels[sel]
                 t = teacher[sel] if teacher is not None else None
+                if valid_all is not None:
+                    v = valid_all[sel]
+                    y = torch.where(v, y, 0)  # ignored labels may be any value; never read
             else:
                 sel = idx[start : start + step]
                 s, y = student.index_select(0, sel), labels.index_select(0, sel)
                 t = teacher.index_select(0, sel) if teacher is not None else None
-            kl_c, ce_c, g = _chunk_terms(s, t, y.long(), eta, temperature, need_grad, dtype)
+            kl_c, ce_c, g = _chunk_terms(s, t, y.long(), eta, temperature, need_grad, dtype, v)
             kd_sum += kl_c
             ce_sum += ce_c
             if g is not None:
-                g.div_(n)
-                if all_valid:
-                    grad[sel].copy_(g)
+                if contiguous:  # scale by 1/n and round to the logits' dtype in one pass, into place
+                    torch.mul(g, 1.0 / n, out=grad[sel])
                 else:
-                    grad.index_copy_(0, sel, g.to(grad.dtype))
+                    grad.index_copy_(0, sel, g.div_(n).to(grad.dtype))
             del s, t, g
         kd, ce = kd_sum / n, ce_sum / n
         # a term with weight 0 must not leak a NaN/Inf into the loss
