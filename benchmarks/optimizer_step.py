@@ -67,6 +67,31 @@ def machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
+def bandwidth_lines(opts, times, sparse, dense) -> list[str]:
+    """GPU: the bytes each optimizer must move per step (read θ, g, μ, v [+ mask]; write θ, μ, v) over its
+    median time, against the device-to-device copy bandwidth measured here (issue 8: >= 80 %)."""
+    buf = torch.empty(1 << 28, device=sparse[0].device)  # 1 GiB
+    dst = torch.empty_like(buf)
+    copies = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(buf)
+        torch.cuda.synchronize()
+        copies.append(time.perf_counter() - start)
+    copy_bw = 2 * buf.numel() * buf.element_size() / statistics.median(copies)  # read + write
+    del buf, dst
+    elt = sparse[0].element_size()
+    base = 7 * elt * sum(p.numel() for p in sparse + dense)
+    mask = {"AdamS bool masks": 1.0, "AdamS packed masks": 0.125, "AdamS bool, fused=False": 1.0}
+    out = ["", f"device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (1 GiB copy, read + write)"]
+    for name in opts:
+        moved = base + mask.get(name, 0.0) * sum(p.numel() for p in sparse)
+        bw = moved / statistics.median(times[name])
+        out.append(f"{name:<26} moves {moved / 1e9:.2f} GB/step: {bw / 1e9:>6.0f} GB/s = {bw / copy_bw:.0%} of copy")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 timed rounds: a smoke test")
@@ -102,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     numel = sum(p.numel() for p in sparse + dense)
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
-    def adams(storage: str) -> AdamS:
+    def adams(storage: str, fused: bool | None = None) -> AdamS:
         groups = [{"params": sparse, "sparse": True}, {"params": dense}]
         return AdamS(groups, **hp, l1_decay=1e-6, total_steps=10**6, mask_interval=args.mask_interval,
-                     foreach=True, mask_storage=storage)
+                     foreach=True, fused=fused, mask_storage=storage)
 
     opts = {
         "AdamW(foreach=True)": torch.optim.AdamW(sparse + dense, **hp, foreach=True),
@@ -113,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "AdamS packed masks": adams("packed"),
         "AdamW(fused=True)": torch.optim.AdamW(sparse + dense, **hp, fused=True),
     }
+    if device.type == "cuda":  # the one-pass Triton kernel (fused=None picks it) against the foreach path
+        opts["AdamS bool, fused=False"] = adams("bool", fused=False)
     times: dict[str, list[float]] = {name: [] for name in opts}
     mask_times: dict[str, list[float]] = {name: [] for name in opts}
 
@@ -165,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             row += f" {'':>17} {'':>8} {'':>10}"
         row += f" {mem:>14,d} {mask_mem:>12,d} {mem / base_mem:>7.3f}x"
         lines.append(row)
+    if device.type == "cuda":
+        lines += bandwidth_lines(opts, times, sparse, dense)
     lines.append("")
     lines.append("ratios are to the AdamW(foreach=True) median measured in the same interleaved rounds; "
                  "amortised = ((T1 - 1) x median + mask-update step) / T1")

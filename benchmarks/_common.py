@@ -1,0 +1,198 @@
+"""Shared pieces of the training-step benchmarks (train_step, mask_update, peak_memory).
+
+One training step here is the body of the trainer's loop (``cast_llm.train.trainer.train``) for one
+micro-batch: student forward, teacher forward under ``no_grad`` (KD only), the trainer's own ``lm_loss``
+(CE, or Eq. 13 through the chunked KD loss), backward, gradient clipping at 1.0, the optimizer step,
+``zero_grad(set_to_none=True)``. Logging, observers and the LR schedule are left out: plain training pays
+for them alike. Three variants, as in the paper's timing table (method.md §7):
+
+* ``plain``: the dense model, CE only, ``torch.optim.AdamW`` — fused (the fastest torch AdamW); the
+  foreach AdamW is timed on the same gradients as a second plain row;
+* ``cast_nokd``: CAST without KD — ScaledLinear targets (Eq. 11-12) and AdamS (Eq. 7-8), built by the
+  trainer's own ``CastMethod``;
+* ``cast_kd``: the same plus the frozen teacher and the KD loss (Eq. 13).
+
+All variants share ONE set of weight tensors (the CAST model is a second module tree over the same
+Parameters; only the scales are its own): timing does not depend on the values, and it keeps a 135M model's
+three variants within a few GB. Masks are held fixed during the timed steps and recomputed separately
+(``refresh_masks``), so that the amortised mask cost can be reported on its own (benchmark 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# LLaMA-shaped models with random weights: (hidden, intermediate, layers, heads, kv heads, vocab)
+RANDOM_MODELS = {
+    "tiny-llama": (64, 128, 2, 4, 2, 512),  # --quick: a few ms per step
+    "llama-1b": (2048, 5632, 22, 32, 4, 32000),  # TinyLlama-1.1B's shape: the "larger" GPU model
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def machine() -> str:
+    """CPU model, threads, torch version and load average (or the GPU), for every printed result."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = "load unknown"
+    if hasattr(os, "getloadavg"):
+        load = "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}; {os.cpu_count()} logical CPUs ({load}); torch {torch.__version__} with "
+            f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}{gpu}")
+
+
+def preload() -> None:
+    """Import everything a step needs (seconds of imports), e.g. once before forking per-variant processes."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import cast_llm.distill  # noqa: F401
+    import cast_llm.models  # noqa: F401
+    import cast_llm.train.methods.cast  # noqa: F401
+    import cast_llm.train.trainer  # noqa: F401
+
+
+def load(name: str, device: torch.device) -> torch.nn.Module:
+    """A causal LM in fp32 (master weights, as the trainer loads it): a random LLaMA shape or a real model."""
+    if name in RANDOM_MODELS:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hidden, inter, layers, heads, kv, vocab = RANDOM_MODELS[name]
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                          max_position_embeddings=4096, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        with torch.device(device):
+            return LlamaForCausalLM(cfg).float()
+    from cast_llm.models import load_model
+
+    return load_model(name, dtype=torch.float32, device=device)
+
+
+def train_config(**overrides):
+    """The trainer's config with the defaults a CAST run uses (masks fixed: see ``refresh_masks``)."""
+    from cast_llm.train.config import TrainConfig
+
+    kw = dict(method="cast", mask_interval=0, progress=False)
+    kw.update(overrides)
+    return TrainConfig(**kw)
+
+
+@dataclass
+class Variant:
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    teacher: torch.nn.Module | None = None
+    extra_optimizer: torch.optim.Optimizer | None = None  # stepped on the same gradients, timed apart
+    times: dict[str, list[float]] = field(default_factory=dict)
+
+
+def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dtype) -> dict[str, Variant]:
+    """The variants of the module docstring over ``base``'s weights (``base`` becomes the plain model)."""
+    from cast_llm.train.methods import get_method
+
+    base.train()
+    out: dict[str, Variant] = {}
+    teacher = None
+    if "cast_kd" in names:
+        # the trainer's teacher: a frozen copy of the dense start, in the training dtype (bf16 under autocast)
+        teacher = copy.deepcopy(base).eval().requires_grad_(False)
+        if dtype != torch.float32:
+            teacher.to(dtype)
+    if "plain" in names:
+        params = list(base.parameters())
+        fused = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+        foreach = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+        if base.device.type == "cpu":  # share the moments: timing needs no second 1 GB of state on a small box
+            foreach.state = fused.state
+        out["plain"] = Variant("plain", base, fused, extra_optimizer=foreach)
+    if "cast_nokd" in names or "cast_kd" in names:
+        # a second module tree over the SAME Parameters (deepcopy's memo maps every Parameter to itself)
+        student = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
+        method = get_method("cast")
+        method.prepare_model(student, cfg)  # wraps the targets in ScaledLinear, as the trainer does
+        opt = method.build_optimizer(student, cfg, 100_000)  # AdamS with the trainer's param groups
+        for name in ("cast_nokd", "cast_kd"):
+            if name in names:
+                out[name] = Variant(name, student, opt, teacher=teacher if name == "cast_kd" else None)
+    return out
+
+
+def refresh_masks(opt) -> None:
+    """Recompute and store every N:M mask of an AdamS (Eq. 6) — exactly what a ``t % T1 == 0`` step does."""
+    for group in opt.param_groups:
+        if group["sparse"]:
+            for p in group["params"]:
+                opt.state[p]["mask"] = opt._encode(opt._compute_mask(p, group))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """Wall time, and on CPU also the process's CPU time: on a machine shared with other jobs the CPU time
+    of a single-threaded process is what the work cost, the wall time adds however long it waited for a
+    core. Every reading is ``(wall, cpu)`` seconds."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self) -> tuple[float, float]:
+        sync(self.device)
+        return time.perf_counter(), time.process_time()
+
+
+def elapsed(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return b[0] - a[0], b[1] - a[1]
+
+
+def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype | None) -> dict[str, tuple]:
+    """One step of the trainer's loop body; returns ``(wall, cpu)`` seconds of each phase."""
+    from cast_llm.train.trainer import lm_loss
+
+    clock = Clock(batch.device)
+    t0 = clock()
+    device = batch.device
+    ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+           else torch.autocast(device.type, enabled=False))
+    with ctx:
+        logits = v.model(input_ids=batch).logits
+        t_logits = None
+        if v.teacher is not None:
+            with torch.no_grad():
+                t_logits = v.teacher(input_ids=batch).logits
+        loss, _, _ = lm_loss(logits, t_logits, batch, cfg)  # CE without a teacher, Eq. 13 with one
+        del logits, t_logits
+        if not torch.isfinite(loss.detach()):
+            raise RuntimeError(f"{v.name}: loss became {float(loss)}")
+    t1 = clock()
+    loss.backward()
+    t2 = clock()
+    torch.nn.utils.clip_grad_norm_(v.model.parameters(), cfg.grad_clip)
+    t3 = clock()
+    v.optimizer.step()
+    t4 = clock()
+    times = dict(forward=elapsed(t0, t1), backward=elapsed(t1, t2), clip=elapsed(t2, t3), optimizer=elapsed(t3, t4))
+    if v.extra_optimizer is not None:
+        v.extra_optimizer.step()
+        times["optimizer_extra"] = elapsed(t4, clock())
+    v.optimizer.zero_grad(set_to_none=True)
+    return times
+
+
+def random_batch(batch: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
