@@ -185,3 +185,29 @@ def test_fused_true_without_the_kernel_says_why():
         AdamS([torch.nn.Parameter(torch.zeros(4, 8))], total_steps=3, fused=True)
     with pytest.raises(ValueError, match="exclude each other"):
         AdamS([torch.nn.Parameter(torch.zeros(4, 8))], total_steps=3, fused=True, foreach=False)
+
+
+@pytest.mark.slow  # ~10-30 s per variant: a full Triton -> PTX -> cubin compile
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its bundled ptxas compiles without a GPU)")
+@pytest.mark.parametrize("dtype,packed,unit", [("fp32", False, 16), ("bf16", True, 16), ("fp16", False, 1)])
+def test_kernel_compiles_for_h100_with_vector_loads(dtype, packed, unit):
+    """Compile the kernel for sm_90 (H100) ahead of time, as the JIT would on a GPU: every code path the
+    host can pick must compile, and the aligned variant must use 16-byte vector loads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cast_llm.optim.triton_adams import _BLOCK, _NUM_WARPS, _adams_kernel
+
+    sig = {"table_ptr": "*i64", "numel_ptr": "*i64", "n_tensors": "i32", "theta0": f"*{dtype}",
+           "grad0": f"*{dtype}", "mu0": f"*{dtype}", "v0": f"*{dtype}", "mask0": "*u8"}
+    sig.update({name: "fp32" for name in ("lerp_w", "lerp_w_rest", "beta2", "one_minus_beta2", "decay",
+                                          "one_minus_alpha", "step_size", "bc2_sqrt", "eps", "wd_keep")})
+    consts = dict(PACKED=packed, ADDITIVE=False, MAXIMIZE=False, WEIGHT_DECAY=True, LERP_FROM_END=False,
+                  RN=True, UNIT=unit, BLOCK=_BLOCK)
+    sig.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(fn=_adams_kernel, signature=sig, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": _NUM_WARPS})
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"] and "sqrt.rn" in ptx
+    assert ("ld.global.v4" in ptx) == (unit == 16)  # UNIT = 1: scalar accesses, any alignment
