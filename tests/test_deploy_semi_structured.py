@@ -67,7 +67,7 @@ def _logits(model, ids):
 def test_semi_structured_model_matches_dense_on_gpu(arch, dtype):
     shape = dict(hidden_size=128, intermediate_size=256) if arch == "llama" else dict(n_embd=128)
     model = sparse_model(arch, dtype, **shape).cuda()
-    ids = torch.randint(0, 1000, (2, 32), device="cuda")
+    ids = torch.randint(0, tiny.VOCAB, (2, 32), device="cuda")
     dense = _logits(model, ids)
     swapped = to_semi_structured_(model)
     assert len(swapped) == (14 if arch == "llama" else 8)
@@ -88,5 +88,5 @@ def test_compressed_checkpoint_loads_to_semi_structured_on_gpu(tmp_path):
     dense = load_compressed(tmp_path / "c", device="cuda")
     sparse = load_compressed(tmp_path / "c", device="cuda", semi_structured=True)
     assert isinstance(sparse.model.layers[0].mlp.down_proj.weight, SparseSemiStructuredTensor)
-    ids = torch.randint(0, 1000, (1, 16), device="cuda")
+    ids = torch.randint(0, tiny.VOCAB, (1, 16), device="cuda")
     torch.testing.assert_close(_logits(sparse, ids), _logits(dense, ids), atol=5e-2, rtol=5e-2)

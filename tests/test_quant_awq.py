@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 from deploy_helpers import sparse_model
 
@@ -37,7 +38,7 @@ def test_folding_any_scale_preserves_the_block_function_float64(name):
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     _, blocks = find_block_list(model)
-    inp = capture_block_inputs(model, blocks, torch.randint(0, 1000, (2, 16)), batch_size=2,
+    inp = capture_block_inputs(model, blocks, torch.randint(0, tiny.VOCAB, (2, 16)), batch_size=2,
                                device=torch.device("cpu"))[0]
     block = blocks[0]
     before = run_block(block, inp)
@@ -83,7 +84,7 @@ def test_awq_model_keeps_every_zero(arch, bits):
     model = sparse_model(arch)
     targets = find_targets(model)
     zeros = {t.fqn: (t.weight == 0).clone() for t in targets}
-    ids = torch.randint(0, 1000, (4, 16))
+    ids = torch.randint(0, tiny.VOCAB, (4, 16))
     result = quantize_model_(model, method="awq", bits=bits, group_size=32, calib_ids=ids, grid=4,
                              search_tokens=32)
     assert result.zeros_checked == sum(int(z.sum()) for z in zeros.values())
@@ -103,5 +104,5 @@ def test_a_wrong_fold_is_caught_by_the_function_check(monkeypatch):
     monkeypatch.setattr(cal, "fold_scale_", consumers_only)
     model = sparse_model("llama")
     with pytest.raises(RuntimeError, match="changed the output of block 0"):
-        quantize_model_(model, method="awq", bits=4, group_size=32, calib_ids=torch.randint(0, 1000, (2, 8)),
+        quantize_model_(model, method="awq", bits=4, group_size=32, calib_ids=torch.randint(0, tiny.VOCAB, (2, 8)),
                         grid=2, search_tokens=8)

@@ -42,7 +42,7 @@ def test_quantize_pack_load_is_bitwise_equal_to_fake_quant(tmp_path, method, bit
     from cast_llm.quant.pack import save_quantized
 
     model = sparse_model(arch) if sparse else tiny.model(arch)
-    ids = torch.randint(0, 1000, (2, 16))
+    ids = torch.randint(0, tiny.VOCAB, (2, 16))
     result = quantize_model_(model, method=method, bits=bits, group_size=32, calib_ids=ids, grid=2,
                              search_tokens=16)
     model.to(torch.float16)
