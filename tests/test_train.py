@@ -151,7 +151,7 @@ def test_yaml_and_cli_precedence(tmp_path):
                                      "--output-dir", "x"]))
     assert cfg.lr == 2e-4  # CLI beats YAML
     assert cfg.seq_len == 64 and cfg.eta == 0.5 and cfg.max_steps == 7  # YAML beats preset
-    assert cfg.batch_size == 4 and cfg.model == "smollm2-135m"  # preset beats defaults
+    assert cfg.batch_size == 2 and cfg.warmup_steps == 5 and cfg.model == "smollm2-135m"  # preset beats defaults
     cfg = build_config(p.parse_args(["train", "--preset", "smollm2-cpu", "--tokens", "20M", "--output-dir", "x"]))
     assert cfg.tokens == 20_000_000 and cfg.max_steps is None  # a typed budget replaces the preset's
     y.write_text("lrr: 3\n")
