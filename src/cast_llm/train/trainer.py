@@ -281,7 +281,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
                 del logits, t_logits
                 if not torch.isfinite(loss.detach()):
                     where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-                    raise CastError(f"loss became {float(loss)} at step {step + 1}; stopped ({where}); "
+                    raise CastError(f"loss became {float(loss.detach())} at step {step + 1}; stopped ({where}); "
                                     "lower --lr or check the data")
                 accelerator.backward(loss / cfg.grad_accum)
             window["loss"] += float(loss.detach()) / cfg.grad_accum
