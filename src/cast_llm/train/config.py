@@ -79,7 +79,7 @@ class TrainConfig:
                                    "off for naive, srste, maskllm; --kd / --no-kd to change it")
     eta: float = option(1 / 3, "KD weight η in η·KL + (1-η)·CE (paper 2/3 GPT-2/OPT, 1/3 LLaMA)")
     temperature: float = option(1.0, "KD softmax temperature (ours; paper uses 1)")
-    kd_chunk_size: int = option(4096, "tokens per chunk when computing the KD loss (bounds logits memory)")
+    kd_chunk_size: int = option(1024, "tokens per chunk when computing the KD loss (bounds logits memory)")
     # --- baselines and ablations (method.md §6)
     mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
                                         "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS)
