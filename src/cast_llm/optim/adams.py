@@ -222,6 +222,11 @@ class AdamS(Optimizer):
         (never, with ``mask_interval=0``)."""
         group = self._sparse_group(p)
         local = _local(p)
+        if _is_dtensor(p) and not _is_dtensor(mask) and tuple(mask.shape) == tuple(p.shape) != tuple(local.shape):
+            # a full-tensor mask for a sharded parameter: keep this rank's slice (no communication)
+            from torch.distributed.tensor import distribute_tensor
+
+            mask = distribute_tensor(mask.to(local.device), p.device_mesh, p.placements, src_data_rank=None)
         mask = _local(mask)
         if mask.dtype != torch.bool or mask.shape != local.shape:
             raise ValueError(f"set_mask: need a bool mask of shape {tuple(local.shape)}, "

@@ -107,8 +107,70 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Verify and load a checkpoint folder; returns (states, meta)."""
+def _rank_file(name: str, rank: int) -> str:
+    return f"{name}-rank{rank:05d}.pt"
+
+
+def save_sharded_checkpoint(
+    run_dir: Path,
+    step: int,
+    shared: dict[str, Any],
+    per_rank: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    barrier,
+    keep: int = 2,
+) -> Path:
+    """Atomic checkpoint of a sharded (FSDP2) run: every rank writes ``NAME-rankRRRRR.pt`` for each entry of
+    ``per_rank`` (its own shards), rank 0 also ``NAME.pt`` for ``shared``; all into the same ``*.tmp`` folder
+    (a filesystem every rank sees). Only when every rank has written and synced its files does rank 0
+    checksum them all, write ``meta.json`` (with ``sharded.world_size``) and rename the folder into place.
+    Collective: every rank must call it; ``barrier()`` synchronises the ranks.
+    """
+    root = checkpoint_root(run_dir)
+    final = root / f"step-{step:08d}"
+    tmp = root / f"step-{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    mine = {_rank_file(name, rank): obj for name, obj in per_rank.items()}
+    if rank == 0:
+        mine.update({f"{name}.pt": obj for name, obj in shared.items()})
+    for fname, obj in mine.items():
+        torch.save(obj, tmp / fname)
+        with (tmp / fname).open("rb") as fh:
+            os.fsync(fh.fileno())
+    barrier()
+    if rank == 0:
+        expected = {_rank_file(name, r) for name in per_rank for r in range(world_size)} | {f"{n}.pt" for n in shared}
+        present = {f.name for f in tmp.iterdir()}
+        if expected - present:
+            raise CastError(f"checkpoint {tmp}: files of other ranks are missing ({sorted(expected - present)[:3]}); "
+                            "--fsdp checkpoints need an --output-dir every process can see")
+        files = {f: _sha256(tmp / f) for f in sorted(expected)}
+        meta = {**meta, "step": step, "files": files, "sharded": {"world_size": world_size}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        with (tmp / "meta.json").open("rb") as fh:
+            os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
+                    rank: int | None = None, world_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify and load a checkpoint folder; returns (states, meta).
+
+    ``rank``/``world_size`` (FSDP2 runs): load a sharded checkpoint's shared files and this rank's own
+    ``NAME-rankRRRRR.pt`` files (returned under ``NAME``); the number of processes must be the same.
+    """
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -120,11 +182,23 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any]) -> tuple[d
         detail = "; ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise CastError(f"checkpoint {path} belongs to a different run configuration ({detail}); "
                         "resume with the same settings or start a new --output-dir")
+    sharded = meta.get("sharded")
+    if (sharded is None) != (rank is None):
+        kind = "sharded (--fsdp)" if sharded else "unsharded"
+        raise CastError(f"checkpoint {path} is {kind}; resume it with the same --fsdp setting it was written with")
+    if sharded and sharded["world_size"] != world_size:
+        raise CastError(f"checkpoint {path} was written by {sharded['world_size']} processes (--fsdp); resume it "
+                        f"with the same number of processes (now {world_size})")
     states = {}
     for fname, digest in meta.get("files", {}).items():
+        name = fname.removesuffix(".pt")
+        if sharded and "-rank" in name:
+            name, _, r = name.rpartition("-rank")
+            if int(r) != rank:
+                continue
         f = path / fname
         if not f.is_file() or _sha256(f) != digest:
             raise CastError(f"checkpoint {path} is corrupt: {fname} is missing or its checksum does not match; "
                             "delete this checkpoint folder to resume from an older one")
-        states[f.stem] = torch.load(f, map_location="cpu", weights_only=False)
+        states[name] = torch.load(f, map_location="cpu", weights_only=False)
     return states, meta

@@ -115,6 +115,8 @@ class TrainConfig:
     overwrite: bool = option(False, "replace an existing run in --output-dir")
     seed: int = option(0, "seed for data order, sampling and initialisation")
     device: str = option("auto", "auto, cpu or cuda (accelerate launch sets the device per process)")
+    fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
+                               "processes; --method cast with AdamS; resume with the same process count")
     precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16", choices=("auto", "fp32", "bf16"))
     max_documents: int | None = option(None, "use only the first this many documents of --data (quick runs)")
     progress: bool = option(True, "show a progress bar")

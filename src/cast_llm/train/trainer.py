@@ -160,6 +160,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     set_seed(cfg.seed)
     say = log if is_main else (lambda *a, **k: None)
     method = get_method(cfg.method)
+    if cfg.fsdp:
+        from cast_llm.train import fsdp as fsdp2
+
+        fsdp2.check_supported(cfg)
 
     # ---- model, teacher, data
     tokenizer = load_tokenizer(cfg.model)
@@ -205,14 +209,25 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             teacher.to(torch.bfloat16)  # fp32 weights, and no weight casts by autocast at every forward
     method.prepare_model(model, cfg, data=data, device=accelerator.device)
     model.train()
+    if cfg.fsdp:  # shard before the optimizer is built: AdamS must hold the sharded (DTensor) parameters
+        mesh = fsdp2.device_mesh(accelerator.device)
+        for module in (model, teacher):
+            if module is not None:
+                transposed = [t.weight for t in find_targets(module, n=cfg.n, m=cfg.m,
+                                                              skip_incompatible=cfg.skip_incompatible)
+                              if t.transposed]
+                fsdp2.shard_model(module, mesh, transposed_weights=transposed)
+        say(f"FSDP2: student{' and teacher' if teacher is not None else ''} sharded over {world} processes "
+            "(rows of every weight; N:M groups stay whole on one rank)")
     optimizer = method.build_optimizer(model, cfg, total_steps)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.02 * total_steps))
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps,
                                                             min_lr_rate=cfg.min_lr_ratio)
     # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if teacher is not None:
-        teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+    if not cfg.fsdp:  # (--fsdp: sharded above; accelerate only sets up processes, device and autocast)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        if teacher is not None:
+            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
     raw = accelerator.unwrap_model(model)
     for module in (raw, teacher):
         _keep_output_dtype(module)
@@ -221,11 +236,21 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     cfg_dict = asdict(cfg)
     fp = fingerprint(cfg_dict)
     start_step = 0
-    observers = default_observers(cfg)
+    if cfg.fsdp:  # the per-layer analysis observers need whole tensors; mask statistics are summed over ranks
+        observers = [fsdp2.ShardedMaskStats(accelerator.device)]
+        say("FSDP2: per-layer statistics, weight tracking and ratio histograms are off (whole-model mask "
+            "statistics are logged)")
+    else:
+        observers = default_observers(cfg)
     if checkpoints:
-        states, meta = load_checkpoint(checkpoints[-1], fp)
-        raw.load_state_dict(states["model"])
-        optimizer.load_state_dict(states["optimizer"])
+        if cfg.fsdp:
+            states, meta = load_checkpoint(checkpoints[-1], fp, rank=accelerator.process_index, world_size=world)
+            fsdp2.load_local_model_state(raw, states["model"])
+            fsdp2.load_local_optimizer_state(optimizer, states["optimizer"])
+        else:
+            states, meta = load_checkpoint(checkpoints[-1], fp)
+            raw.load_state_dict(states["model"])
+            optimizer.load_state_dict(states["optimizer"])
         scheduler.load_state_dict(states["scheduler"])
         from cast_llm.train.checkpoint import set_rng_state
 
@@ -246,6 +271,19 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def checkpoint(step: int) -> None:
+        if cfg.fsdp:  # every rank writes its own shards into the same folder, renamed into place at the end
+            from cast_llm.train.checkpoint import save_sharded_checkpoint
+
+            per_rank = {"model": fsdp2.local_model_state(raw), "optimizer": fsdp2.local_optimizer_state(optimizer),
+                        "rng": rng_state(), "observers": {ob.name: ob.state_dict() for ob in observers}}
+            save_sharded_checkpoint(out, step, {"scheduler": scheduler.state_dict()}, per_rank,
+                                    {"fingerprint": fp, "tokens": step * tokens_per_step},
+                                    rank=accelerator.process_index, world_size=world,
+                                    barrier=accelerator.wait_for_everyone, keep=cfg.keep_checkpoints)
+            if is_main:
+                _write_json(out / "results.json", results)
+            accelerator.wait_for_everyone()
+            return
         states = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(),
                   "scheduler": scheduler.state_dict(), "rng": rng_state(),
                   "observers": {ob.name: ob.state_dict() for ob in observers}}
@@ -270,7 +308,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             idx = sampler.indices(step * cfg.grad_accum + micro)
             batch = data.train[idx].to(accelerator.device)
             sync = micro == cfg.grad_accum - 1
-            ctx = accelerator.no_sync(model) if (not sync and world > 1) else _nullcontext()
+            if cfg.fsdp:
+                fsdp2.set_gradient_sync(model, sync)
+                ctx = _nullcontext()
+            else:
+                ctx = accelerator.no_sync(model) if (not sync and world > 1) else _nullcontext()
             with ctx, accelerator.autocast():
                 logits = model(input_ids=batch).logits
                 t_logits = None
@@ -287,7 +329,9 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             window["loss"] += float(loss.detach()) / cfg.grad_accum
             window["ce"] += ce / cfg.grad_accum
             window["kd"] += kd / cfg.grad_accum
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 and cfg.fsdp:  # torch's clip works on DTensor gradients: the global norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        elif cfg.grad_clip > 0:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         scheduler.step()
@@ -330,7 +374,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
                           masks_fn=lambda: method.current_masks(raw, raw_opt))
     for ob in observers:
         ob.on_end(end_ctx)
-    method.finalize(raw, raw_opt)
+    if cfg.fsdp:
+        raw = _finish_fsdp(cfg, raw, raw_opt, is_main, accelerator.device)
+        teacher = optimizer = raw_opt = model = None
+    else:
+        method.finalize(raw, raw_opt)
     model = raw
     accelerator.wait_for_everyone()
     tokens_trained = total_steps * tokens_per_step
@@ -360,6 +408,30 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
+
+
+def _finish_fsdp(cfg: TrainConfig, model, optimizer, is_main: bool, device):
+    """Gather the sharded student and its final masks on rank 0 into a plain model; prune and fold it there.
+
+    Collective (every rank gathers); returns the plain, pruned, folded model on rank 0 and None elsewhere.
+    Equal to ``CastMethod.finalize`` (``optimizer.prune_()`` then ``fold_scaling_``): the fold writes
+    ``Diag(A)(W ⊙ M)`` with the same masks.
+    """
+    from cast_llm.nn import fold_scaling_
+    from cast_llm.targets import find_targets
+    from cast_llm.train import fsdp as fsdp2
+
+    names = {id(t.weight): t.fqn for t in find_targets(model, n=cfg.n, m=cfg.m,
+                                                      skip_incompatible=cfg.skip_incompatible)}
+    masks = fsdp2.gather_masks(optimizer, names, is_main)
+    full = fsdp2.full_model_state(model)
+    if not is_main:
+        return None
+    plain = fsdp2.build_plain_student(cfg)
+    plain.load_state_dict(full)
+    del full
+    fold_scaling_(plain, {f"{fqn}.weight": mask for fqn, mask in masks.items()})
+    return plain.to(device)
 
 
 def _keep_output_dtype(module) -> None:

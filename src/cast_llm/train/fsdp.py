@@ -1,0 +1,240 @@
+"""FSDP2 for ``cast-llm train --fsdp``: sharding, sharded checkpoints, gathering the final model.
+
+Why ``fully_shard`` is applied here and not through accelerate's ``FullyShardedDataParallelPlugin``:
+accelerate 1.x switches to its FSDP code path only for GPU-like multi-process setups (``MULTI_GPU``,
+``MULTI_XPU``, ...; a gloo ``MULTI_CPU`` run never becomes ``DistributedType.FSDP``), so its FSDP2 path
+cannot run, or be tested, on CPU; and its ``prepare`` re-creates the optimizer's parameter references and
+auto-wraps by class name. Calling ``torch.distributed.fsdp.fully_shard`` ourselves (one unit per decoder
+block, then the root) is the same FSDP2 on every backend (gloo on CPU, NCCL on GPUs), is tested here on CPU,
+and keeps the rest of the loop on accelerate (process setup, device, autocast, reductions).
+
+What is sharded: every parameter of student and teacher, dim 0 (rows of an ``(out, in)`` weight), so the
+N:M groups along dim 1 stay whole on one rank and AdamS's masks, computed from each rank's local rows, are
+exactly the rows of the full tensor's mask. GPT-2 ``Conv1D`` targets store ``(in, out)`` (groups along dim
+0): they are sharded along dim 1 instead (``shard_placement_fn``), with the same property.
+
+Checkpoints are per-rank files (local shards of the model, of AdamS's state with its masks, RNG and
+observer state; see :func:`cast_llm.train.checkpoint.save_sharded_checkpoint`): resume needs the same
+number of processes. The final model is gathered on rank 0 as a full state dict, loaded into a plain
+(unsharded) copy of the student, pruned with the gathered final masks and folded there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from cast_llm.errors import CastError
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def check_supported(cfg) -> None:
+    """--fsdp covers CAST with AdamS (the paper's method and its scaling/KD/fixed-mask ablations)."""
+    if cfg.method != "cast" or cfg.mask_learner != "adams":
+        raise CastError(f"--fsdp supports --method cast with --mask-learner adams (got --method {cfg.method}, "
+                        f"--mask-learner {cfg.mask_learner}); use DDP (no --fsdp) for the other methods")
+    if cfg.eval_every:
+        raise CastError("--eval-every is not supported with --fsdp yet (the final evaluation runs on rank 0)")
+
+
+def device_mesh(device: torch.device):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise CastError("--fsdp needs a distributed launch (accelerate launch / torchrun); "
+                        "a single process trains unsharded, without --fsdp")
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def shard_model(model: nn.Module, mesh, *, transposed_weights=()) -> nn.Module:
+    """``fully_shard`` every decoder block, then the root (embeddings, final norm, head), in place.
+
+    Parameters are moved to the mesh's device by FSDP block by block, so a model loaded on the CPU never
+    sits whole on one GPU. ``transposed_weights``: Conv1D target weights, sharded along dim 1.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from cast_llm.targets import find_block_list
+
+    found = find_block_list(model)
+    if found is None:
+        raise CastError(f"--fsdp: no decoder block list found in {type(model).__name__}")
+    ids = {id(p) for p in transposed_weights}
+
+    def placement(p):  # None = the default Shard(0)
+        return Shard(1) if id(p) in ids else None
+
+    for block in found[1]:
+        fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Gradient accumulation: no reduce-scatter on the micro-batches before the last one."""
+    model.set_requires_gradient_sync(sync)
+
+
+# ------------------------------------------------------------------------------------- sharded state
+def _to_local_cpu(obj):
+    if is_dtensor(obj):
+        return obj.to_local().detach().cpu().clone()
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local_cpu(v) for v in obj)
+    return obj
+
+
+def local_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shards of the model's state dict, as plain CPU tensors."""
+    return {k: _to_local_cpu(v) for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def load_local_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy the shards of :func:`local_model_state` back into the (identically sharded) model."""
+    current = model.state_dict()
+    if set(current) != set(state):
+        missing, extra = set(current) - set(state), set(state) - set(current)
+        raise CastError(f"sharded checkpoint does not fit the model (missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(extra)[:3]})")
+    for k, t in current.items():
+        dst = local(t)
+        if tuple(dst.shape) != tuple(state[k].shape):
+            raise CastError(f"sharded checkpoint: {k} has local shape {tuple(state[k].shape)}, the model "
+                            f"{tuple(dst.shape)} (resume with the same number of processes)")
+        dst.copy_(state[k])
+
+
+def local_optimizer_state(optimizer) -> dict[str, Any]:
+    """AdamS's state dict with DTensor moments replaced by this rank's shards (masks are local already)."""
+    return _to_local_cpu(optimizer.state_dict())
+
+
+def load_local_optimizer_state(optimizer, state: dict[str, Any]) -> None:
+    """Load :func:`local_optimizer_state`; moments become DTensors again, sharded like their parameter."""
+    optimizer.load_state_dict(state)
+    for p, st in optimizer.state.items():
+        if not is_dtensor(p):
+            continue
+        for key, v in list(st.items()):
+            if torch.is_tensor(v) and not is_dtensor(v) and key in ("exp_avg", "exp_avg_sq"):
+                st[key] = DTensor.from_local(v.to(local(p).device), p.device_mesh, p.placements,
+                                             shape=p.shape, stride=p.stride(), run_check=False)
+
+
+# ------------------------------------------------------------------------------------------- finish
+def gather_masks(optimizer, names: dict[int, str], is_main: bool) -> dict[str, torch.Tensor]:
+    """Full bool masks of every sparse parameter on rank 0 (``{fqn: mask}``; empty elsewhere).
+
+    Collective: every rank must call it. One parameter at a time (uint8: gloo has no bool all-gather).
+    """
+    out = {}
+    for p, mask in optimizer.masks().items():
+        if is_dtensor(p):
+            m8 = DTensor.from_local(mask.to(torch.uint8), p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride(), run_check=False)
+            full = m8.full_tensor()
+        else:
+            full = mask
+        if is_main:
+            out[names[id(p)]] = full.bool().cpu()
+    return out
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on rank 0, on the CPU; an empty dict on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def build_plain_student(cfg) -> nn.Module:
+    """An unsharded student with the trained model's structure (weights to be loaded into it)."""
+    from cast_llm.models import load_model
+    from cast_llm.nn import wrap_scaling_
+    from cast_llm.targets import find_targets
+
+    plain = load_model(cfg.model, dtype=torch.float32)
+    if cfg.use_scaling:  # as CastMethod.prepare_model
+        fqns = {t.fqn for t in find_targets(plain, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)}
+        wrap_scaling_(plain, filter_fn=lambda mod, fqn: fqn in fqns, n_groups=cfg.scale_groups, m=cfg.m)
+    return plain
+
+
+# ---------------------------------------------------------------------------------- mask statistics
+class ShardedMaskStats:
+    """:class:`~cast_llm.train.observers.MaskStats` for sharded masks: counts summed over ranks.
+
+    Each rank keeps packed snapshots of its own mask rows (saved in its own checkpoint file); the flip
+    rates and the sparse-weight ratio are ratios of sums all-reduced in float64, i.e. the same quantities as
+    on the full tensors.
+    """
+
+    name = "mask_stats"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.initial = None
+        self.prev = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def on_step(self, ctx):
+        import torch.distributed as dist
+
+        from cast_llm.sparsity.mask import pack_mask, unpack_mask
+        from cast_llm.train.observers import target_weight
+
+        if self.initial is None:
+            self.shapes = {k: tuple(v.shape) for k, v in ctx.masks.items()}
+            self.initial = {k: pack_mask(v) for k, v in ctx.masks.items()}
+            self.prev = dict(self.initial)
+        if not ctx.is_log_step:
+            return None
+        params = dict(ctx.model.named_parameters())
+        sums = torch.zeros(5, dtype=torch.float64)  # flips, initial flips, entries, kept mass, total mass
+        with torch.no_grad():
+            for k, cur in ctx.masks.items():
+                prev = unpack_mask(self.prev[k], self.shapes[k]).to(cur.device)
+                init = unpack_mask(self.initial[k], self.shapes[k]).to(cur.device)
+                mag = local(target_weight(params, k)).detach().abs()
+                sums[0] += float((prev != cur).sum())
+                sums[1] += float((init != cur).sum())
+                sums[2] += cur.numel()
+                sums[3] += float(mag.masked_fill(~cur, 0).sum(dtype=torch.float64))
+                sums[4] += float(mag.sum(dtype=torch.float64))
+        self.prev = {k: pack_mask(v) for k, v in ctx.masks.items()}
+        sums = sums.to(self.device)
+        dist.all_reduce(sums)
+        flips, init_flips, entries, kept, total = sums.tolist()
+        return {"flip_rate": flips / max(entries, 1), "initial_flip_rate": init_flips / max(entries, 1),
+                "sparse_weight_ratio": 1.0 if total == 0 else kept / total}
+
+    def on_end(self, ctx) -> None:
+        pass
+
+    def state_dict(self):
+        return {"initial": self.initial, "prev": self.prev, "shapes": self.shapes}
+
+    def load_state_dict(self, state):
+        if state:
+            self.initial, self.prev, self.shapes = state["initial"], state["prev"], state["shapes"]
