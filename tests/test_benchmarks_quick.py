@@ -18,6 +18,7 @@ EXPECTED = {
     "mask_update.py": "amortised over T1 = 10",
     "train_step.py": "ratios: CAST w/o KD / plain",
     "peak_memory.py": "the teacher adds",
+    "adams_noise.py": "AdamS moves noise-driven weights",
 }
 
 
