@@ -402,3 +402,13 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     lb = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
     strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
     assert strip(la) == strip(lb)
+
+
+def test_fsdp_refuses_unsupported_setups_with_one_line_errors(workdir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--max-steps", "1", "--fsdp", "--method", "srste") == 2
+    assert "--fsdp supports --method cast" in _err(capsys)
+    assert _train(workdir, out, "--max-steps", "1", "--fsdp", "--eval-every", "1") == 2
+    assert "--eval-every" in _err(capsys)
+    assert _train(workdir, out, "--max-steps", "1", "--fsdp", "--overwrite", "--no-baseline-eval") == 2
+    assert "distributed launch" in _err(capsys)
