@@ -412,3 +412,16 @@ def test_fsdp_refuses_unsupported_setups_with_one_line_errors(workdir, tmp_path,
     assert "--eval-every" in _err(capsys)
     assert _train(workdir, out, "--max-steps", "1", "--fsdp", "--overwrite", "--no-baseline-eval") == 2
     assert "distributed launch" in _err(capsys)
+
+
+def test_accelerate_use_fsdp_launch_turns_on_our_fsdp2(workdir, tmp_path, capsys, monkeypatch):
+    """`accelerate launch --use_fsdp …` sets ACCELERATE_USE_FSDP: the trainer takes over (--fsdp) and switches
+    accelerate's own wrapping off, so the model is never sharded twice. One process here: the FSDP2 path
+    must then say it needs a distributed launch (proof that it was taken) rather than train unsharded."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--max-steps", "1", "--overwrite", "--no-baseline-eval") == 2
+    assert "distributed launch" in _err(capsys)
+    import os
+
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -152,6 +153,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        # `accelerate launch --use_fsdp …` (or an accelerate config with FSDP): cast-llm applies FSDP2 itself
+        # (train/fsdp.py); accelerate's own wrapping would shard the model a second time, so it is switched off
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+        cfg.fsdp = True
     accelerator = Accelerator(cpu=cpu, mixed_precision=_precision(cfg, "cpu" if cpu else "cuda"))
     is_main = accelerator.is_main_process
     world = accelerator.num_processes
