@@ -46,7 +46,9 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"# 2:4 methods compared on {meta['model']} at equal compute ({meta['tier']} tier)",
         "",
         f"Generated {datetime.date.today().isoformat()} by `{meta['command']}` "
-        f"({meta['total_wall_s']:.0f} s in all, runs in `{meta['runs_dir']}`).",
+        f"({meta['total_wall_s']:.0f} s in all, runs in `{meta['runs_dir']}`)"
+        + ("; rows finished by earlier invocations were reused (each row's own command is listed under "
+           "Commands, its wall time in the table)." if "--only" in meta["command"] else "."),
         "",
         f"Model `{meta['model']}`, data `{meta['data']}`, training sequences of {s['seq_len']} tokens, "
         f"{s['batch_size'] * s['grad_accum']} sequences per step, cosine schedule with 2 % warm-up, peak lr as in "
