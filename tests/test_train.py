@@ -233,8 +233,9 @@ def _free_port() -> int:
 def test_ddp_two_cpu_processes_match_single_process(workdir, tmp_path):
     """Two CPU processes (gloo DDP through accelerate) with micro-batch 1 each == one process with 2.
 
-    accelerate 1.x's own `accelerate launch --cpu` starts several CPU processes only through MPI, so the
-    processes are started with torchrun; accelerate's Accelerator picks the distributed setup up from it.
+    Started the way the docs say: `accelerate launch --multi_gpu --num_processes 2 … --device cpu` (accelerate
+    1.x's `--cpu` switch starts several CPU processes only through MPI; `--multi_gpu` starts them with torchrun
+    and our `--device cpu` makes the Accelerator use gloo on the CPU).
     """
     common = ["--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"), "--wikitext-file",
               str(workdir / "eval.txt"), "--seq-len", "32", "--log-every", "2", "--val-sequences", "2",
@@ -243,7 +244,8 @@ def test_ddp_two_cpu_processes_match_single_process(workdir, tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     assert main(["train", *common, "--batch-size", "2", "--output-dir", str(single)]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
                 str(_free_port()), "-m", "cast_llm.cli"]
     r = subprocess.run([*launcher, "train", *common, "--batch-size", "1", "--output-dir", str(ddp)],
                        env=env, capture_output=True, text=True, timeout=600)
