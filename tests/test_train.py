@@ -40,6 +40,18 @@ def _train(workdir, out, *extra, arch="llama"):
     return main(argv)
 
 
+def _assert_same_run(ref, cut):
+    """Bitwise-equal exported weights and identical metrics (throughput aside) of two runs."""
+    a, b = load_file(ref / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
+    assert strip(la) == strip(lb)
+
+
 def _is_24(w: torch.Tensor, transposed: bool) -> bool:
     from cast_llm.sparsity.mask import is_nm
 
@@ -117,14 +129,7 @@ def test_kill_9_and_resume_is_bitwise_identical(workdir, tmp_path):
     assert not (cut / "model.safetensors").exists()
     p = _run_cli(common + ["--output-dir", str(cut), "--resume"])
     assert p.wait(timeout=300) == 0
-    a, b = load_file(ref / "model.safetensors"), load_file(cut / "model.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    la = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
-    lb = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
-    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
-    assert strip(la) == strip(lb)
+    _assert_same_run(ref, cut)
 
 
 def test_resume_refuses_corrupt_and_incompatible_checkpoints(workdir, tmp_path, capsys):
@@ -396,14 +401,7 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     r = _torchrun([*common, "--output-dir", str(cut), "--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
-    a, b = load_file(ref / "model.safetensors"), load_file(cut / "model.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    la = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
-    lb = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
-    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
-    assert strip(la) == strip(lb)
+    _assert_same_run(ref, cut)
 
 
 def test_fsdp_refuses_unsupported_setups_with_one_line_errors(workdir, tmp_path, capsys):

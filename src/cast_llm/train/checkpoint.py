@@ -99,12 +99,17 @@ def save_checkpoint(
     for f in tmp.iterdir():  # data must be on disk before the rename makes the checkpoint visible
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
+    _publish(run_dir, tmp, final, keep)
+    return final
+
+
+def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Rename a complete ``*.tmp`` checkpoint folder into place, then drop all but the ``keep`` newest."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _rank_file(name: str, rank: int) -> str:
@@ -155,11 +160,7 @@ def save_sharded_checkpoint(
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
         with (tmp / "meta.json").open("rb") as fh:
             os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(run_dir, tmp, final, keep)
     barrier()
     return final
 
