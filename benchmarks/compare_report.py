@@ -81,6 +81,9 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     for split, name in (("wikitext2", "WikiText-2"), ("heldout", "held-out")):
         checks = ordering(rows, split)
         held = sum(1 for c in checks if c[2])
+        if not checks:
+            lines.append(f"- **{name}**: no pair of the ordering has both of its rows in this table.")
+            continue
         lines.append(f"- **{name}**: {held}/{len(checks)} pairs hold.")
         lines += [f"  - {'✓' if ok else '✗'} {detail}" for _, _, ok, detail in checks]
     failed = [r for r in rows if r.get("status") != "ok"]
