@@ -49,7 +49,8 @@ def machine() -> str:
         load = "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"{cpu}; {os.cpu_count()} logical CPUs ({load}); torch {torch.__version__} with "
-            f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}{gpu}")
+            f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}; "
+            f"{platform.system()} {platform.release()}{gpu}")
 
 
 def preload() -> None:

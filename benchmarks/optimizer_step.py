@@ -16,13 +16,12 @@ steps, and the optimizer-state memory of each. ``--quick`` runs tiny shapes twic
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+from _common import machine
 
 from cast_llm.optim.adams import AdamS
 
@@ -50,21 +49,6 @@ def state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
                 if key == "mask":
                     masks += value.numel() * value.element_size()
     return total, masks
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = "load unknown"
-    if hasattr(os, "getloadavg"):
-        load = "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{cpu}; {os.cpu_count()} logical CPUs ({load}); torch {torch.__version__} with "
-            f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}; "
-            f"{platform.system()} {platform.release()}")
 
 
 def bandwidth_lines(opts, times, sparse, dense) -> list[str]:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cast_llm.nn.scaled_linear import is_linear_like, linear_features
+from cast_llm.nn.scaled_linear import is_linear_like, linear_features, linear_forward
 
 __all__ = ["MaskLLMLinear", "nm_patterns", "pattern_index"]
 
@@ -102,12 +102,7 @@ class MaskLLMLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.base_layer.weight * self.soft_mask()
-        bias = self.base_layer.bias
-        if not self.transposed:
-            return F.linear(x, weight, bias)
-        flat = x.reshape(-1, self.in_features)  # Conv1D: y = x @ W + b with W (in, out)
-        y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
-        return y.view(*x.shape[:-1], self.out_features)
+        return linear_forward(x, weight, self.base_layer.bias, self.transposed)
 
     @torch.no_grad()
     def to_layer(self) -> nn.Module:

@@ -94,6 +94,17 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool]:
     return in_f, out_f, True
 
 
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   transposed: bool) -> torch.Tensor:
+    """``nn.Linear`` semantics (weight ``(out, in)``), or GPT-2 ``Conv1D`` semantics when ``transposed``:
+    ``y = x @ W + b`` with ``W`` of shape ``(in, out)``."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, weight.shape[0])
+    y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
 class ScaledLinear(nn.Module):
     """A linear layer with a learnable block-wise weight scale, ``W_scale = Diag(A) W`` (Eq. 11-12).
 
@@ -174,13 +185,7 @@ class ScaledLinear(nn.Module):
             weight = _scaled_weight(weight, self.scale, self.n_groups, self.transposed, _matmul_dtype(weight))
         else:  # tensor subclasses (DTensor shards, ...): the plain autograd version of the same product
             weight = self.scaled_weight()
-        bias = self.base_layer.bias
-        if not self.transposed:
-            return F.linear(x, weight, bias)
-        # Conv1D semantics: y = x @ W + b with W (in, out)
-        flat = x.reshape(-1, self.in_features)
-        y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
-        return y.view(*x.shape[:-1], self.out_features)
+        return linear_forward(x, weight, self.base_layer.bias, self.transposed)
 
     @torch.no_grad()
     def to_linear(self, mask: torch.Tensor | None = None) -> nn.Module:

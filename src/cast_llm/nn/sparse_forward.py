@@ -21,10 +21,15 @@ the weight in place and returns the wrapped layer, so the exported model has the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cast_llm.nn.scaled_linear import ScaledLinear, _set_submodule, is_linear_like, linear_features
+from cast_llm.nn.scaled_linear import (
+    ScaledLinear,
+    _set_submodule,
+    is_linear_like,
+    linear_features,
+    linear_forward,
+)
 
 __all__ = ["SparseForwardLinear", "ste_masked", "wrap_sparse_forward_", "unwrap_sparse_forward_"]
 
@@ -84,12 +89,7 @@ class SparseForwardLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.masked_weight()
-        bias = self.base_layer.bias
-        if not self.transposed:
-            return F.linear(x, weight, bias)
-        flat = x.reshape(-1, self.in_features)  # Conv1D: y = x @ W + b with W (in, out)
-        y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
-        return y.view(*x.shape[:-1], self.out_features)
+        return linear_forward(x, weight, self.base_layer.bias, self.transposed)
 
     @torch.no_grad()
     def to_layer(self) -> nn.Module:
