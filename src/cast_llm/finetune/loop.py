@@ -35,7 +35,13 @@ from cast_llm.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from cast_llm.train.trainer import RUN_MARKER, _precision, _truncate_jsonl, _write_json, prepare_run_dir
+from cast_llm.train.trainer import (
+    RUN_MARKER,
+    _truncate_jsonl,
+    _write_json,
+    build_accelerator,
+    prepare_run_dir,
+)
 
 RUN_KIND = "cast-llm-finetune"
 
@@ -96,7 +102,6 @@ def support_changes(before: dict, targets) -> int:
 
 def finetune(cfg: FinetuneConfig, *, log=print) -> dict[str, Any]:
     """Run one fine-tuning job described by ``cfg``; returns the results written to ``results.json``."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -109,10 +114,7 @@ def finetune(cfg: FinetuneConfig, *, log=print) -> dict[str, Any]:
 
     cfg.validate()
     t_start = time.perf_counter()
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    accelerator = Accelerator(cpu=cpu, mixed_precision=_precision(cfg, "cpu" if cpu else "cuda"))
+    accelerator, _ = build_accelerator(cfg)
     is_main, world = accelerator.is_main_process, accelerator.num_processes
     out = prepare_finetune_dir(cfg, is_main)
     accelerator.wait_for_everyone()

@@ -130,6 +130,18 @@ def _precision(cfg: TrainConfig, device_type: str) -> str:
     return "no" if cfg.precision == "fp32" else cfg.precision
 
 
+def build_accelerator(cfg):
+    """The Accelerator of a training or fine-tuning job: its device from ``cfg.device`` (``auto``: CUDA when
+    visible) and its mixed precision from ``cfg.precision``; returns ``(accelerator, precision)``."""
+    from accelerate import Accelerator
+
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    precision = _precision(cfg, "cpu" if cpu else "cuda")
+    return Accelerator(cpu=cpu, mixed_precision=precision), precision
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
@@ -138,7 +150,6 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     """Run one training job described by ``cfg``; returns the results written to ``results.json``."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -150,15 +161,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
 
     cfg.validate()
     t_start = time.perf_counter()
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         # `accelerate launch --use_fsdp …` (or an accelerate config with FSDP): cast-llm applies FSDP2 itself
         # (train/fsdp.py); accelerate's own wrapping would shard the model a second time, so it is switched off
         os.environ["ACCELERATE_USE_FSDP"] = "false"
         cfg.fsdp = True
-    accelerator = Accelerator(cpu=cpu, mixed_precision=_precision(cfg, "cpu" if cpu else "cuda"))
+    accelerator, precision = build_accelerator(cfg)
     is_main = accelerator.is_main_process
     world = accelerator.num_processes
     out = prepare_run_dir(cfg, is_main)
@@ -211,7 +219,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     teacher = None
     if method.uses_kd(cfg):
         teacher = copy.deepcopy(model).eval().requires_grad_(False)
-        if _precision(cfg, "cpu" if cpu else "cuda") == "bf16":  # the training dtype: half the memory of
+        if precision == "bf16":  # the training dtype: half the memory of
             teacher.to(torch.bfloat16)  # fp32 weights, and no weight casts by autocast at every forward
     method.prepare_model(model, cfg, data=data, device=accelerator.device)
     model.train()
