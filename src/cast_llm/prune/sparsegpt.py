@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cast_llm.errors import CastError
-from cast_llm.sparsity.mask import nm_mask
+from cast_llm.sparsity.mask import is_nm_mask, nm_mask
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,13 @@ def sparsegpt_prune_(
     dtype: torch.dtype = torch.float32,
     max_retries: int = MAX_DAMP_RETRIES,
     name: str = "layer",
+    mask: torch.Tensor | None = None,
 ) -> SparseGPTInfo:
     """Prune ``weight`` (R, C) in place to N:M with SparseGPT, given ``hessian`` = 2/n X Xᵀ (C, C).
+
+    ``mask`` (R, C) bool, True = kept, fixes which entries are pruned instead of choosing them by OBS
+    saliency: only the OBS update runs (the compensated prune of a trained CAST model, whose masks were
+    learned). It must be an exact ``n``:``m`` mask along the last dim.
 
     ``weight`` may be a non-contiguous view (e.g. ``conv1d.weight.t()``): the result is copied into it.
     Computation happens in ``dtype`` (float32; float64 for reference tests) on the weight's device.
@@ -138,6 +143,12 @@ def sparsegpt_prune_(
         raise ValueError(f"{name}: columns ({cols}) and blocksize ({blocksize}) must be multiples of m={m}")
     if not bool(torch.isfinite(hessian).all()):
         raise CastError(f"SparseGPT: the calibration inputs of {name} contain NaN/Inf; cannot prune it")
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != (rows, cols):
+            raise ValueError(f"{name}: mask must be bool of shape {(rows, cols)}, got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        if not is_nm_mask(mask, n, m):
+            raise ValueError(f"{name}: the given mask is not an exact {n}:{m} mask along the last dim")
 
     W = weight.detach().to(dtype=dtype, copy=True)  # (R, C) working copy
     H = hessian.detach().to(device=W.device, dtype=dtype, copy=True)  # (C, C)
@@ -151,7 +162,8 @@ def sparsegpt_prune_(
     U, damp_used, retries = inverse_hessian_cholesky(H, damp, max_retries=max_retries, name=name)
     del H
 
-    keep = torch.ones(rows, cols, dtype=torch.bool, device=W.device)
+    keep = (torch.ones(rows, cols, dtype=torch.bool, device=W.device) if mask is None
+            else mask.to(W.device, copy=True))
     loss = torch.zeros(rows, dtype=dtype, device=W.device)
     with _single_thread_on_cpu(W.device):
         for b0 in range(0, cols, blocksize):
@@ -163,7 +175,7 @@ def sparsegpt_prune_(
             d1 = U1.diagonal()  # (B,)
             keep1 = keep[:, b0:b1]  # a view: writing it fills ``keep``
             for j in range(b1 - b0):
-                if j % m == 0:  # a new group of m columns: choose per row the n entries to keep
+                if mask is None and j % m == 0:  # a new group of m columns: choose per row the n to keep
                     g = slice(j, j + m)
                     keep1[:, g] = nm_mask(W1[:, g].square() / d1[g].square(), n, m)
                 w = W1[:, j]

@@ -15,6 +15,8 @@ from cast_llm.errors import CastError
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
 INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
+LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none)
+FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
 # Defaults of --kd / --scaling when not given: what each method is in the paper (method.md §6). Naive
 # retraining, SR-STE and MaskLLM train without a teacher; AST and CAST distil; only CAST scales weights.
 KD_BY_DEFAULT = ("cast", "ast")
@@ -59,7 +61,9 @@ class TrainConfig:
     eps: float = option(1e-8, "Adam ε")
     weight_decay: float = option(0.0, "decoupled weight decay on dense weights (not on norms, biases, scales)")
     warmup_steps: int | None = option(None, "linear warm-up steps (default: 2% of the steps, ours)")
-    min_lr_ratio: float = option(0.0, "cosine decays to lr × this")
+    lr_schedule: str = option("cosine", "lr after the warm-up: cosine or linear decay to lr × --min-lr-ratio, or "
+                                        "constant (the paper gives none)", choices=LR_SCHEDULES)
+    min_lr_ratio: float = option(0.0, "cosine/linear schedules decay to lr × this")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)")
     mask_interval: int = option(10, "recompute masks from |θ| every this many steps (T1, paper 10; 0 = fixed)")
     fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0; the "
@@ -80,6 +84,17 @@ class TrainConfig:
     eta: float = option(1 / 3, "KD weight η in η·KL + (1-η)·CE (paper 2/3 GPT-2/OPT, 1/3 LLaMA)")
     temperature: float = option(1.0, "KD softmax temperature (ours; paper uses 1)")
     kd_chunk_size: int = option(1024, "tokens per chunk when computing the KD loss (bounds logits memory)")
+    # --- beyond the paper, for short budgets (docs/training.md; all off with --paper-exact)
+    paper_exact: bool = option(False, "CAST exactly as the paper: dense start, hard final prune, no repair "
+                                      "(refuses the options below)")
+    warm_start: bool | None = option(None, "cast: start from the --init-mask one-shot MODEL (pruned weights 0, "
+                                           "SparseGPT's reconstructed kept weights) instead of the dense one")
+    repair_fraction: float | None = option(None, "cast: for this last fraction of the steps, freeze the masks, "
+                                                 "prune, and train the sparse model itself (masked repair)")
+    final_prune: str | None = option(None, "cast: hard (W ← W⊙M) or compensated (SparseGPT's OBS update of the "
+                                           "kept weights with the learned masks, on --calib-samples sequences)",
+                                     choices=FINAL_PRUNES)
+    forecast_target: float = option(0.99, "cast: warn when the forecast final sparse-weight ratio S_T is below this")
     # --- baselines and ablations (method.md §6)
     mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
                                         "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS)
@@ -88,6 +103,8 @@ class TrainConfig:
                                       "ramped up linearly, to the Adam momentum signal (ast)")
     maskllm_tau: str = option("4,0.05", "maskllm: Gumbel-softmax temperature τ, start,end (linear; MaskLLM 4 → 0.05)")
     maskllm_kappa: str = option("100,500", "maskllm: logit scaling κ, start,end (linear; MaskLLM 1e2 → 5e2)")
+    maskllm_lr: float | None = option(None, "maskllm: lr of the mask logits (default: 10 × --lr, as MaskLLM's "
+                                            "logits learn far faster than weights)")
     maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each group")
     skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of failing")
     # --- logging, evaluation, checkpoints
@@ -145,6 +162,20 @@ class TrainConfig:
             raise CastError(f"--srste-decay must be ≥ 0, got {self.srste_decay}")
         if self.calib_samples < 1:
             raise CastError(f"--calib-samples must be ≥ 1, got {self.calib_samples}")
+        if not 0 < self.forecast_target <= 1:
+            raise CastError(f"--forecast-target must be in (0, 1], got {self.forecast_target}")
+        if self.repair_fraction is not None and not 0 <= self.repair_fraction < 1:
+            raise CastError(f"--repair-fraction must be in [0, 1) (a fraction of the steps), got {self.repair_fraction}")
+        if self.maskllm_lr is not None and self.maskllm_lr <= 0:
+            raise CastError(f"--maskllm-lr must be > 0, got {self.maskllm_lr}")
+        beyond = {"--warm-start": self.warm_start, "--repair-fraction": self.repair_fraction,
+                  "--final-prune": self.final_prune}
+        given = [flag for flag, v in beyond.items() if v not in (None, False, 0, 0.0, "hard")]
+        if self.paper_exact and given:
+            raise CastError(f"--paper-exact runs CAST as the paper does; it excludes {', '.join(given)}")
+        if given and (self.method != "cast" or self.mask_learner != "adams"):
+            raise CastError(f"{', '.join(given)} apply to --method cast with AdamS only (got --method {self.method}"
+                            f"{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''})")
         if self.method == "maskllm":
             if self.use_scaling:
                 raise CastError("--method maskllm learns masks only (weights frozen): --scaling does not apply")
@@ -172,6 +203,19 @@ class TrainConfig:
     @property
     def use_scaling(self) -> bool:
         return self.scaling if self.scaling is not None else self.method in SCALING_BY_DEFAULT
+
+    # the beyond-the-paper options: None = the default of the method (none of them with --paper-exact)
+    @property
+    def use_warm_start(self) -> bool:
+        return bool(self.warm_start) if self.warm_start is not None else False
+
+    @property
+    def effective_repair_fraction(self) -> float:
+        return float(self.repair_fraction) if self.repair_fraction is not None else 0.0
+
+    @property
+    def effective_final_prune(self) -> str:
+        return self.final_prune if self.final_prune is not None else "hard"
 
     @property
     def effective_mask_interval(self) -> int:

@@ -142,6 +142,43 @@ def build_accelerator(cfg):
     return Accelerator(cpu=cpu, mixed_precision=precision), precision
 
 
+def _never(step: int) -> bool:
+    return False
+
+
+def lr_factor(cfg: TrainConfig, total_steps: int):
+    """The lr multiplier as a function of the scheduler step k (optimizer step k+1 uses it).
+
+    Linear warm-up ``k/W`` over ``W`` steps, then with ``p = (k−W)/(T−W)``: ``cosine`` ``r + (1−r)·½(1+cos πp)``, ``linear`` ``r + (1−r)(1−p)``, or ``constant`` 1, where
+    ``r = min_lr_ratio``. (The cosine is the one of transformers' ``get_cosine_with_min_lr_schedule_with_warmup``,
+    which earlier versions of the trainer used.)
+    """
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.02 * total_steps))
+    floor, kind = cfg.min_lr_ratio, cfg.lr_schedule
+
+    def factor(k: int) -> float:
+        if k < warmup:
+            return float(k) / float(max(1, warmup))
+        if kind == "constant":
+            return 1.0
+        p = float(k - warmup) / float(max(1, total_steps - warmup))
+        shape = 0.5 * (1.0 + math.cos(math.pi * p)) if kind == "cosine" else 1.0 - p
+        return max(0.0, floor + (1.0 - floor) * shape)
+
+    return factor
+
+
+def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
+    """The run's LR scheduler (stepped once per optimizer step by the loop)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
+
+
+def schedule_lrs(cfg: TrainConfig, total_steps: int) -> list[float]:
+    """γ_t for t = 1 … T, as the optimizer will see them."""
+    f = lr_factor(cfg, total_steps)
+    return [cfg.lr * f(k) for k in range(total_steps)]
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
@@ -151,7 +188,6 @@ def _write_json(path: Path, obj: Any) -> None:
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     """Run one training job described by ``cfg``; returns the results written to ``results.json``."""
     from accelerate.utils import set_seed
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     from cast_llm.config import dump_yaml
     from cast_llm.data import BatchSampler, prepare, steps_for_tokens
@@ -234,9 +270,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         say(f"FSDP2: student{' and teacher' if teacher is not None else ''} sharded over {world} processes "
             "(rows of every weight; N:M groups stay whole on one rank)")
     optimizer = method.build_optimizer(model, cfg, total_steps)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.02 * total_steps))
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps,
-                                                            min_lr_rate=cfg.min_lr_ratio)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
     # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
     if not cfg.fsdp:  # (--fsdp: sharded above; accelerate only sets up processes, device and autocast)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -307,6 +341,17 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             _write_json(out / "results.json", results)
         accelerator.wait_for_everyone()
 
+    # ---- will AdamS's decay finish? (CAST with AdamS, not under FSDP2; forecast before the first update and
+    # at every log step; docs/training.md "Budgets")
+    forecaster = None
+    if cfg.method == "cast" and cfg.mask_learner == "adams" and not cfg.fsdp:
+        from cast_llm.optim.forecast import forecast_decay
+
+        lrs = schedule_lrs(cfg, total_steps)
+
+        def forecaster(opt, suggest=True):
+            return forecast_decay(opt, lrs, target=cfg.forecast_target, suggest=suggest)
+
     # ---- the loop
     bar = None
     if is_main and cfg.progress:
@@ -347,7 +392,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         elif cfg.grad_clip > 0:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if step == 0 and forecaster is not None:  # before the first update: the gradient noise is known
+            fc = forecaster(raw_opt)
+            results["decay"] = {"forecast_at_start": fc.as_dict()}
+            say(fc.message(lr=cfg.lr, l1_decay=cfg.l1_decay))
         optimizer.step()
+        method.end_step(raw, raw_opt, step)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
@@ -364,6 +414,11 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         if is_log:
             rec = _log_record(done, window, tokens_per_step, scheduler, accelerator)
             rec.update(measured)
+            if forecaster is not None and done < total_steps and not getattr(method, "in_repair", _never)(step):
+                rec["forecast_sparse_weight_ratio"] = forecaster(raw_opt, suggest=False).sparse_weight_ratio
+            report = getattr(method, "prune_report", None)
+            if report is not None and results.get("decay", {}).get("final_prune") != report:
+                results.setdefault("decay", {})["final_prune"] = report
             if is_main:
                 with (out / "metrics.jsonl").open("a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -393,6 +448,9 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         teacher = optimizer = raw_opt = model = None
     else:
         method.finalize(raw, raw_opt)
+        report = getattr(method, "prune_report", None)
+        if report is not None:
+            results.setdefault("decay", {})["final_prune"] = report
     model = raw
     accelerator.wait_for_everyone()
     tokens_trained = total_steps * tokens_per_step
@@ -511,6 +569,13 @@ def summary_table(results: dict[str, Any]) -> str:
     lines.append(f"(held-out: {results.get('heldout_sequences')} sequences of {results.get('seq_len')}; "
                  f"WikiText-2: window {wl}, {results.get('wikitext_windows')} windows; "
                  f"{results.get('tokens_trained'):,} training tokens, {results.get('wall_time_s')} s)")
+    decay = results.get("decay", {})
+    start, pruned = decay.get("forecast_at_start"), decay.get("final_prune")
+    if pruned:
+        lines.append(f"final prune ({pruned['how']}, at step {pruned['step']}): sparse-weight ratio S_t "
+                     f"{pruned['sparse_weight_ratio']:.3f}, so it removed {pruned['removed_fraction']:.1%} of the "
+                     "target weights' L1 mass" + (f" (forecast at the start: S_T {start['sparse_weight_ratio']:.3f})"
+                                                  if start else ""))
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ class TrainingMethod:
     """Strategy for one training method. Subclasses override the hooks; the loop calls them in order:
 
     ``prepare_model`` → ``build_optimizer`` → per step: ``begin_step`` → forward/backward → optimizer step
-    → (``current_masks`` for statistics) → ``finalize`` (prune, fold: afterwards the model is plain HF
+    → ``end_step`` → (``current_masks`` for statistics) → ``finalize`` (prune, fold: afterwards the model is plain HF
     modules with exact N:M targets) → ``export_metadata`` (recorded in the checkpoint's ``sparsity``).
 
     Method state must live in the model's or the optimizer's ``state_dict`` (parameters, buffers, optimizer
@@ -39,6 +39,9 @@ class TrainingMethod:
 
         For schedules and mask refreshes that the forward must see (SR-STE masks, MaskLLM's temperature).
         """
+
+    def end_step(self, model: torch.nn.Module, optimizer, step: int) -> None:
+        """Called after every optimizer step; ``step`` = steps done before it (0-based, as in begin_step)."""
 
     def current_masks(self, model, optimizer) -> dict[str, torch.Tensor]:
         """fqn of each target weight -> its current bool mask (True = kept), in the weight's layout."""

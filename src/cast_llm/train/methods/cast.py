@@ -8,13 +8,33 @@ The ablations of method.md §6 are switches of this method:
 * ``--mask-learner srste``: SR-STE (sparse STE forward + SR-STE decay, AdamW) learns the masks instead of
   AdamS — exactly :class:`~cast_llm.train.methods.srste.SRSTEMethod` with CAST's KD and scaling defaults;
 * ``--init-mask wanda|sparsegpt``: AdamS starts from that one-shot mask instead of Eq. 6's.
+
+Beyond the paper, for budgets too short for the decay to finish (docs/training.md; off with
+``--paper-exact``):
+
+* ``--warm-start``: start from the ``--init-mask`` one-shot *model* (pruned weights exactly 0, SparseGPT's
+  reconstructed kept weights), not only its mask. The forward stays dense, so a pruned weight the gradient
+  wants back regrows and can flip the mask while α_t is small; AdamS never has to decay large weights.
+* ``--repair-fraction f``: for the last ``f`` of the steps the masks are frozen, the model is pruned (as
+  ``--final-prune`` says) and trained as the sparse model it will be exported as: pruned entries are reset
+  to exactly 0 after every step, so the dense forward is the sparse forward.
+* ``--final-prune compensated``: the prune keeps the learned masks but moves the kept weights with
+  SparseGPT's OBS update on calibration data (:func:`cast_llm.prune.compensate.compensated_prune_`),
+  instead of Algorithm 1's plain ``W ← W ⊙ M``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cast_llm.errors import CastError
 from cast_llm.train.methods.base import TrainingMethod
+
+
+def optimizer_step_count(optimizer) -> int:
+    """Steps an optimizer has taken (the largest per-parameter ``step`` in its state)."""
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return int(max(steps)) if steps else 0
 
 
 class CastMethod(TrainingMethod):
@@ -23,6 +43,9 @@ class CastMethod(TrainingMethod):
     def __init__(self):
         self._srste = None  # the SR-STE mask learner, when --mask-learner srste
         self._init_masks = None  # a one-shot mask for AdamS to start from (--init-mask wanda|sparsegpt)
+        self._calib = None  # calibration sequences of the compensated prune
+        self.repair_start = None  # optimizer steps done when the masked repair begins (None: no repair)
+        self.prune_report: dict | None = None  # what the final prune removed (recorded in results.json)
 
     def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
         from cast_llm.nn import wrap_scaling_
@@ -33,10 +56,18 @@ class CastMethod(TrainingMethod):
 
             self._srste = SRSTEMethod()
             return self._srste.prepare_model(model, cfg, data=data, device=device)
-        if cfg.init_mask != "magnitude":  # Eq. 6 is what AdamS computes by itself at its first step
+        self.cfg, self._device = cfg, device
+        if cfg.use_warm_start or cfg.init_mask != "magnitude":
+            # Eq. 6 is what AdamS computes by itself at its first step; a warm start prunes the model too
             from cast_llm.train.methods.masks import initial_masks
 
-            self._init_masks = initial_masks(model, cfg, data=data, device=device, apply=False)
+            self._init_masks = initial_masks(model, cfg, data=data, device=device, apply=cfg.use_warm_start)
+        if cfg.effective_final_prune == "compensated":
+            from cast_llm.data import calibration_samples
+
+            if data is None:
+                raise CastError("--final-prune compensated needs calibration data; pass the run's data")
+            self._calib = calibration_samples(data, min(cfg.calib_samples, data.train.shape[0]), seed=cfg.seed)
         if cfg.use_scaling:
             targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
             fqns = {t.fqn for t in targets}
@@ -66,11 +97,49 @@ class CastMethod(TrainingMethod):
         if self._init_masks is not None:
             for t in targets:
                 opt.set_mask(t.weight, self._init_masks[t.fqn])
+        fraction = cfg.effective_repair_fraction
+        repair_steps = round(fraction * total_steps)
+        self.repair_start = total_steps - repair_steps if repair_steps > 0 else None
         return opt
+
+    def in_repair(self, step: int) -> bool:
+        """Whether optimizer step ``step + 1`` belongs to the masked repair (``step`` = steps done)."""
+        return self.repair_start is not None and step >= self.repair_start
 
     def begin_step(self, model, optimizer, step: int) -> None:
         if self._srste is not None:
-            self._srste.begin_step(model, optimizer, step)
+            return self._srste.begin_step(model, optimizer, step)
+        if self.in_repair(step):
+            for group in optimizer.param_groups:  # masks frozen from here on (a deterministic function of
+                if group.get("sparse"):  # the step, so a resumed run freezes them again)
+                    group["mask_interval"] = 0
+            if step == self.repair_start:
+                self.prune(model, optimizer, step=step)
+
+    def end_step(self, model, optimizer, step: int) -> None:
+        if self._srste is None and self.in_repair(step):
+            optimizer.prune_()  # the pruned entries stay exactly 0: the dense forward is the sparse one
+
+    @torch.no_grad()
+    def prune(self, model, optimizer, *, step: int) -> None:
+        """The final prune with the current masks: hard (``θ ← θ ⊙ m``) or compensated (OBS update of the
+        kept weights on calibration data); records the L1 mass it removed in ``prune_report``."""
+        from cast_llm.sparsity.stats import sparse_weight_ratio
+
+        masks = optimizer.masks()
+        weights = list(masks)
+        ratio = sparse_weight_ratio(weights, [masks[w] for w in weights])
+        removed = float(sum(w.detach()[~mk].abs().double().sum() for w, mk in masks.items()))
+        how = self.cfg.effective_final_prune
+        if how == "compensated":
+            from cast_llm.prune.compensate import compensated_prune_
+
+            by_fqn = {self._names[id(p)]: mk for p, mk in masks.items()}
+            compensated_prune_(model, by_fqn, self._calib, n=self.cfg.n, m=self.cfg.m, device=self._device,
+                               progress=self.cfg.progress)
+        optimizer.prune_()  # θ_T ← θ_T ⊙ m_T (Algorithm 1, last line); exact zeros after a compensated prune too
+        self.prune_report = {"step": step, "how": how, "sparse_weight_ratio": ratio,
+                             "removed_l1": removed, "removed_fraction": 1.0 - ratio}
 
     def current_masks(self, model, optimizer) -> dict[str, torch.Tensor]:
         if self._srste is not None:
@@ -82,12 +151,16 @@ class CastMethod(TrainingMethod):
             return self._srste.finalize(model, optimizer)
         from cast_llm.nn import fold_scaling_
 
-        optimizer.prune_()  # θ_T ← θ_T ⊙ m_T (Algorithm 1, last line)
+        if self.repair_start is None:  # (with a masked repair the prune happened when it began)
+            self.prune(model, optimizer, step=optimizer_step_count(optimizer))
+        optimizer.prune_()
         fold_scaling_(model)  # W ← Diag(A)(W ⊙ M): plain nn.Linear again, zero inference overhead
 
     def export_metadata(self, cfg):
         meta = super().export_metadata(cfg)
         meta["training"]["mask_learner"] = cfg.mask_learner
+        meta["training"].update(warm_start=cfg.use_warm_start, repair_fraction=cfg.effective_repair_fraction,
+                                final_prune=cfg.effective_final_prune, paper_exact=cfg.paper_exact)
         if cfg.mask_learner == "srste":
             meta["training"]["srste_decay"] = cfg.srste_decay
         return meta

@@ -7,8 +7,9 @@ parameter of the model is frozen, so the final model's kept weights are bit-iden
 Schedules (MaskLLM's, linear in the step, set before every step's forward so a resumed run sees the same):
 temperature ``τ`` from ``--maskllm-tau`` start → end (4 → 0.05), logit scaling ``κ`` from
 ``--maskllm-kappa`` start → end (100 → 500). Prior: the ``--init-mask`` pattern of every group starts with a
-scaled-logit bonus ``--maskllm-prior`` (3). The logits are trained by AdamW (no weight decay) with the
-run's ``--lr`` and schedule. Final mask: the argmax pattern of every group. No KD by default.
+scaled-logit bonus ``--maskllm-prior`` (3). The logits are trained by AdamW (no weight decay) at
+``--maskllm-lr`` (default 10 × ``--lr``: logits need a far larger step than weights, as in MaskLLM) with the
+run's schedule. Final mask: the argmax pattern of every group. No KD by default.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class MaskLLMMethod(TrainingMethod):
     def build_optimizer(self, model, cfg, total_steps: int):
         self.total_steps = total_steps
         logits = [w.logits for w in self.wrappers.values()]
-        return torch.optim.AdamW([{"name": "mask_logits", "params": logits}], lr=cfg.lr,
+        lr = cfg.maskllm_lr if cfg.maskllm_lr is not None else 10 * cfg.lr
+        return torch.optim.AdamW([{"name": "mask_logits", "params": logits}], lr=lr,
                                  betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0)
 
     def begin_step(self, model, optimizer, step: int) -> None:
