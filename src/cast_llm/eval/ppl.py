@@ -3,14 +3,22 @@
 ppl = exp(mean token NLL) over every predicted token of every full window (the first token of a window has
 no context and is not scored; the remainder shorter than one window is dropped). The window length is part
 of the result and is always reported.
+
+WikiText-2 (the raw v1 test split) travels with the package (``resources/wikitext2/``, CC BY-SA 3.0). Where
+it is read from is resolved by :func:`wikitext2_source`: an explicit file, else ``$CAST_WIKITEXT2``, else
+the packaged copy; nothing else is looked at (no parent folder of the install, no dataset hub).
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -18,7 +26,127 @@ import torch.nn.functional as F
 
 from cast_llm.errors import CastError
 
-SHARED_WIKITEXT = Path("..") / "shared" / "data" / "wikitext-2-raw" / "test.txt"
+# WikiText-2 raw v1 test rows joined with "\n\n", shipped as package data (resources/wikitext2/README.md
+# has its provenance and licence). The sha256 is of the uncompressed UTF-8 text.
+WIKITEXT2_ENV = "CAST_WIKITEXT2"
+WIKITEXT2_SHA256 = "696cca6b65a171b0a358a4be6732cdfdf2dd6164a32e20fd70e3c13fc4dfae83"
+WIKITEXT2_RESOURCE = "resources/wikitext2/test.txt.gz"  # relative to the cast_llm package
+WIKITEXT2_ORDER = (f"an explicit file, else ${WIKITEXT2_ENV}, else the copy packaged with cast-llm "
+                   "(WikiText-2 raw v1 test split, CC BY-SA 3.0)")
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where an evaluation text is read from, and how to say so to a person."""
+
+    path: Path  # a readable UTF-8 file
+    origin: str  # "file" (given explicitly) | "env" ($CAST_WIKITEXT2) | "packaged"
+    description: str  # "PATH", "$CAST_WIKITEXT2=PATH" or "packaged copy (sha256 696cca6b65a1…)"
+
+    def read_text(self) -> str:
+        return self.path.read_text(encoding="utf-8")
+
+    def __str__(self) -> str:
+        return self.description
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _packaged_wikitext2_bytes() -> bytes:
+    """The uncompressed packaged text, checked against WIKITEXT2_SHA256."""
+    res = resources.files("cast_llm").joinpath(WIKITEXT2_RESOURCE)
+    try:
+        data = gzip.decompress(res.read_bytes())
+    except (OSError, EOFError) as e:
+        raise CastError(f"the WikiText-2 copy packaged with cast-llm ({WIKITEXT2_RESOURCE}) is missing or "
+                        f"unreadable ({type(e).__name__}): reinstall cast-llm, or set {WIKITEXT2_ENV} to the "
+                        "WikiText-2 raw test file") from None
+    if _sha256(data) != WIKITEXT2_SHA256:
+        raise CastError(f"the WikiText-2 copy packaged with cast-llm ({WIKITEXT2_RESOURCE}) has sha256 "
+                        f"{_sha256(data)[:12]}…, not {WIKITEXT2_SHA256[:12]}…: reinstall cast-llm, or set "
+                        f"{WIKITEXT2_ENV} to the WikiText-2 raw test file")
+    return data
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """All or nothing: a temporary file beside ``path``, fsynced, renamed over it (readable by all)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def packaged_wikitext2_file() -> Path:
+    """The packaged WikiText-2 text as a plain file: decompressed once into the cast-llm cache folder
+    (:func:`cast_llm.models.cache_dir`, i.e. ``$CAST_LLM_CACHE``, ``$XDG_CACHE_HOME/cast-llm`` or
+    ``~/.cache/cast-llm``), written atomically, and re-checked against WIKITEXT2_SHA256 on every call (a
+    damaged cache file is rewritten). A cache that cannot be written falls back to the temporary folder."""
+    from cast_llm.models import cache_dir
+
+    name = f"wikitext2-test-{WIKITEXT2_SHA256[:16]}.txt"
+    folders = [cache_dir() / "data", Path(tempfile.gettempdir()) / f"cast-llm-{os.getuid() if hasattr(os, 'getuid') else 0}"]
+    for folder in folders:
+        cached = folder / name
+        try:
+            if cached.is_file() and _sha256(cached.read_bytes()) == WIKITEXT2_SHA256:
+                return cached
+        except OSError:
+            pass
+    data = _packaged_wikitext2_bytes()
+    errors = []
+    for folder in folders:
+        try:
+            _write_atomically(folder / name, data)
+            return folder / name
+        except OSError as e:
+            errors.append(f"{folder}: {e.strerror or e}")
+    raise CastError(f"cannot write the decompressed WikiText-2 copy ({'; '.join(errors)}): set CAST_LLM_CACHE "
+                    f"to a writable folder, or set {WIKITEXT2_ENV} to the WikiText-2 raw test file")
+
+
+def wikitext2_source(file: str | Path | None = None) -> TextSource:
+    """Where the WikiText-2 raw test text comes from: ``file`` if given, else ``$CAST_WIKITEXT2``, else the
+    packaged copy. An explicit file or ``$CAST_WIKITEXT2`` that does not exist is an error, never skipped."""
+    if file is not None and str(file) != "":
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise CastError(f"WikiText-2 file {path} does not exist: pass an existing UTF-8 text file, or leave "
+                            f"it out to use ${WIKITEXT2_ENV} or the packaged copy")
+        return TextSource(path, "file", str(path))
+    env = os.environ.get(WIKITEXT2_ENV, "").strip()
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise CastError(f"${WIKITEXT2_ENV}={env} is not a file: point it at the WikiText-2 raw test text, or "
+                            "unset it to use the copy packaged with cast-llm")
+        return TextSource(path, "env", f"${WIKITEXT2_ENV}={path}")
+    return TextSource(packaged_wikitext2_file(), "packaged", f"packaged copy (sha256 {WIKITEXT2_SHA256[:12]}…)")
+
+
+def wikitext2_file(file: str | Path | None = None) -> Path:
+    """A readable WikiText-2 raw test file, resolved as :func:`wikitext2_source` does (never None)."""
+    return wikitext2_source(file).path
+
+
+def wikitext2_text(file: str | Path | None = None) -> str:
+    """The WikiText-2 raw test rows joined with "\\n\\n", resolved as :func:`wikitext2_source` does."""
+    return wikitext2_source(file).read_text()
+
+
+def describe_wikitext2(file: str | Path | None = None) -> str:
+    """Where the WikiText-2 text comes from, for a person: ``PATH``, ``$CAST_WIKITEXT2=PATH`` or
+    ``packaged copy (sha256 696cca6b65a1…)``."""
+    return wikitext2_source(file).description
 
 
 @dataclass
@@ -29,40 +157,16 @@ class PplResult:
     windows: int
     tokens_scored: int
     seconds: float
+    text_tokens: int = 0  # tokens in the whole text (the windows scored may be the first few only)
+    text_windows: int = 0  # full windows the whole text holds
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def __str__(self) -> str:
-        return f"ppl {self.perplexity:.3f} (window {self.seq_len}, {self.windows} windows, {self.tokens_scored} tokens)"
-
-
-def wikitext2_file() -> Path | None:
-    """The shared WikiText-2 raw test file if present ($CAST_WIKITEXT2 overrides), else None."""
-    env = os.environ.get("CAST_WIKITEXT2")
-    candidates = [Path(env)] if env else []
-    candidates += [SHARED_WIKITEXT, Path(__file__).resolve().parents[4] / "shared/data/wikitext-2-raw/test.txt"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    return None
-
-
-def wikitext2_text() -> str:
-    """WikiText-2 raw test rows joined with "\\n\\n": the shared file, else through ``datasets``."""
-    f = wikitext2_file()
-    if f is not None:
-        return f.read_text(encoding="utf-8")
-    try:
-        import datasets
-
-        rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
-    except Exception as e:
-        raise CastError(
-            "WikiText-2 is not available: the shared file ../shared/data/wikitext-2-raw/test.txt is absent "
-            f"(set CAST_WIKITEXT2 or pass --text-file) and the hub failed ({type(e).__name__})"
-        ) from None
-    return "\n\n".join(rows)
+        of = f" of {self.text_windows:,}" if self.text_windows > self.windows else ""
+        return (f"ppl {self.perplexity:.3f} (window {self.seq_len}, {self.windows}{of} windows, "
+                f"{self.tokens_scored:,} tokens scored)")
 
 
 def tokenize_text(text: str, tokenizer) -> torch.Tensor:
@@ -99,10 +203,13 @@ def perplexity(
     from cast_llm.models import check_seq_len
 
     check_seq_len(model, seq_len)
-    n = ids.numel() // seq_len
+    available = n = ids.numel() // seq_len
     if n == 0:
-        raise CastError(f"the evaluation text has {ids.numel()} tokens, fewer than one window of {seq_len}")
+        raise CastError(f"the evaluation text has {ids.numel()} tokens, fewer than one window of {seq_len}: "
+                        "use a longer text or a smaller --seq-len")
     if max_windows is not None:
+        if max_windows < 1:
+            raise CastError(f"--max-windows must be at least 1, got {max_windows}")
         n = min(n, max_windows)
     windows = ids[: n * seq_len].view(n, seq_len)
     device = next(model.parameters()).device
@@ -132,6 +239,8 @@ def perplexity(
         windows=n,
         tokens_scored=scored,
         seconds=time.perf_counter() - t0,
+        text_tokens=ids.numel(),
+        text_windows=available,
     )
 
 
