@@ -96,13 +96,15 @@ def test_lora_merge_keeps_the_exact_mask_and_equals_w_plus_masked_ba(workdir, tm
 def test_sparse_mode_trains_kept_weights_only(workdir, tmp_path):
     out = tmp_path / "run"
     assert _finetune(workdir, out, "llama-24", "--mode", "sparse", "--max-steps", "4", "--lr", "1e-3",
-                     "--weight-decay", "0.1", "--save-every", "2") == 0
+                     "--weight-decay", "0.1", "--save-every", "2", "--keep-checkpoints-after") == 0
     before = _input_targets(workdir, "llama-24")
     after = _weights(out, before)
     for fqn, (w0, _) in before.items():
         assert torch.equal(after[fqn] != 0, w0 != 0), fqn
         assert not torch.equal(after[fqn], w0), fqn
-    ck = torch.load(out / "checkpoints" / "step-00000002" / "model.pt", weights_only=False)
+    from cast_llm.train.state_io import load_state
+
+    ck = load_state(out / "checkpoints" / "step-00000002" / "model")
     assert all(torch.equal(ck[f"{f}.weight"] != 0, w0 != 0) for f, (w0, _) in before.items())
     sp = json.loads((out / "config.json").read_text())["sparsity"]
     assert sp["method"] == "sparse-finetune" and sp["mask_changed_entries"] == 0
@@ -145,7 +147,7 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(workdir, tmp_path, mode):
     args = ["--mode", mode, "--max-steps", "4", "--save-every", "2", "--lr", "1e-3", "--lora-dropout", "0.1",
             "--no-baseline-eval", "--eval-every", "2"]
     ref = tmp_path / "ref"
-    assert _finetune(workdir, ref, "llama-24", *args) == 0
+    assert _finetune(workdir, ref, "llama-24", *args, "--keep-checkpoints-after") == 0
     cut = tmp_path / "cut"
     shutil.copytree(ref, cut)
     for f in ["model.safetensors", "cast_llm.json", "results.json"]:

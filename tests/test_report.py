@@ -73,7 +73,8 @@ def _analysis_files(d):
 
 def test_resumed_run_rewrites_the_analysis_files_identically(workdir):
     out = workdir / "resumed"
-    _train(workdir, out, "--save-every", "4", "--no-baseline-eval", "--ratio-hist-steps", "0.25,0.75,1.0")
+    _train(workdir, out, "--save-every", "4", "--no-baseline-eval", "--ratio-hist-steps", "0.25,0.75,1.0",
+           "--keep-checkpoints-after")
     ref = _analysis_files(out)
     _train(workdir, out, "--save-every", "4", "--no-baseline-eval", "--ratio-hist-steps", "0.25,0.75,1.0",
            "--resume")  # from the step-4 checkpoint: steps 5-8 and the end again

@@ -262,6 +262,7 @@ def test_sweep_resumes_or_restarts_unfinished(tmp_path):
     out = tmp_path / "sweep"
     half = out / "tokens-2M"
     (half / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (half / "checkpoints" / "step-00000010" / "meta.json").write_text("{}")  # a complete checkpoint
     (half / "cast_run.json").write_text("{}")
     fresh = out / "tokens-4M"
     fresh.mkdir(parents=True)

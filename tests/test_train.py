@@ -114,7 +114,7 @@ def _run_cli(args, **kw):
 def test_kill_9_and_resume_is_bitwise_identical(workdir, tmp_path):
     common = ["train", "--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"),
               "--wikitext-file", str(workdir / "eval.txt"), *BASE, "--max-steps", "12", "--save-every", "2",
-              "--no-baseline-eval", "--keep-checkpoints", "3"]
+              "--no-baseline-eval", "--keep-last", "3"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     p = _run_cli(common + ["--output-dir", str(ref)])
     assert p.wait(timeout=300) == 0
@@ -135,11 +135,11 @@ def test_kill_9_and_resume_is_bitwise_identical(workdir, tmp_path):
 def test_resume_refuses_corrupt_and_incompatible_checkpoints(workdir, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--max-steps", "4", "--save-every", "2", "--no-baseline-eval"]
-    assert _train(workdir, out, *args) == 0
+    assert _train(workdir, out, *args, "--keep-checkpoints-after") == 0
     ck = sorted((out / "checkpoints").iterdir())[-1]
     assert _train(workdir, out, *args[:2], "--lr", "5e-3", "--save-every", "2", "--resume") == 2
     assert "different run configuration" in capsys.readouterr().err
-    with (ck / "optimizer.pt").open("r+b") as f:
+    with (ck / "optimizer.safetensors").open("r+b") as f:
         f.seek(100)
         f.write(b"\x00garbage")
     assert _train(workdir, out, *args, "--resume") == 2
@@ -370,7 +370,7 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     from cast_llm.train.checkpoint import fingerprint, load_checkpoint
 
     common = ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, "--max-steps", "8",
-              "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2", "--keep-checkpoints", "10"]
+              "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2", "--keep-last", "10"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     r = _torchrun([*common, "--output-dir", str(ref)])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -391,8 +391,8 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     for f in ("model.safetensors", "config.json"):
         (cut / f).unlink(missing_ok=True)
     ck = cut / "checkpoints" / "step-00000004"
-    assert {"model-rank00000.pt", "model-rank00001.pt", "optimizer-rank00001.pt", "scheduler.pt",
-            "meta.json"} <= {f.name for f in ck.iterdir()}
+    assert {"model-rank00000.safetensors", "model-rank00001.safetensors", "optimizer-rank00001.safetensors",
+            "scheduler.json", "meta.json"} <= {f.name for f in ck.iterdir()}
     fp = fingerprint(json.loads((cut / "cast_run.json").read_text())["config"])
     with pytest.raises(CastError, match="same number of processes"):
         load_checkpoint(ck, fp, rank=0, world_size=1)

@@ -98,8 +98,8 @@ def test_naive_with_kd_and_a_wanda_mask(workdir, tmp_path):
 def test_resume_from_a_checkpoint_is_bitwise_identical(workdir, tmp_path, method):
     """Stop after step 2 (a copy of the step-2 checkpoint), resume, and land on the uninterrupted run."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    args = ["--method", method, "--save-every", "2", "--keep-checkpoints", "3"]
-    assert _train(workdir, full, *args) == 0
+    args = ["--method", method, "--save-every", "2", "--keep-last", "3"]
+    assert _train(workdir, full, *args, "--keep-checkpoints-after") == 0
     cut.mkdir()
     for name in ("cast_run.json", "config.yaml", "metrics.jsonl", "results.json"):
         if (full / name).exists():

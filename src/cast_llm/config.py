@@ -21,12 +21,45 @@ import yaml
 from cast_llm.errors import CastError
 
 
-def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None):
-    """A dataclass field with help text (and optional choices / value parser / flag name)."""
-    md = {"help": help, "choices": choices, "parse": parse, "flag": flag}
+def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None,
+           min: float | None = None, max: float | None = None, min_exclusive: bool = False,
+           section: str | None = None, nargs: str | None = None, const: Any = None):
+    """A dataclass field with its help text and how the CLI and the checks treat it.
+
+    ``choices``: allowed values (listed in ``--help``); ``parse``: a value parser; ``flag``: the flag name;
+    ``min`` / ``max``: the allowed range (``min_exclusive``: strictly above ``min``), checked for every
+    source by :func:`check_ranges`; ``section``: the ``--help`` group; ``nargs`` / ``const``: as argparse's
+    (a flag whose value is optional).
+    """
+    md = {"help": help, "choices": choices, "parse": parse, "flag": flag, "min": min, "max": max,
+          "min_exclusive": min_exclusive, "section": section, "nargs": nargs, "const": const}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=md)
     return dataclasses.field(default=default, metadata=md)
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def check_ranges(cfg) -> None:
+    """Raise a CastError naming the flag for every field whose value lies outside its ``min``/``max``."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        lo, hi = f.metadata.get("min"), f.metadata.get("max")
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or (lo is None and hi is None):
+            continue
+        strict = f.metadata.get("min_exclusive")
+        if lo is not None and (v <= lo if strict else v < lo):
+            raise CastError(f"{flag_name(f)} must be {'>' if strict else '≥'} {lo:g}, got {v:g}")
+        if hi is not None and v > hi:
+            raise CastError(f"{flag_name(f)} must be ≤ {hi:g}, got {v:g}")
+
+
+def _default_text(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
 
 
 _SUFFIX = {"k": 1_000, "m": 1_000_000, "b": 1_000_000_000, "g": 1_000_000_000}
@@ -102,21 +135,38 @@ def coerce(cls, name: str, value: Any, source: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--flag`` per dataclass field. Defaults are SUPPRESSed so that only typed flags override."""
+    """Add one ``--flag`` per dataclass field, in ``--help`` groups that follow the fields' sections.
+
+    Defaults are SUPPRESSed so that only typed flags override; the help shows the choices and the default
+    once (a help text that already says what the default is, with "default", keeps its own words).
+    """
     hints = _hints(cls)
+    groups: dict[str | None, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        section = f.metadata.get("section")
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section) if section else parser
+        target = groups[section]
         tp, _ = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_ = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")  # argparse formats %
+        text = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            text += f" {{{', '.join(str(c) for c in choices)}}}"
+        if "default" not in text.lower() and default is not None and not (tp is bool and default is False):
+            text += f" (default: {_default_text(default)})"
+        text = text.replace("%", "%%")  # argparse formats %
         if tp is bool and f.metadata.get("parse") is None:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_)
+            target.add_argument(flag_name(f), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=text)
         else:
-            parser.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=help_, choices=None)
+            kw = {}
+            if f.metadata.get("nargs"):
+                kw.update(nargs=f.metadata["nargs"], const=f.metadata.get("const"))
+            target.add_argument(flag_name(f), dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                                help=text, **kw)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -148,6 +198,7 @@ def resolve(cls, *layers: tuple[str, dict[str, Any]]):
                 raise CastError(f"{source}: unknown option '{key}'{hint}")
             values[name] = coerce(cls, name, value, source)
     cfg = cls(**values)
+    check_ranges(cfg)
     post = getattr(cfg, "validate", None)
     if callable(post):
         post()
@@ -166,3 +217,18 @@ def cli_layer(args: argparse.Namespace, cls) -> dict[str, Any]:
     """The options the user typed on the command line (SUPPRESSed defaults are absent)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def run_config_layer(cli: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """With ``--resume``: the run's own ``config.yaml`` as the lowest layer (so ``--resume`` alone continues
+    a run with every setting it had; flags typed with it override it, and the checkpoint's fingerprint
+    then refuses a change that would alter the run). Without it, or before the run wrote one: nothing."""
+    if not cli.get("resume") or not cli.get("output_dir"):
+        return []
+    path = Path(cli["output_dir"]) / "config.yaml"
+    if not path.is_file():
+        return []
+    data = load_yaml(path)
+    for key in ("resume", "overwrite"):  # how this invocation treats the folder is its own business
+        data.pop(key, None)
+    return [(f"{path} (the run's own settings)", data)]

@@ -82,13 +82,26 @@ def verify_nm(model, *, n: int = 2, m: int = 4, targets=None) -> list[LayerSpars
     return rows
 
 
-def _move_into(src: Path, dst: Path) -> None:
-    """Move every file of ``src`` into ``dst`` (each move atomic); the marker file goes last."""
+def _move_into(src: Path, dst: Path) -> list[str]:
+    """Move every file of ``src`` into ``dst`` (each move atomic, mode 0644) and return their names.
+
+    An older completion marker in ``dst`` is removed first and the new one moved last, so a folder whose
+    move was interrupted never carries a marker: it cannot be taken for a complete checkpoint.
+    """
+    from cast_llm.io import FILE_MODE, fsync_path
+
     dst.mkdir(parents=True, exist_ok=True)
+    (dst / CHECKPOINT_MARKER).unlink(missing_ok=True)
     files = sorted(p for p in src.iterdir() if p.name != CHECKPOINT_MARKER)
+    moved = []
     for f in files + [src / CHECKPOINT_MARKER]:
         if f.exists():
+            if f.is_file():
+                os.chmod(f, FILE_MODE)
             os.replace(f, dst / f.name)
+            moved.append(f.name)
+    fsync_path(dst)
+    return moved
 
 
 def save_sparse_checkpoint(
@@ -142,7 +155,9 @@ def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity}, indent=2))
+        names = sorted(p.name for p in tmp.iterdir()) + [CHECKPOINT_MARKER]
+        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity, "files": names},
+                                                        indent=2))
         _move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,7 +25,6 @@ COMMAND_MODULES = [
     "cast_llm.cli.finetune",
     "cast_llm.cli.report",
     "cast_llm.cli.scaling",
-    "cast_llm.cli.demo",
 ]
 
 
@@ -39,13 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cast-llm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # a command not built yet: leave it out of the CLI
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
@@ -55,14 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from cast_llm.train.preemption import Preempted
+
     try:
         rc = args.func(args)
     except CastError as e:
         print(f"cast-llm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # stopped by SIGTERM/SIGINT after writing a checkpoint (the message said where)
+        return int(e.code)
     except KeyboardInterrupt:
         print(f"cast-llm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the machine, not the input: a full disk, a vanished folder, a permission
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"cast-llm {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from cast_llm.config import add_arguments, cli_layer, load_yaml, resolve
+from cast_llm.config import add_arguments, cli_layer, load_yaml, resolve, run_config_layer
 
 
 def build_config(args: argparse.Namespace):
-    """defaults < --config YAML < flags (and MODEL) typed on the command line."""
+    """defaults < (with --resume: the run's config.yaml) < --config YAML < flags (and MODEL) typed."""
     from cast_llm.finetune.config import FinetuneConfig
 
-    layers = []
+    cli = cli_layer(args, FinetuneConfig)
+    layers = run_config_layer(cli)
     if args.config:
         layers.append((args.config, load_yaml(args.config)))
-    layers.append(("command line", cli_layer(args, FinetuneConfig)))
+    layers.append(("command line", cli))
     return resolve(FinetuneConfig, *layers)
 
 
 def run(args: argparse.Namespace) -> int:
-    from cast_llm.finetune.loop import finetune
+    from cast_llm.finetune.job import finetune
 
     finetune(build_config(args))
     return 0

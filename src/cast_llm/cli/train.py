@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from cast_llm.config import add_arguments, cli_layer, load_yaml, resolve
+from cast_llm.config import add_arguments, cli_layer, load_yaml, resolve, run_config_layer
 
 
 def build_config(args: argparse.Namespace):
-    """defaults < --preset < --config YAML < flags typed on the command line."""
+    """defaults < (with --resume: the run's config.yaml) < --preset < --config YAML < flags typed."""
     from cast_llm.errors import CastError
     from cast_llm.train.config import PRESETS, TrainConfig
 
-    layers = []
+    cli = cli_layer(args, TrainConfig)
+    layers = run_config_layer(cli)
     if args.preset:
         if args.preset not in PRESETS:
             raise CastError(f"unknown --preset '{args.preset}' (choose from {', '.join(PRESETS)})")
         layers.append((f"preset {args.preset}", PRESETS[args.preset]))
     if args.config:
         layers.append((args.config, load_yaml(args.config)))
-    cli = cli_layer(args, TrainConfig)
     # a budget typed on the command line replaces the preset's/file's budget of the other kind
     if "tokens" in cli or "max_steps" in cli:
         layers = [(src, {k: v for k, v in d.items() if k.replace("-", "_") not in ("tokens", "max_steps")})

@@ -26,8 +26,6 @@ After ``PeftModel.from_pretrained(sparse_base, adapter_dir)`` call :func:`attach
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,7 +210,6 @@ class LoraMode(FinetuneMode):
     name = "lora"
 
     def prepare(self, model, targets, cfg):
-        self.cfg = cfg
         return build_lora_model(model, targets, cfg)
 
     def model_state(self, model) -> dict:
@@ -226,12 +223,17 @@ class LoraMode(FinetuneMode):
             raise CastError("checkpoint does not hold this run's LoRA parameters (different --lora-* settings?)")
         model.load_state_dict(state, strict=False)
 
-    def finalize(self, model, out: Path, is_main: bool):
+    def finalize(self, model, optimizer, *, out, is_main: bool):
         if self.cfg.save_adapter and is_main:
             save_adapter(model, out / "adapter")
-        return merge_and_unload_sparse(model, n=self.cfg.n, m=self.cfg.m)
+        merged = merge_and_unload_sparse(model, n=self.cfg.n, m=self.cfg.m)
+        from cast_llm.targets import find_targets
 
-    def metadata(self) -> dict:
+        self.targets = find_targets(merged, n=self.cfg.n, m=self.cfg.m, skip_incompatible=self.cfg.skip_incompatible)
+        FinetuneMode.verify(self, merged)
+        return merged
+
+    def export_metadata(self, cfg) -> dict:
         c = self.cfg
         return {"lora": {"r": c.lora_r, "alpha": c.lora_alpha, "dropout": c.lora_dropout,
                          "target_modules": c.target_module_list or "N:M targets",
@@ -242,9 +244,7 @@ class LoraMode(FinetuneMode):
 
 def save_adapter(peft_model, path: Path) -> None:
     """Write the un-merged adapter (peft format) atomically: into a temporary folder, then renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    from cast_llm.io import atomic_dir
+
+    with atomic_dir(path, replace=True) as tmp:
+        peft_model.save_pretrained(tmp)

@@ -1,29 +1,40 @@
-"""The three fine-tuning modes as strategies for the one fine-tuning loop (:mod:`cast_llm.finetune.loop`).
+"""The fine-tuning modes' common base, a :class:`~cast_llm.train.methods.base.TrainingMethod` of the one
+training loop, and ``dense`` (ordinary full fine-tuning). The other modes live in their own modules
+(``lora``, ``sparse``); the registry is :data:`cast_llm.finetune.MODES`.
 
-The loop calls, in order: ``check_input`` (is the model N:M where the mode needs it?) → ``prepare``
-(wrap adapters, record masks) → per step ``before_step`` (after backward, before clipping and the
-optimizer step) and ``after_step`` (after the step) → ``verify`` at every checkpoint → ``finalize`` (a
-plain Hugging Face model to export). ``model_state`` / ``extra_state`` are what a checkpoint stores.
-
-* ``lora`` (:class:`cast_llm.finetune.lora.LoraMode`): adapters merged as ``W + M ⊙ (B A)``;
-* ``sparse`` (:class:`cast_llm.finetune.sparse.SparseMode`): all weights train, pruned ones stay exactly 0;
-* ``dense`` (:class:`DenseMode`): ordinary full fine-tuning; the model becomes dense and is exported as such.
+What a mode adds to the training-method hooks: ``check_input`` (is the model N:M where the mode needs it?)
+and ``keeps_nm`` (whether the exported model must be N:M: checked at every checkpoint and at the end).
+The optimizer of every mode is AdamW on the trainable parameters; the task's loss comes from the job.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import torch
 
 from cast_llm.errors import CastError
+from cast_llm.train.methods.base import TrainingMethod
 
 
-class FinetuneMode:
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Trainable parameters; decoupled weight decay on matrices only (not on norms, biases)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class FinetuneMode(TrainingMethod):
     name = "base"
     keeps_nm = True  # the exported model must be N:M (and so must the input model)
 
     @property
     def method_name(self) -> str:
         return f"{self.name}-finetune"
+
+    def uses_kd(self, cfg) -> bool:
+        return False
 
     def check_input(self, rows, cfg) -> None:
         """Refuse, in one line that shows its sparsity, a model that is not N:M when the mode keeps N:M."""
@@ -37,35 +48,36 @@ class FinetuneMode:
                 f"{format_sparsity_report(rows, n=cfg.n, m=cfg.m)} (e.g. {worst}); make it {cfg.n}:{cfg.m} "
                 "first (cast-llm train, or cast-llm prune --method magnitude) or use --mode dense")
 
-    def prepare(self, model, targets, cfg):
+    def prepare_model(self, model, cfg, *, data=None, device=None):
+        from cast_llm.targets import find_targets
+
         self.cfg = cfg
+        self.targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
+        return self.prepare(model, self.targets, cfg)
+
+    def prepare(self, model, targets, cfg):
+        """Wrap the model for this mode (adapters, masks); returns the model to train."""
         return model
 
-    def before_step(self, model) -> None:
-        pass
-
-    def after_step(self, model, optimizer) -> None:
-        pass
+    def build_optimizer(self, model, cfg, total_steps: int):
+        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.peak_lr)
 
     def verify(self, model) -> None:
+        """The mode's own invariants, then N:M where the mode keeps it (before every checkpoint and the export)."""
+        from cast_llm.export import verify_nm
+
+        self.check_invariants(model)
+        if self.keeps_nm:
+            verify_nm(model, n=self.cfg.n, m=self.cfg.m, targets=self.targets)
+
+    def check_invariants(self, model) -> None:
         pass
 
-    def model_state(self, model) -> dict:
-        return model.state_dict()
-
-    def load_model_state(self, model, state: dict) -> None:
-        model.load_state_dict(state)
-
-    def extra_state(self) -> dict | None:
-        return None
-
-    def load_extra_state(self, state: dict | None) -> None:
-        pass
-
-    def finalize(self, model, out: Path, is_main: bool):
+    def finalize(self, model, optimizer, *, out, is_main: bool):
+        self.verify(model)
         return model
 
-    def metadata(self) -> dict:
+    def export_metadata(self, cfg) -> dict:
         return {}
 
 
@@ -74,17 +86,3 @@ class DenseMode(FinetuneMode):
 
     name = "dense"
     keeps_nm = False
-
-
-def get_mode(name: str) -> FinetuneMode:
-    if name == "lora":
-        from cast_llm.finetune.lora import LoraMode
-
-        return LoraMode()
-    if name == "sparse":
-        from cast_llm.finetune.sparse import SparseMode
-
-        return SparseMode()
-    if name == "dense":
-        return DenseMode()
-    raise CastError(f"unknown --mode {name!r} (use lora, sparse or dense)")

@@ -84,17 +84,16 @@ class SparseMode(FinetuneMode):
     name = "sparse"
 
     def prepare(self, model, targets, cfg):
-        self.cfg = cfg
         self.masks = SparseMasks(targets)
         return model
 
-    def before_step(self, model) -> None:
+    def before_optimizer_step(self, model, optimizer, step: int) -> None:
         self.masks.mask_grads_()
 
-    def after_step(self, model, optimizer) -> None:
+    def end_step(self, model, optimizer, step: int) -> None:
         self.masks.enforce_(optimizer)
 
-    def verify(self, model) -> None:
+    def check_invariants(self, model) -> None:
         bad = self.masks.violations()
         if bad:
             names = ", ".join(f"{k} ({v})" for k, v in list(bad.items())[:3])

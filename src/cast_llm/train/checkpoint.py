@@ -1,19 +1,22 @@
-"""Atomic, verifiable training checkpoints for exact resume.
+"""Atomic, verifiable, code-free training checkpoints for exact resume.
 
-A checkpoint is a folder ``checkpoints/step-XXXXXXXX`` holding the model and optimizer state (masks
-included), the LR schedule, RNG states, the data position (the step) and a ``meta.json`` with the config
-fingerprint and a sha256 of every file. It is written into ``*.tmp`` and renamed into place only when
-complete, so a run killed at any instant (even ``kill -9``) leaves the previous checkpoint intact. Loading
-checks the fingerprint and the checksums and refuses a corrupt or incompatible checkpoint with a message.
+A checkpoint is a folder ``checkpoints/step-XXXXXXXX`` holding the training state — model (or adapter),
+optimizer (masks included), LR schedule, RNG states, observers; the data position is the step — each as
+``NAME.json`` + ``NAME.safetensors`` (:mod:`cast_llm.train.state_io`: no pickle, so loading a checkpoint
+never runs code), and ``meta.json`` with the config fingerprint and a sha256 of every file. It is written
+into ``step-….tmp`` and renamed into place only when complete, so a run killed at any instant leaves the
+previous checkpoint intact; old checkpoints are removed only after the new one is complete. Loading checks
+the fingerprint and the checksums and refuses a corrupt, incompatible or pickle-bearing checkpoint with a
+message naming the file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +24,34 @@ import numpy as np
 import torch
 
 from cast_llm.errors import CastError
+from cast_llm.io import atomic_dir, fsync_path, sha256_file
+from cast_llm.train.state_io import StateFormatError, load_state, save_state
+
+__all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
+           "list_checkpoints", "save_checkpoint", "save_sharded_checkpoint", "load_checkpoint", "FINGERPRINT_KEYS"]
 
 # config keys that must match for a resume to continue the same run (others, e.g. logging, may change)
 FINGERPRINT_KEYS = (
     "model", "data", "method", "max_steps", "tokens", "batch_size", "grad_accum", "seq_len", "lr", "l1_decay",
-    "beta1", "beta2", "eps", "weight_decay", "warmup_steps", "min_lr_ratio", "mask_interval", "n", "m", "scaling",
-    "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "max_documents",
+    "beta1", "beta2", "eps", "weight_decay", "warmup_steps", "lr_schedule", "min_lr_ratio", "mask_interval", "n",
+    "m", "scaling", "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "max_documents",
     "fixed_mask", "init_mask", "calib_samples", "mask_learner", "srste_decay", "maskllm_tau", "maskllm_kappa",
-    "maskllm_prior",
+    "maskllm_prior", "maskllm_lr", "paper_exact", "warm_start", "repair_fraction", "final_prune",
 )
+# files a checkpoint of ours never holds: pickle-based formats can run code when loaded
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 
 
-def fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    return {k: cfg_dict.get(k) for k in FINGERPRINT_KEYS if k in cfg_dict}
+class CheckpointWriteError(CastError):
+    """Writing a checkpoint failed (disk full, I/O error); the previous checkpoint is intact."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+class UnsafeCheckpointError(CastError):
+    """A checkpoint folder holds a file that could run code when loaded (a pickle)."""
+
+
+def fingerprint(cfg_dict: dict[str, Any], keys: tuple[str, ...] = FINGERPRINT_KEYS) -> dict[str, Any]:
+    return {k: cfg_dict.get(k) for k in keys if k in cfg_dict}
 
 
 def rng_state() -> dict[str, Any]:
@@ -52,11 +62,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -64,56 +76,47 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run folder, oldest first (a folder being written ends in ``.tmp``)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and (p / "meta.json").is_file())
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    states: dict[str, Any],
-    meta: dict[str, Any],
-    *,
-    keep: int = 2,
-    write: bool = True,
-) -> Path:
-    """Write ``states`` (name -> object for torch.save) atomically as checkpoint ``step``.
-
-    ``write=False`` (non-zero ranks when states are replicated) only returns the path.
-    """
-    root = checkpoint_root(run_dir)
-    final = root / f"step-{step:08d}"
-    if not write:
-        return final
-    tmp = root / f"step-{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files = {}
-    for name, obj in states.items():
-        path = tmp / f"{name}.pt"
-        torch.save(obj, path)
-        files[path.name] = _sha256(path)
-    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "files": files}, indent=2, default=str))
-    for f in tmp.iterdir():  # data must be on disk before the rename makes the checkpoint visible
-        with f.open("rb") as fh:
-            os.fsync(fh.fileno())
-    _publish(run_dir, tmp, final, keep)
-    return final
-
-
-def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Rename a complete ``*.tmp`` checkpoint folder into place, then drop all but the ``keep`` newest."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+def _rotate(run_dir: Path, keep: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _rank_file(name: str, rank: int) -> str:
-    return f"{name}-rank{rank:05d}.pt"
+def _write_meta(folder: Path, meta: dict[str, Any], step: int, extra: dict[str, Any] | None = None) -> None:
+    files = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != "meta.json"}
+    (folder / "meta.json").write_text(json.dumps({**meta, "step": step, "files": files, **(extra or {})},
+                                                 indent=2, default=str))
+
+
+def save_checkpoint(run_dir: Path, step: int, states: dict[str, Any], meta: dict[str, Any], *,
+                    keep: int = 2) -> Path:
+    """Write ``states`` (name -> state tree) atomically as checkpoint ``step``; keep the ``keep`` newest.
+
+    Raises :class:`CheckpointWriteError` when the write fails (the previous checkpoints are untouched).
+    """
+    final = checkpoint_root(run_dir) / f"step-{step:08d}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with atomic_dir(final, replace=True) as tmp:
+            for name, obj in states.items():
+                save_state(tmp / name, obj)
+            _write_meta(tmp, meta, step)
+    except OSError as e:
+        raise CheckpointWriteError(f"writing checkpoint {final} failed ({e.strerror or e}); the previous "
+                                   "checkpoint is intact") from None
+    _rotate(run_dir, keep)
+    return final
+
+
+def _rank_name(name: str, rank: int) -> str:
+    return f"{name}-rank{rank:05d}"
 
 
 def save_sharded_checkpoint(
@@ -125,14 +128,16 @@ def save_sharded_checkpoint(
     *,
     rank: int,
     world_size: int,
-    barrier,
+    barrier: Callable[[], None],
+    all_ok: Callable[[bool], bool],
     keep: int = 2,
 ) -> Path:
-    """Atomic checkpoint of a sharded (FSDP2) run: every rank writes ``NAME-rankRRRRR.pt`` for each entry of
-    ``per_rank`` (its own shards), rank 0 also ``NAME.pt`` for ``shared``; all into the same ``*.tmp`` folder
-    (a filesystem every rank sees). Only when every rank has written and synced its files does rank 0
-    checksum them all, write ``meta.json`` (with ``sharded.world_size``) and rename the folder into place.
-    Collective: every rank must call it; ``barrier()`` synchronises the ranks.
+    """Atomic checkpoint of a sharded (FSDP2) run: every rank writes ``NAME-rankRRRRR.*`` for each entry of
+    ``per_rank`` (its own shards), rank 0 also ``NAME.*`` for ``shared``, all into the same ``*.tmp`` folder
+    (a filesystem every rank sees). Only when every rank has written and synced its files (``all_ok``:
+    every rank's success, agreed collectively) does rank 0 checksum them, write ``meta.json`` (with
+    ``sharded.world_size``) and rename the folder into place; otherwise every rank raises
+    :class:`CheckpointWriteError` and the previous checkpoint stays. Collective: every rank must call it.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:08d}"
@@ -141,40 +146,60 @@ def save_sharded_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    mine = {_rank_file(name, rank): obj for name, obj in per_rank.items()}
+    error = None
+    try:
+        written = []
+        for name, obj in per_rank.items():
+            written += save_state(tmp / _rank_name(name, rank), obj)
+        if rank == 0:
+            for name, obj in shared.items():
+                written += save_state(tmp / name, obj)
+        for f in written:
+            fsync_path(f)
+    except OSError as e:
+        error = e
+    if not all_ok(error is None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = f" ({error.strerror or error})" if error is not None else " on another rank"
+        raise CheckpointWriteError(f"writing checkpoint {final} failed{why}; the previous checkpoint is intact")
     if rank == 0:
-        mine.update({f"{name}.pt": obj for name, obj in shared.items()})
-    for fname, obj in mine.items():
-        torch.save(obj, tmp / fname)
-        with (tmp / fname).open("rb") as fh:
-            os.fsync(fh.fileno())
-    barrier()
-    if rank == 0:
-        expected = {_rank_file(name, r) for name in per_rank for r in range(world_size)} | {f"{n}.pt" for n in shared}
+        expected = {f"{_rank_name(n, r)}{s}" for n in per_rank for r in range(world_size)
+                    for s in (".json", ".safetensors")} | {f"{n}{s}" for n in shared for s in (".json", ".safetensors")}
         present = {f.name for f in tmp.iterdir()}
         if expected - present:
             raise CastError(f"checkpoint {tmp}: files of other ranks are missing ({sorted(expected - present)[:3]}); "
                             "--fsdp checkpoints need an --output-dir every process can see")
-        files = {f: _sha256(tmp / f) for f in sorted(expected)}
-        meta = {**meta, "step": step, "files": files, "sharded": {"world_size": world_size}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        with (tmp / "meta.json").open("rb") as fh:
-            os.fsync(fh.fileno())
-        _publish(run_dir, tmp, final, keep)
+        _write_meta(tmp, meta, step, {"sharded": {"world_size": world_size}})
+        fsync_path(tmp / "meta.json")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_path(root)
+        _rotate(run_dir, keep)
     barrier()
     return final
 
 
+def _refuse_pickles(path: Path) -> None:
+    bad = sorted(f.name for f in path.iterdir() if f.suffix.lower() in PICKLE_SUFFIXES)
+    if bad:
+        raise UnsafeCheckpointError(
+            f"checkpoint {path} holds {', '.join(bad)}: a pickle file, which can run code when loaded. cast-llm "
+            "checkpoints never contain pickles (it was made by hand or by an old version); refusing to load it")
+
+
 def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
                     rank: int | None = None, world_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Verify and load a checkpoint folder; returns (states, meta).
+    """Verify and load a checkpoint folder; returns (states, meta). Never unpickles anything.
 
     ``rank``/``world_size`` (FSDP2 runs): load a sharded checkpoint's shared files and this rank's own
-    ``NAME-rankRRRRR.pt`` files (returned under ``NAME``); the number of processes must be the same.
+    ``NAME-rankRRRRR.*`` files (returned under ``NAME``); the number of processes must be the same.
     """
-    meta_path = path / "meta.json"
+    path = Path(path)
+    _refuse_pickles(path)
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads((path / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one") from None
     got = meta.get("fingerprint", {})
@@ -190,16 +215,24 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
     if sharded and sharded["world_size"] != world_size:
         raise CastError(f"checkpoint {path} was written by {sharded['world_size']} processes (--fsdp); resume it "
                         f"with the same number of processes (now {world_size})")
-    states = {}
-    for fname, digest in meta.get("files", {}).items():
-        name = fname.removesuffix(".pt")
-        if sharded and "-rank" in name:
-            name, _, r = name.rpartition("-rank")
-            if int(r) != rank:
-                continue
+    files = meta.get("files", {})
+    for fname, digest in files.items():
         f = path / fname
-        if not f.is_file() or _sha256(f) != digest:
+        if not f.is_file() or sha256_file(f) != digest:
             raise CastError(f"checkpoint {path} is corrupt: {fname} is missing or its checksum does not match; "
                             "delete this checkpoint folder to resume from an older one")
-        states[name] = torch.load(f, map_location="cpu", weights_only=False)
+    states = {}
+    for fname in files:
+        if not fname.endswith(".json"):
+            continue
+        name = fname.removesuffix(".json")
+        if "-rank" in name:
+            base, _, r = name.rpartition("-rank")
+            if rank is None or int(r) != rank:
+                continue
+            name = base
+        try:
+            states[name] = load_state(path / fname.removesuffix(".json"))
+        except StateFormatError as e:
+            raise CastError(f"checkpoint {path} is corrupt: {e}") from None
     return states, meta

@@ -1,7 +1,14 @@
-"""Training configuration: one dataclass, the single source of truth for CLI flags, YAML and presets.
+"""Configuration of training jobs: dataclasses, the single source of truth for CLI flags, YAML and presets.
+
+:class:`RunConfig` holds what every job of the one training loop shares (run folder, budget, optimizer
+schedule, logging, checkpoints, devices) — ``cast-llm train`` (:class:`TrainConfig`) and ``cast-llm
+finetune`` (:class:`cast_llm.finetune.config.FinetuneConfig`) extend it. :class:`CastSettings` holds
+CAST's own knobs (AdamS, weight scaling, distillation), shared by :class:`TrainConfig` and the
+``transformers.Trainer`` integration (:class:`cast_llm.integrations.hf_trainer.CastArguments`).
 
 Precedence (lowest to highest): dataclass defaults < ``--preset`` < ``--config file.yaml`` < flags typed on
-the command line. The resolved config is written into the run folder as ``config.yaml``.
+the command line; with ``--resume`` the run's own ``config.yaml`` comes first. The resolved config is
+written into the run folder as ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -17,10 +24,16 @@ INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training ru
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
 LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
+RESUME = ("latest", "auto")
 # Defaults of --kd / --scaling when not given: what each method is in the paper (method.md §6). Naive
 # retraining, SR-STE and MaskLLM train without a teacher; AST and CAST distil; only CAST scales weights.
 KD_BY_DEFAULT = ("cast", "ast")
 SCALING_BY_DEFAULT = ("cast",)
+
+RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT = (
+    "run", "budget and batch", "optimizer and schedule", "CAST: AdamS, weight scaling, distillation",
+    "beyond the paper (short budgets; off with --paper-exact)", "baselines and ablations", "evaluation",
+    "mask-learning statistics", "logging and checkpoints")
 
 
 def _opt_count(v):
@@ -40,134 +53,193 @@ def _hist_steps(v) -> str:
     return parse_hist_steps(v)
 
 
-@dataclass
-class TrainConfig:
-    # --- what to train, on what, where
-    model: str = option("smollm2-135m", "Hugging Face model folder / hub id / .gguf file, or the alias smollm2-135m")
-    data: str = option("wiki-summaries", "wiki-summaries (embedded), a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG]")
-    output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final sparse model")
-    method: str = option("cast", "training method", choices=METHODS)
-    # --- budget and batch
-    max_steps: int | None = option(None, "optimizer steps (give this or --tokens)")
-    tokens: int | None = option(None, "training-token budget, e.g. 20M; sets the steps", parse=_opt_count)
-    batch_size: int = option(4, "sequences per micro-batch per process")
-    grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
-    seq_len: int = option(512, "tokens per training sequence")
-    # --- optimizer (AdamS, method.md §2) and schedule
-    lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)")
-    l1_decay: float = option(4e-7, "AdamS L1 strength λ on pruned weights (paper: 1e-6 GPT-2, 4e-7 LLaMA)")
-    beta1: float = option(0.9, "Adam β1 (paper does not give it; Adam default)")
-    beta2: float = option(0.999, "Adam β2 (paper does not give it; Adam default)")
-    eps: float = option(1e-8, "Adam ε")
-    weight_decay: float = option(0.0, "decoupled weight decay on dense weights (not on norms, biases, scales)")
-    warmup_steps: int | None = option(None, "linear warm-up steps (default: 2% of the steps, ours)")
-    lr_schedule: str = option("cosine", "lr after the warm-up: cosine or linear decay to lr × --min-lr-ratio, or "
-                                        "constant (the paper gives none)", choices=LR_SCHEDULES)
-    min_lr_ratio: float = option(0.0, "cosine/linear schedules decay to lr × this")
-    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)")
-    mask_interval: int = option(10, "recompute masks from |θ| every this many steps (T1, paper 10; 0 = fixed)")
-    fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0; the "
-                                     "CAST ablation 'fixed mask')")
-    init_mask: str = option("magnitude", "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
-                                         "--calib-samples training sequences (naive also keeps SparseGPT's "
-                                         "reconstructed weights; the other methods take the mask only)",
-                            choices=INIT_MASKS)
-    calib_samples: int = option(128, "training sequences used to calibrate --init-mask wanda/sparsegpt (paper 128)")
-    n: int = option(2, "N of the N:M pattern (kept per group)")
-    m: int = option(4, "M of the N:M pattern (group size)")
-    # --- weight scaling (§3) and distillation (§4)
-    scaling: bool | None = option(None, "learnable weight scaling (Eq. 11-12); default: on for cast only; "
-                                        "--no-scaling to ablate")
-    scale_groups: int = option(2, "column blocks per row of the scale A (paper n = 2)")
-    kd: bool | None = option(None, "distil from the frozen dense model (Eq. 13); default: on for cast and ast, "
-                                   "off for naive, srste, maskllm; --kd / --no-kd to change it")
-    eta: float = option(1 / 3, "KD weight η in η·KL + (1-η)·CE (paper 2/3 GPT-2/OPT, 1/3 LLaMA)")
-    temperature: float = option(1.0, "KD softmax temperature (ours; paper uses 1)")
-    kd_chunk_size: int = option(1024, "tokens per chunk when computing the KD loss (bounds logits memory)")
-    # --- beyond the paper, for short budgets (docs/training.md; all off with --paper-exact)
-    paper_exact: bool = option(False, "CAST exactly as the paper: dense start, hard final prune, no repair "
-                                      "(refuses the options below)")
-    warm_start: bool | None = option(None, "cast: start from the --init-mask one-shot MODEL (pruned weights 0, "
-                                           "SparseGPT's reconstructed kept weights) instead of the dense one")
-    repair_fraction: float | None = option(None, "cast: for this last fraction of the steps, freeze the masks, "
-                                                 "prune, and train the sparse model itself (masked repair)")
-    final_prune: str | None = option(None, "cast: hard (W ← W⊙M) or compensated (SparseGPT's OBS update of the "
-                                           "kept weights with the learned masks, on --calib-samples sequences)",
-                                     choices=FINAL_PRUNES)
-    forecast_target: float = option(0.99, "cast: warn when the forecast final sparse-weight ratio S_T is below this")
-    # --- baselines and ablations (method.md §6)
-    mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
-                                        "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS)
-    srste_decay: float = option(2e-4, "λ_W of the SR-STE decay λ_W(1-M)⊙W on pruned weights (SR-STE paper's "
-                                      "2e-4): added to the gradient (srste, cast --mask-learner srste) or, "
-                                      "ramped up linearly, to the Adam momentum signal (ast)")
-    maskllm_tau: str = option("4,0.05", "maskllm: Gumbel-softmax temperature τ, start,end (linear; MaskLLM 4 → 0.05)")
-    maskllm_kappa: str = option("100,500", "maskllm: logit scaling κ, start,end (linear; MaskLLM 1e2 → 5e2)")
-    maskllm_lr: float | None = option(None, "maskllm: lr of the mask logits (default: 10 × --lr, as MaskLLM's "
-                                            "logits learn far faster than weights)")
-    maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each group")
-    skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of failing")
-    # --- logging, evaluation, checkpoints
-    log_every: int = option(10, "steps between JSONL/TensorBoard records (flip rates refer to this interval)")
-    eval_every: int = option(0, "steps between validation perplexities (0 = only at the start and end)")
-    # --- mask-learning dynamics (method.md §7; what each quantity means: docs/analysis.md)
-    layer_stats: bool = option(True, "per-layer flip rate, initial flip rate and sparse-weight ratio on every "
-                                     "log step, written to layers.jsonl")
-    track_weights: int = option(10_000, "target weights sampled (seeded) to track |w| and the last mask flip "
-                                        "(the paper's Table 2) into dynamics.json; 0 = off", parse=_count_ge0)
-    track_every: int = option(0, "steps between weight-tracking checks (0 = at every mask update, i.e. every "
-                                 "--mask-interval steps, and every log step)", parse=_count_ge0)
-    ratio_hist_steps: str = option("0.1,0.5,1.0", "when to histogram |pruned|/|kept| inside N:M groups (Fig. 3) "
-                                                  "into ratio_hist.npz: fractions of the run (0.5) and/or steps "
-                                                  "(500), comma-separated; '' = never", parse=_hist_steps)
-    val_fraction: float = option(0.02, "fraction of documents held out for validation")
-    val_sequences: int = option(16, "held-out sequences used for validation perplexity (0 = all)")
-    wikitext_windows: int = option(0, "WikiText-2 windows evaluated at the end (0 = all; skipped if absent)")
-    eval_seq_len: int | None = option(None, "window length for WikiText-2 perplexity (default: --seq-len)")
-    wikitext_file: str | None = option(None, "WikiText-2 raw test file (default: ../shared/data/wikitext-2-raw/test.txt)")
-    baseline_eval: bool = option(True, "also measure the dense model and one-shot magnitude N:M at the start")
-    save_every: int = option(0, "steps between atomic checkpoints (0 = none until the end)")
-    keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
-    resume: bool = option(False, "continue from the latest checkpoint in --output-dir")
-    overwrite: bool = option(False, "replace an existing run in --output-dir")
-    seed: int = option(0, "seed for data order, sampling and initialisation")
-    device: str = option("auto", "auto, cpu or cuda (accelerate launch sets the device per process)")
-    fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
-                               "processes; --method cast with AdamS; resume with the same process count")
-    precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16", choices=("auto", "fp32", "bf16"))
-    max_documents: int | None = option(None, "use only the first this many documents of --data (quick runs)")
-    progress: bool = option(True, "show a progress bar")
+def _resume(v) -> str | None:
+    """``--resume`` (latest), ``--resume auto``; YAML ``true`` / ``false`` / ``auto`` / ``latest``."""
+    if v is None or v is False or (isinstance(v, str) and v.lower() in ("false", "no", "off", "none", "null")):
+        return None
+    if v is True or (isinstance(v, str) and v.lower() in ("true", "yes", "on", "latest")):
+        return "latest"
+    if isinstance(v, str) and v.lower() == "auto":
+        return "auto"
+    raise ValueError(f"expected nothing (the latest checkpoint) or 'auto', got {v!r}")
 
-    def validate(self) -> None:
-        if not self.output_dir:
-            raise CastError("--output-dir is required")
-        if (self.max_steps is None) == (self.tokens is None):
-            raise CastError("give exactly one budget: --max-steps N or --tokens N (e.g. 20M)")
-        for name in ("batch_size", "grad_accum", "seq_len"):
-            if getattr(self, name) < 1:
-                raise CastError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise CastError(f"--max-steps must be ≥ 1, got {self.max_steps}")
-        if self.lr <= 0 or self.l1_decay < 0:
-            raise CastError(f"--lr must be > 0 and --l1-decay ≥ 0 (got {self.lr}, {self.l1_decay})")
-        if not 0 <= self.eta <= 1:
-            raise CastError(f"--eta must be in [0, 1], got {self.eta}")
+
+@dataclass
+class PatternSettings:
+    n: int = option(2, "N of the N:M pattern (kept per group)", min=1, section=BUDGET)
+    m: int = option(4, "M of the N:M pattern (group size)", min=2, section=BUDGET)
+    skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of "
+                                            "failing", section=BUDGET)
+
+    def check_pattern(self) -> None:
         if not 1 <= self.n < self.m:
             raise CastError(f"need 1 ≤ n < m for an N:M pattern, got {self.n}:{self.m}")
-        if self.mask_interval < 0:
-            raise CastError(f"--mask-interval must be ≥ 0 (0 = fixed mask), got {self.mask_interval}")
+
+
+@dataclass
+class RunConfig(PatternSettings):
+    """What every job of the one training loop shares."""
+
+    output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)", section=RUN)
+    resume: str | None = option(None, "continue the run in --output-dir from its newest complete checkpoint, with "
+                                      "its own config.yaml (flags typed with it must agree); 'auto': start "
+                                      "afresh when there is none (re-run the same command after a preemption)",
+                                choices=RESUME, parse=_resume, nargs="?", const="latest", section=RUN)
+    overwrite: bool = option(False, "replace an earlier run in --output-dir (only files that run wrote are "
+                                    "removed; never the model's own folder or a folder of model weights)",
+                             section=RUN)
+    seed: int = option(0, "seed for data order, sampling and initialisation", section=RUN)
+    device: str = option("auto", "auto (CUDA when visible), cpu or cuda; accelerate launch sets it per process",
+                         choices=("auto", "cpu", "cuda"), section=RUN)
+    precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16",
+                            choices=("auto", "fp32", "bf16"), section=RUN)
+    threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use); on a "
+                             "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN)
+    progress: bool = option(True, "show a progress bar", section=RUN)
+    max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET)
+    batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET)
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step", min=1, section=BUDGET)
+    seq_len: int = option(512, "tokens per training sequence", min=2, section=BUDGET)
+    weight_decay: float = option(0.0, "decoupled weight decay on matrices (not on norms, biases, scales)", min=0,
+                                 section=OPTIM)
+    warmup_steps: int | None = option(None, "linear warm-up steps (default: 2% of the steps for train, 3% for "
+                                            "finetune; at least 1)", min=0, section=OPTIM)
+    lr_schedule: str = option("cosine", "lr after the warm-up: cosine or linear decay to lr × --min-lr-ratio, or "
+                                        "constant (the paper gives none; docs/training.md)", choices=LR_SCHEDULES,
+                              section=OPTIM)
+    min_lr_ratio: float = option(0.0, "the cosine / linear schedules decay to lr × this", min=0, max=1, section=OPTIM)
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)", min=0, section=OPTIM)
+    log_every: int = option(10, "steps between metrics.jsonl / TensorBoard records", min=1, section=CKPT)
+    eval_every: int = option(0, "steps between validation evaluations (0 = only at the start and end)", min=0,
+                             section=CKPT)
+    baseline_eval: bool = option(True, "also evaluate the starting model before training", section=CKPT)
+    save_every: int = option(0, "steps between atomic checkpoints (0 = none; SIGTERM/SIGINT still write one)",
+                             min=0, section=CKPT)
+    keep_last: int = option(2, "checkpoints kept (older ones are removed once a newer one is complete)", min=1,
+                            section=CKPT)
+    keep_checkpoints_after: bool = option(False, "keep the checkpoints after the run completes (they are only "
+                                                 "needed to resume; removed by default)", section=CKPT)
+
+    def validate(self) -> None:
+        from cast_llm.config import check_ranges
+
+        if not self.output_dir:
+            raise CastError("--output-dir is required")
+        check_ranges(self)
+        self.check_pattern()
+
+
+@dataclass
+class CastSettings:
+    """CAST's own knobs (method.md §2-4): shared by ``cast-llm train`` and the HF Trainer integration."""
+
+    l1_decay: float = option(4e-7, "AdamS L1 strength λ on pruned weights (paper: 2e-6 OPT, 1e-6 GPT-2, 4e-7 "
+                                   "LLaMA)", min=0, section=CAST)
+    mask_interval: int = option(10, "recompute masks from |θ| every this many steps (T1, paper 10; 0 = fixed)",
+                                min=0, section=CAST)
+    scale_groups: int = option(2, "column blocks per row of the weight scale A (paper n = 2)", min=1, section=CAST)
+    eta: float = option(2 / 3, "KD weight η in η·KL + (1-η)·CE; 2/3 gives the lower perplexity in the paper on "
+                               "every model (its LLaMA runs used 1/3 for zero-shot accuracy)", min=0, max=1,
+                        section=CAST)
+    temperature: float = option(1.0, "KD softmax temperature (ours; the paper uses 1)", min=0, min_exclusive=True,
+                                section=CAST)
+    kd_chunk_size: int = option(1024, "tokens per chunk of the KD loss (bounds the fp32 logits memory)", min=1,
+                                section=CAST)
+
+
+@dataclass
+class TrainConfig(RunConfig, CastSettings):
+    """``cast-llm train``."""
+
+    model: str = option("smollm2-135m", "Hugging Face model folder / hub id / .gguf file, or the alias "
+                                        "smollm2-135m", section=RUN)
+    data: str = option("wiki-summaries", "wiki-summaries (embedded), a .txt/.jsonl/.parquet file or folder, or "
+                                         "hf:NAME[:CONFIG]", section=RUN)
+    method: str = option("cast", "training method", choices=METHODS, section=RUN)
+    tokens: int | None = option(None, "training-token budget, e.g. 20M; sets the steps (give this or "
+                                      "--max-steps)", parse=_opt_count, min=1, section=BUDGET)
+    max_documents: int | None = option(None, "use only the first this many documents of --data (quick runs)",
+                                       min=1, section=BUDGET)
+    lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
+                       section=OPTIM)
+    beta1: float = option(0.9, "Adam β1 (the paper gives none; Adam's default)", min=0, max=0.999999, section=OPTIM)
+    beta2: float = option(0.999, "Adam β2 (the paper gives none; Adam's default)", min=0, max=0.999999,
+                          section=OPTIM)
+    eps: float = option(1e-8, "Adam ε", min=0, min_exclusive=True, section=OPTIM)
+    scaling: bool | None = option(None, "learnable weight scaling (Eq. 11-12); default: on for cast only; "
+                                        "--no-scaling to ablate", section=CAST)
+    kd: bool | None = option(None, "distil from the frozen dense model (Eq. 13); default: on for cast and ast, "
+                                   "off for naive, srste, maskllm", section=CAST)
+    fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0)", section=CAST)
+    init_mask: str = option("magnitude", "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
+                                         "--calib-samples training sequences (naive and --warm-start also keep "
+                                         "SparseGPT's reconstructed weights; otherwise only the mask is taken)",
+                            choices=INIT_MASKS, section=CAST)
+    calib_samples: int = option(128, "training sequences that calibrate Wanda / SparseGPT / the compensated prune "
+                                     "(paper 128)", min=1, section=CAST)
+    fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
+                               "processes; --method cast with AdamS; resume with the same process count",
+                        section=RUN)
+    # --- beyond the paper, for short budgets (docs/training.md; all off with --paper-exact)
+    paper_exact: bool = option(False, "CAST exactly as the paper: dense start, hard final prune, no repair "
+                                      "(refuses the options of this section)", section=BEYOND)
+    warm_start: bool | None = option(None, "start from the --init-mask one-shot MODEL (pruned weights 0, "
+                                           "SparseGPT's reconstructed kept weights) instead of the dense one",
+                                     section=BEYOND)
+    repair_fraction: float | None = option(None, "for this last fraction of the steps, freeze the masks, prune, and "
+                                                 "train the sparse model itself (masked repair)", min=0, max=0.999,
+                                           section=BEYOND)
+    final_prune: str | None = option(None, "hard (W ← W⊙M) or compensated (SparseGPT's OBS update of the kept "
+                                           "weights with the learned masks, on --calib-samples sequences)",
+                                     choices=FINAL_PRUNES, section=BEYOND)
+    forecast_target: float = option(0.99, "warn when the forecast final sparse-weight ratio S_T is below this",
+                                    min=0, min_exclusive=True, max=1, section=BEYOND)
+    # --- baselines and ablations (method.md §6)
+    mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
+                                        "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS,
+                               section=BASELINES)
+    srste_decay: float = option(2e-4, "λ_W of the SR-STE decay λ_W(1-M)⊙W on pruned weights (SR-STE paper's "
+                                      "2e-4): added to the gradient (srste, cast --mask-learner srste) or, "
+                                      "ramped up linearly, to the Adam momentum signal (ast)", min=0,
+                                section=BASELINES)
+    maskllm_tau: str = option("4,0.05", "maskllm: Gumbel-softmax temperature τ, start,end (linear; MaskLLM 4 → "
+                                        "0.05)", section=BASELINES)
+    maskllm_kappa: str = option("100,500", "maskllm: logit scaling κ, start,end (linear; MaskLLM 1e2 → 5e2)",
+                                section=BASELINES)
+    maskllm_lr: float | None = option(None, "maskllm: lr of the mask logits (default: 10 × --lr; logits need far "
+                                            "larger steps than weights)", min=0, min_exclusive=True,
+                                      section=BASELINES)
+    maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each "
+                                       "group", section=BASELINES)
+    # --- evaluation
+    val_fraction: float = option(0.02, "fraction of documents held out for validation", min=0, max=0.5,
+                                 section=EVAL)
+    val_sequences: int = option(16, "held-out sequences scored for perplexity (0 = all)", min=0, section=EVAL)
+    wikitext_windows: int | None = option(None, "WikiText-2 windows scored at the end (0 = all, the full protocol; "
+                                                "default: scaled to the run, so that scoring takes less time than "
+                                                "training — at least 4)", min=0, section=EVAL)
+    eval_seq_len: int | None = option(None, "WikiText-2 window length (default: --seq-len)", min=2, section=EVAL)
+    wikitext_file: str | None = option(None, "WikiText-2 raw test text (default: $CAST_WIKITEXT2, else the copy "
+                                             "packaged with cast-llm)", section=EVAL)
+    # --- mask-learning dynamics (method.md §7; what each quantity means: docs/analysis.md)
+    layer_stats: bool = option(True, "per-layer flip rate, initial flip rate and sparse-weight ratio on every "
+                                     "log step, written to layers.jsonl", section=ANALYSIS)
+    track_weights: int = option(10_000, "target weights sampled (seeded) to track |w| and the last mask flip "
+                                        "(the paper's Table 2) into dynamics.json; 0 = off", parse=_count_ge0,
+                                section=ANALYSIS)
+    track_every: int = option(0, "steps between weight-tracking checks (0 = at every mask update, i.e. every "
+                                 "--mask-interval steps, and every log step)", parse=_count_ge0, section=ANALYSIS)
+    ratio_hist_steps: str = option("0.1,0.5,1.0", "when to histogram |pruned|/|kept| inside N:M groups (Fig. 3) "
+                                                  "into ratio_hist.npz: fractions of the run (0.5) and/or steps "
+                                                  "(500), comma-separated; '' = never", parse=_hist_steps,
+                                   section=ANALYSIS)
+
+    def validate(self) -> None:
+        super().validate()
+        if (self.max_steps is None) == (self.tokens is None):
+            raise CastError("give exactly one budget: --max-steps N or --tokens N (e.g. 20M)")
         if self.mask_learner != "adams" and self.method != "cast":
             raise CastError(f"--mask-learner is a CAST ablation; --method {self.method} has its own mask learner")
-        if self.srste_decay < 0:
-            raise CastError(f"--srste-decay must be ≥ 0, got {self.srste_decay}")
-        if self.calib_samples < 1:
-            raise CastError(f"--calib-samples must be ≥ 1, got {self.calib_samples}")
-        if not 0 < self.forecast_target <= 1:
-            raise CastError(f"--forecast-target must be in (0, 1], got {self.forecast_target}")
-        if self.repair_fraction is not None and not 0 <= self.repair_fraction < 1:
-            raise CastError(f"--repair-fraction must be in [0, 1) (a fraction of the steps), got {self.repair_fraction}")
-        if self.maskllm_lr is not None and self.maskllm_lr <= 0:
-            raise CastError(f"--maskllm-lr must be > 0, got {self.maskllm_lr}")
         beyond = {"--warm-start": self.warm_start, "--repair-fraction": self.repair_fraction,
                   "--final-prune": self.final_prune}
         given = [flag for flag, v in beyond.items() if v not in (None, False, 0, 0.0, "hard")]
@@ -176,6 +248,9 @@ class TrainConfig:
         if given and (self.method != "cast" or self.mask_learner != "adams"):
             raise CastError(f"{', '.join(given)} apply to --method cast with AdamS only (got --method {self.method}"
                             f"{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''})")
+        if self.fsdp and (self.effective_repair_fraction > 0 or self.effective_final_prune != "hard"):
+            raise CastError("--repair-fraction and --final-prune compensated are not supported with --fsdp yet; "
+                            "pass --repair-fraction 0 --final-prune hard (or --paper-exact)")
         if self.method == "maskllm":
             if self.use_scaling:
                 raise CastError("--method maskllm learns masks only (weights frozen): --scaling does not apply")
@@ -204,7 +279,7 @@ class TrainConfig:
     def use_scaling(self) -> bool:
         return self.scaling if self.scaling is not None else self.method in SCALING_BY_DEFAULT
 
-    # the beyond-the-paper options: None = the default of the method (none of them with --paper-exact)
+    # the beyond-the-paper options: None = the default (none of them with --paper-exact)
     @property
     def use_warm_start(self) -> bool:
         return bool(self.warm_start) if self.warm_start is not None else False
@@ -228,13 +303,10 @@ class TrainConfig:
 PRESETS: dict[str, dict] = {
     "gpt2": dict(lr=1e-4, l1_decay=1e-6, seq_len=1024, batch_size=8, grad_accum=16, max_steps=60_000, eta=2 / 3),
     "opt": dict(lr=1e-4, l1_decay=2e-6, seq_len=2048, batch_size=8, grad_accum=16, max_steps=30_000, eta=2 / 3),
+    # η 1/3 is the paper's LLaMA choice for zero-shot accuracy (its perplexity is lower at 2/3)
     "llama": dict(lr=2e-5, l1_decay=4e-7, seq_len=4096, batch_size=8, grad_accum=32, max_steps=7_500, eta=1 / 3),
-    # CPU-sized: the embedded SmolLM2-135M on the embedded corpus in ~10 minutes on 2 idle cores (measured:
-    # 567 s, docs/results/training-smollm2.md). AdamS would need lr·T/2 above the typical |pruned w| (~0.06)
-    # to finish the decay, but its momentum-based second moment makes a large lr wreck the model on small
-    # batches (lr 2e-3: CE 2.9 → 18.7 in 10 steps), so lr 5e-4 is the largest stable choice and the run ends
-    # with ~half of each pruned magnitude left (S_t 0.87): a pipeline demonstration, not CAST's quality.
-    # λ ≈ 2× the per-batch gradient magnitude. Not tuned by sweeps.
+    # CPU-sized: the embedded SmolLM2-135M on the embedded corpus in ~10 minutes on 2 idle cores
+    # (docs/results/training-smollm2.md).
     "smollm2-cpu": dict(
         model="smollm2-135m", data="wiki-summaries", seq_len=256, batch_size=2, grad_accum=1, max_steps=110,
         lr=5e-4, l1_decay=2e-4, eta=1 / 3, warmup_steps=5, log_every=10, val_sequences=16,

@@ -46,8 +46,9 @@ class CastMethod(TrainingMethod):
         self._calib = None  # calibration sequences of the compensated prune
         self.repair_start = None  # optimizer steps done when the masked repair begins (None: no repair)
         self.prune_report: dict | None = None  # what the final prune removed (recorded in results.json)
+        self.start_forecast: dict | None = None  # the decay forecast made before the first update
 
-    def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
+    def prepare_model(self, model, cfg, *, data=None, device=None):
         from cast_llm.nn import wrap_scaling_
         from cast_llm.targets import find_targets
 
@@ -97,6 +98,10 @@ class CastMethod(TrainingMethod):
         if self._init_masks is not None:
             for t in targets:
                 opt.set_mask(t.weight, self._init_masks[t.fqn])
+        from cast_llm.train.schedule import schedule_lrs
+
+        self.total_steps = total_steps
+        self._lrs = schedule_lrs(cfg, total_steps, cfg.lr, default_warmup=0.02)
         fraction = cfg.effective_repair_fraction
         repair_steps = round(fraction * total_steps)
         self.repair_start = total_steps - repair_steps if repair_steps > 0 else None
@@ -146,15 +151,56 @@ class CastMethod(TrainingMethod):
             return self._srste.current_masks(model, optimizer)
         return {self._names[id(p)]: mask for p, mask in optimizer.masks().items()}
 
-    def finalize(self, model, optimizer) -> None:
+    # ---- will the decay finish? (optim/forecast.py; before the first update and on log steps)
+    def _forecast(self, optimizer, suggest: bool):
+        from cast_llm.optim.forecast import forecast_decay
+
+        return forecast_decay(optimizer, self._lrs, target=self.cfg.forecast_target, suggest=suggest)
+
+    def before_update(self, model, optimizer, step: int, ctx, results: dict) -> None:
+        if self._srste is not None or step != 0 or self.cfg.fsdp:
+            return
+        fc = self._forecast(optimizer, suggest=True)  # the first gradient is known: its noise sets σ
+        self.start_forecast = fc.as_dict()
+        ctx.say(fc.message(lr=self.cfg.lr, l1_decay=self.cfg.l1_decay))
+
+    def log_metrics(self, model, optimizer, step: int, results: dict) -> dict:
+        if self._srste is not None or self.cfg.fsdp or self.in_repair(step) or step + 1 >= self.total_steps:
+            return {}
+        return {"forecast_sparse_weight_ratio": self._forecast(optimizer, suggest=False).sparse_weight_ratio}
+
+    def extra_state(self):
+        return {"prune_report": self.prune_report, "start_forecast": self.start_forecast}
+
+    def load_extra_state(self, state) -> None:
+        if state:
+            self.prune_report, self.start_forecast = state.get("prune_report"), state.get("start_forecast")
+
+    def results(self) -> dict:
+        decay = {}
+        if self.start_forecast is not None:
+            decay["forecast_at_start"] = self.start_forecast
+        if self.prune_report is not None:
+            decay["final_prune"] = self.prune_report
+        return {"decay": decay} if decay else {}
+
+    def finalize(self, model, optimizer, *, out=None, is_main=True):
         if self._srste is not None:
-            return self._srste.finalize(model, optimizer)
+            return self._srste.finalize(model, optimizer, out=out, is_main=is_main)
         from cast_llm.nn import fold_scaling_
 
         if self.repair_start is None:  # (with a masked repair the prune happened when it began)
             self.prune(model, optimizer, step=optimizer_step_count(optimizer))
         optimizer.prune_()
         fold_scaling_(model)  # W ← Diag(A)(W ⊙ M): plain nn.Linear again, zero inference overhead
+        return model
+
+    def finalize_gathered(self, model, masks):
+        from cast_llm.nn import fold_scaling_
+
+        # the gathered masks are those AdamS held at the end; the fold writes Diag(A)(W ⊙ M) with them
+        fold_scaling_(model, {f"{fqn}.weight": mask for fqn, mask in masks.items()})
+        return model
 
     def export_metadata(self, cfg):
         meta = super().export_metadata(cfg)

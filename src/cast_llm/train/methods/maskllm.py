@@ -56,12 +56,13 @@ class MaskLLMMethod(TrainingMethod):
         return {self.keys[fqn]: w.hard_mask() for fqn, w in self.wrappers.items()}
 
     @torch.no_grad()
-    def finalize(self, model, optimizer) -> None:
+    def finalize(self, model, optimizer, *, out=None, is_main=True):
         from cast_llm.nn.scaled_linear import _set_submodule
 
         for fqn, w in self.wrappers.items():
             _set_submodule(model, fqn, w.to_layer())  # W ← W ⊙ M_argmax; kept weights untouched
         model.requires_grad_(True)
+        return model
 
     def export_metadata(self, cfg):
         meta = super().export_metadata(cfg)

@@ -57,12 +57,13 @@ class SparseForwardMethod(TrainingMethod):
     def current_masks(self, model, optimizer) -> dict[str, torch.Tensor]:
         return {self.keys[fqn]: w.mask for fqn, w in self.wrappers.items()}
 
-    def finalize(self, model, optimizer) -> None:
+    def finalize(self, model, optimizer, *, out=None, is_main=True):
         from cast_llm.nn import fold_scaling_
         from cast_llm.nn.sparse_forward import unwrap_sparse_forward_
 
         unwrap_sparse_forward_(model)  # W ← W ⊙ M (exact zeros), original module types back
         fold_scaling_(model)  # then W ← Diag(A) W: the zeros stay zeros
+        return model
 
 
 def _inner_targets(model, cfg):

@@ -1,0 +1,446 @@
+"""The one training loop: every training method (CAST and the baselines) and every fine-tuning mode.
+
+What varies lives outside it: a **job** (:class:`Job`: the task's data, model and loss — pre-training with
+distillation in :mod:`cast_llm.train.trainer`, fine-tuning in :mod:`cast_llm.finetune.job`), a **method**
+(:class:`~cast_llm.train.methods.base.TrainingMethod`: how the model is prepared, which optimizer updates
+it, what it does around each step, how the final model is made), and a **distribution**
+(:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
+
+Per optimizer step: ``method.begin_step`` → ``grad_accum`` micro-batches (forward, ``job.loss``, backward,
+no gradient sync before the last) → a finite-loss check → ``method.before_optimizer_step`` → clipping →
+optimizer step → ``method.end_step`` → LR schedule → observers and the log record every ``log_every``
+steps → a checkpoint every ``save_every`` steps. Around it: the run folder and its lock, exact resume
+(``--resume`` / ``--resume auto``), SIGTERM/SIGINT → checkpoint → exit 75, and at the end
+``distribution.finish`` (``method.finalize``) and ``job.finish`` (export, evaluation, summary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cast_llm.errors import CastError
+from cast_llm.io import append_jsonl, atomic_write_json, truncate_jsonl
+from cast_llm.train.checkpoint import (
+    CheckpointWriteError,
+    fingerprint,
+    list_checkpoints,
+    rng_state,
+    set_rng_state,
+)
+from cast_llm.train.distributed import build_distribution
+from cast_llm.train.preemption import Preempted, StopRequest
+from cast_llm.train.rundir import RunLock, prepare_run_dir, record_written, write_marker
+from cast_llm.train.schedule import build_scheduler
+
+__all__ = ["Job", "run", "build_accelerator", "resolve_precision"]
+
+
+class Job:
+    """What a training job brings to the loop (subclassed by the pre-training and fine-tuning jobs).
+
+    Attributes the loop reads: ``cfg`` (the job's config dataclass), ``method`` (its TrainingMethod),
+    ``kind`` (``"run"`` or ``"fine-tuning run"``, for messages), ``marker_kind`` (written into the run
+    marker), ``fingerprint_keys`` (config keys a resume must match), ``default_warmup`` (fraction of the
+    steps), ``desc`` (progress-bar label), and after :meth:`setup`: ``total_steps``, ``model``, ``teacher``
+    (or None), ``tokenizer``.
+    """
+
+    kind = "run"
+    marker_kind = "cast-llm-run"
+    default_warmup = 0.02
+    uses_fsdp = False
+
+    def setup(self, ctx: LoopContext, results: dict[str, Any], resuming: bool) -> None:
+        """Load tokenizer, data and model (``self.model``, ``self.teacher``), set ``self.total_steps``; on a
+        fresh start, measure the starting point into ``results``."""
+        raise NotImplementedError
+
+    def batch(self, step: int, micro: int) -> Any:
+        """Micro-batch ``micro`` of optimizer step ``step`` (0-based), on the training device."""
+        raise NotImplementedError
+
+    def loss(self, model, teacher, batch) -> tuple[torch.Tensor, dict[str, float], int]:
+        """(loss to back-propagate, named parts as floats for the log, tokens in the batch)."""
+        raise NotImplementedError
+
+    def observers(self, ctx: LoopContext) -> list:
+        return []
+
+    def log_extra(self, ctx: LoopContext, step: int, raw) -> dict[str, Any]:
+        """Extra entries of a log record (e.g. validation metrics)."""
+        return {}
+
+    def before_finalize(self, ctx: LoopContext, raw, results: dict[str, Any]) -> None:
+        """After the last step, before ``method.finalize`` (e.g. measure the model as trained)."""
+
+    def finish(self, ctx: LoopContext, final, results: dict[str, Any]) -> dict[str, Any]:
+        """Export and evaluate the final model (``final``: on the main process; None elsewhere)."""
+        raise NotImplementedError
+
+
+class LoopContext:
+    """What the loop shares with the job and the method: processes, device, folder, and how to speak."""
+
+    def __init__(self, cfg, accelerator, distribution, out: Path, say, precision: str):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.distribution = distribution
+        self.device = accelerator.device
+        self.is_main = accelerator.is_main_process
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.out = out
+        self.say = say
+        self.precision = precision
+        self.t_start = time.perf_counter()
+        self.elapsed_before = 0.0  # wall time of the earlier segments of a resumed run
+
+    def elapsed(self) -> float:
+        """Wall time of the whole run so far, over all its segments (resumes)."""
+        return self.elapsed_before + time.perf_counter() - self.t_start
+
+
+def resolve_precision(cfg, device_type: str) -> str:
+    if cfg.precision == "auto":
+        return "bf16" if device_type == "cuda" else "no"
+    return "no" if cfg.precision == "fp32" else cfg.precision
+
+
+def build_accelerator(cfg):
+    """The Accelerator of a job: its device from ``cfg.device`` (``auto``: CUDA when visible) and its mixed
+    precision from ``cfg.precision``; returns ``(accelerator, precision)``."""
+    from accelerate import Accelerator
+
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    precision = resolve_precision(cfg, "cpu" if cpu else "cuda")
+    return Accelerator(cpu=cpu, mixed_precision=precision), precision
+
+
+def keep_output_dtype(module) -> None:
+    """Undo accelerate's mixed-precision forward wrapper (autocast + cast of every output to fp32).
+
+    For a causal LM that cast is a second, twice as large copy of the full-vocabulary logits, for the
+    student and for the teacher. The loop already runs forward, loss and backward under
+    ``accelerator.autocast()`` and the losses compute in fp32 chunk by chunk, so the logits can stay in the
+    autocast dtype: numerically identical (bf16 -> fp32 is exact, and the gradient went back to bf16 anyway).
+    """
+    if module is not None and "_original_forward" in module.__dict__:
+        module.forward = module.__dict__.pop("_original_forward")
+
+
+def resume_command(cfg) -> str:
+    """The command that continues this run (its own config.yaml supplies every other setting)."""
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "cast-llm"
+    sub = "finetune" if "finetune" in sys.argv[1:2] else "train"
+    if prog in ("__main__.py", "cli"):
+        prog = "cast-llm"
+    return f"{prog if prog.startswith('cast-llm') else 'cast-llm'} {sub} --output-dir {shlex.quote(str(cfg.output_dir))} --resume"
+
+
+def _choose_checkpoint(cfg, out: Path, say) -> Path | None:
+    """The checkpoint to resume: ``--resume`` (latest; an error without one), ``--resume auto`` (latest, or
+    a fresh start when there is none)."""
+    if not cfg.resume:
+        return None
+    found = list_checkpoints(out) if out.is_dir() else []
+    if found:
+        return found[-1]
+    if cfg.resume == "auto":
+        say(f"--resume auto: no checkpoint in {out}; starting from the beginning")
+        return None
+    raise CastError(f"--resume: {out} holds no checkpoint yet; start it again without --resume "
+                    "(with --overwrite), use --resume auto, or set --save-every")
+
+
+def run(job: Job, *, log=print) -> dict[str, Any]:
+    """Run ``job`` to the end (or to a preemption: raises :class:`~cast_llm.train.preemption.Preempted`)."""
+    from accelerate.utils import set_seed
+
+    cfg = job.cfg
+    setup_threads(cfg)
+    accelerator, precision = build_accelerator(cfg)
+    is_main = accelerator.is_main_process
+    say = log if is_main else (lambda *a, **k: None)
+    out = Path(cfg.output_dir)
+    lock = RunLock(out)
+    if is_main:
+        lock.acquire()
+    try:
+        with StopRequest(say) as stop:
+            return _run(job, cfg, accelerator, precision, out, say, stop, set_seed)
+    finally:
+        lock.release()
+
+
+def _run(job, cfg, accelerator, precision, out, say, stop, set_seed) -> dict[str, Any]:
+    distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False))
+    is_main = distribution.is_main
+    checkpoint = None
+    if is_main:
+        checkpoint = _choose_checkpoint(cfg, out, say)
+        prepare_run_dir(out, resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume),
+                        is_main=True, model=getattr(cfg, "model", None), kind=job.kind)
+    distribution.barrier()
+    if not is_main:
+        found = list_checkpoints(out) if cfg.resume else []
+        checkpoint = found[-1] if found else None
+    ctx = LoopContext(cfg, accelerator, distribution, out, say, precision)
+    set_seed(cfg.seed)
+    method = job.method
+
+    results: dict[str, Any] = {}
+    if checkpoint is not None and (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+    job.setup(ctx, results, resuming=checkpoint is not None)
+    total_steps = job.total_steps
+    model = method.prepare_model(job.model, cfg, data=getattr(job, "data", None), device=ctx.device) or job.model
+    model.train()
+    teacher = job.teacher
+    distribution.shard(model, teacher, cfg, say)
+    optimizer = method.build_optimizer(model, cfg, total_steps)
+    scheduler = build_scheduler(optimizer, cfg, total_steps, default_warmup=job.default_warmup)
+    # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
+    model, optimizer, teacher = distribution.wrap(model, optimizer, teacher)
+    raw = accelerator.unwrap_model(model)
+    for module in (raw, teacher):
+        keep_output_dtype(module)
+    raw_opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it; methods need the real one
+    observers = job.observers(ctx)
+
+    cfg_dict = asdict(cfg)
+    fp = fingerprint(cfg_dict, job.fingerprint_keys)
+    start_step = 0
+    if checkpoint is not None:
+        states, meta = distribution.load(checkpoint, fp)
+        distribution.load_model_state(method, raw, states["model"])
+        distribution.load_optimizer_state(raw_opt, states["optimizer"])
+        scheduler.load_state_dict(states["scheduler"])
+        method.load_extra_state(states.get("method"))
+        set_rng_state(states["rng"])
+        start_step = int(meta["step"])
+        ctx.elapsed_before = float(meta.get("elapsed_s", 0.0))
+        for ob in observers:
+            ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
+        say(f"resumed from {checkpoint} at step {start_step}")
+    if is_main:
+        from cast_llm.config import dump_yaml
+
+        dump_yaml(cfg, out / "config.yaml")
+        write_marker(out, {"kind": job.marker_kind, "method": getattr(cfg, "method", None) or getattr(cfg, "mode", None),
+                           "config": cfg_dict})
+        truncate_jsonl(out / "metrics.jsonl", start_step)
+    tb = None
+    if is_main and getattr(cfg, "tensorboard", True):
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    last_good = checkpoint
+
+    def save(step: int, *, required: bool) -> Path | None:
+        """Write checkpoint ``step``. A failed periodic checkpoint is a warning (the run goes on, the previous
+        one stays); a failed required one (preemption) is an error naming the last good one."""
+        nonlocal last_good
+        if hasattr(method, "verify"):
+            method.verify(raw)
+        states = {"model": distribution.model_state(method, raw), "optimizer": distribution.optimizer_state(raw_opt),
+                  "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                  "observers": {ob.name: ob.state_dict() for ob in observers}}
+        extra = method.extra_state()
+        if extra is not None:
+            states["method"] = extra
+        meta = {"fingerprint": fp, "tokens": step * (getattr(job, "tokens_per_step", 0) or 0),
+                "kind": job.marker_kind, "elapsed_s": ctx.elapsed()}
+        try:
+            distribution.save(out, step, states, meta, cfg.keep_last)
+            ok = True
+        except CheckpointWriteError as e:
+            ok, err = False, e
+        ok = distribution.all(ok)
+        if not ok:
+            where = f"the last complete checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+            msg = f"{err if is_main and 'err' in locals() else 'a checkpoint write failed'}; {where}"
+            if required:
+                raise CastError(msg)
+            say(f"warning: {msg}; training goes on")
+            return None
+        if is_main:
+            record_written(out, ["checkpoints"])
+            atomic_write_json(out / "results.json", results)
+        distribution.barrier()
+        last_good = list_checkpoints(out)[-1] if is_main else out / "checkpoints" / f"step-{step:08d}"
+        return last_good
+
+    # ---- the loop
+    bar = None
+    if is_main and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=start_step, desc=job.desc, unit="step", dynamic_ncols=True)
+    window = _new_window()
+    grad_accum = cfg.grad_accum
+    for step in range(start_step, total_steps):
+        method.begin_step(raw, raw_opt, step)
+        for micro in range(grad_accum):
+            batch = job.batch(step, micro)
+            with distribution.no_sync(model, micro == grad_accum - 1), accelerator.autocast():
+                loss, parts, tokens = job.loss(model, teacher, batch)
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
+                    raise CastError(f"loss became {value} at step {step + 1}; stopped ({where}); lower --lr or "
+                                    "check the data")
+                accelerator.backward(loss / grad_accum)
+            window["loss"] += value / grad_accum
+            for k, v in parts.items():
+                window["parts"][k] = window["parts"].get(k, 0.0) + v / grad_accum
+            window["tokens"] += tokens * ctx.world
+        method.before_optimizer_step(raw, raw_opt, step)
+        if cfg.grad_clip > 0:
+            distribution.clip(model, cfg.grad_clip)
+        method.before_update(raw, raw_opt, step, ctx, results)
+        optimizer.step()
+        method.end_step(raw, raw_opt, step)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        window["n"] += 1
+
+        is_log = done % cfg.log_every == 0 or done == total_steps
+        measured = {}
+        if observers:
+            from cast_llm.train.observers import StepContext
+
+            sctx = StepContext(step=done, total_steps=total_steps, model=raw, is_log_step=is_log, run_dir=out,
+                               is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
+                               masks_fn=lambda: method.current_masks(raw, raw_opt))
+            for ob in observers:
+                measured.update(ob.on_step(sctx) or {})
+        extra = job.log_extra(ctx, done, raw)
+        if is_log or extra:
+            rec = _record(done, window, job, scheduler, distribution)
+            rec.update(measured)
+            rec.update(method.log_metrics(raw, raw_opt, step, results) if is_log else {})
+            rec.update(extra)
+            if is_main:
+                append_jsonl(out / "metrics.jsonl", rec)
+                if tb is not None:
+                    for k, v in rec.items():
+                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                            tb.add_scalar(f"train/{k}", v, done)
+            window = _new_window()
+            if bar is not None:
+                bar.set_postfix(**_postfix(rec))
+        stopping = distribution.any(stop.requested) if ctx.world > 1 else stop.requested
+        if stopping and done < total_steps:
+            if bar is not None:
+                bar.close()
+            path = save(done, required=True)
+            if tb is not None:
+                tb.close()
+            msg = (f"stopped at step {done} of {total_steps} ({stop.signal_name or 'signal on another rank'}); "
+                   f"checkpoint {path}. Resume with: {resume_command(cfg)}")
+            say(msg)
+            raise Preempted(msg)
+        if cfg.save_every and done % cfg.save_every == 0 and done != total_steps:
+            save(done, required=False)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation
+    if observers:
+        from cast_llm.train.observers import StepContext
+
+        end_ctx = StepContext(step=total_steps, total_steps=total_steps, model=raw, is_log_step=False, run_dir=out,
+                              is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
+                              masks_fn=lambda: method.current_masks(raw, raw_opt))
+        for ob in observers:
+            ob.on_end(end_ctx)
+    job.before_finalize(ctx, raw, results)
+    final = distribution.finish(raw, raw_opt, method, cfg, out)
+    results.update(method.results())
+    distribution.barrier()
+    results = job.finish(ctx, final, results)
+    if tb is not None:
+        tb.close()
+    if is_main:
+        _drop_checkpoints(out, say, keep=getattr(cfg, "keep_checkpoints_after", False))
+    distribution.barrier()
+    accelerator.end_training()
+    return results
+
+
+def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
+    """A finished run needs no checkpoint to resume: remove them (ours), unless asked to keep them."""
+    found = list_checkpoints(out)
+    if not found:
+        return
+    if keep:
+        say(f"kept {len(found)} checkpoint(s) in {out / 'checkpoints'}")
+        return
+    import shutil
+
+    size = sum(f.stat().st_size for c in found for f in c.iterdir() if f.is_file())
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    say(f"removed the run's {len(found)} checkpoint(s) ({size / 2**30:.1f} GiB): the run is complete "
+        "(--keep-checkpoints-after keeps them)")
+
+
+def _new_window() -> dict[str, Any]:
+    return {"loss": 0.0, "parts": {}, "n": 0, "tokens": 0, "t0": time.perf_counter()}
+
+
+def _record(step: int, window: dict, job, scheduler, distribution) -> dict[str, Any]:
+    n = max(window["n"], 1)
+    dt = time.perf_counter() - window["t0"]
+    names = list(window["parts"])
+    vals = torch.tensor([window["loss"] / n] + [window["parts"][k] / n for k in names])
+    if distribution.world > 1:
+        vals = distribution.accelerator.reduce(vals.to(distribution.device), reduction="mean").cpu()
+    rec = {"step": step}
+    if getattr(job, "tokens_per_step", None):
+        rec["tokens"] = step * job.tokens_per_step
+    rec["loss"] = float(vals[0])
+    rec.update({k: float(v) for k, v in zip(names, vals[1:])})
+    rec["lr"] = scheduler.get_last_lr()[0]
+    rec["tokens_per_s"] = window["tokens"] / dt if dt > 0 else math.nan
+    return rec
+
+
+def _postfix(rec: dict[str, Any]) -> dict[str, str]:
+    out = {"loss": f"{rec['loss']:.3f}", "tok_s": f"{rec['tokens_per_s']:.0f}"}
+    if "flip_rate" in rec:
+        out["flips"] = f"{rec['flip_rate']:.2%}"
+    if "val_loss" in rec:
+        out["val"] = f"{rec['val_loss']:.3f}"
+    return out
+
+
+def setup_threads(cfg) -> None:
+    """``--threads``: torch's intra-op threads (0 = automatic: the cores this process may use, and one
+    fewer than the machine has when another process is busy — torch's threads otherwise spin against it)."""
+    n = getattr(cfg, "threads", 0) or 0
+    if n > 0:
+        torch.set_num_threads(n)
+        return
+    if os.environ.get("OMP_NUM_THREADS"):
+        return  # the user (or a launcher) chose already
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores))
