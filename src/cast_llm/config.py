@@ -174,7 +174,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise CastError(f"config file not found: {p} (pass an existing YAML file to --config)")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise CastError(f"config file {p} is not UTF-8 text (a YAML file of option: value is expected)") from None
     except yaml.YAMLError as e:
         raise CastError(f"config file {p} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -46,6 +46,14 @@ def _embedded_file(name: str) -> Path:
 
 
 def _read_file(path: Path) -> list[str]:
+    try:
+        return _read_text_file(path)
+    except UnicodeDecodeError as e:
+        raise CastError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); give a "
+                        "UTF-8 .txt/.jsonl file or a .parquet file") from None
+
+
+def _read_text_file(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return [path.read_text(encoding="utf-8")]

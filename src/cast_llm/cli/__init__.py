@@ -28,15 +28,23 @@ COMMAND_MODULES = [
 ]
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a missing value) as one line, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help; a value that starts with '-' is "
+                     "written --flag=-1e-3)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cast_llm import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="cast-llm",
         description="Turn a dense LLM into a 2:4 sparse model by sparsity-aware training (CAST).",
     )
     parser.add_argument("--version", action="version", version=f"cast-llm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrors)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -44,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help / --version (0) or a one-line argparse error (2)
+        return int(e.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -52,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rc = args.func(args)
-    except CastError as e:
-        print(f"cast-llm {args.command}: error: {e}", file=sys.stderr)
+    except CastError as e:  # one line, whatever the message holds
+        msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"cast-llm {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except Preempted as e:  # stopped by SIGTERM/SIGINT after writing a checkpoint (the message said where)
         return int(e.code)

@@ -5,7 +5,7 @@ Usage::
     from cast_llm.integrations.hf_trainer import CastArguments, CastTrainer
 
     trainer = CastTrainer(model=model, teacher=dense_copy, args=TrainingArguments(...),
-                          train_dataset=ds, cast_args=CastArguments(l1_decay=4e-7, eta=1/3))
+                          train_dataset=ds, cast_args=CastArguments(l1_decay=4e-7, eta=2/3))
     trainer.train()          # ends with prune → fold scales → verify N:M (``finalize=True``)
     trainer.save_model(out)  # a plain HF checkpoint with exact zeros
 
@@ -22,22 +22,24 @@ from dataclasses import dataclass
 import torch
 from transformers import Trainer
 
+from cast_llm.config import option
+from cast_llm.train.config import CastSettings
+
 
 @dataclass
-class CastArguments:
-    l1_decay: float = 4e-7  # AdamS λ (method.md §2; paper 4e-7 LLaMA, 1e-6 GPT-2, 2e-6 OPT)
-    mask_interval: int = 10  # T1: masks recomputed from |θ| every this many steps
-    n: int = 2
-    m: int = 4
-    scaling: bool = True  # learnable weight scale (Eq. 11-12), folded away at the end
-    scale_groups: int = 2
-    eta: float = 1 / 3  # KD weight (Eq. 13); ignored without a teacher
-    temperature: float = 1.0
-    kd_chunk_size: int = 4096
-    finalize: bool = True  # prune + fold + verify when train() returns
+class CastArguments(CastSettings):
+    """CAST's settings for :class:`CastTrainer`: exactly those of ``cast-llm train``
+    (:class:`~cast_llm.train.config.CastSettings`: λ, T1, scale blocks, η, temperature, KD chunk), plus the
+    N:M pattern, whether to scale weights, and whether ``train()`` finalises the model."""
+
+    n: int = option(2, "N of the N:M pattern (kept per group)", min=1)
+    m: int = option(4, "M of the N:M pattern (group size)", min=2)
+    scaling: bool = option(True, "learnable weight scale (Eq. 11-12), folded away at the end")
+    finalize: bool = option(True, "prune + fold + verify when train() returns")
 
 
-def cast_kd_loss(model, teacher, inputs: dict, *, eta: float, temperature: float = 1.0, chunk_size: int = 4096):
+def cast_kd_loss(model, teacher, inputs: dict, *, eta: float, temperature: float = 1.0,
+                 chunk_size: int = CastSettings.kd_chunk_size):
     """Eq. 13 for a batch of causal-LM ``inputs`` (``labels`` optional: defaults to ``input_ids``, -100 ignored).
 
     Returns ``(loss, outputs)``; without a teacher it is plain next-token cross-entropy.

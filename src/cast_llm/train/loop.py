@@ -175,23 +175,26 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     say = log if is_main else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
     lock = RunLock(out)
+    checkpoint = None
+    folder = {}
     if is_main:
+        checkpoint = _choose_checkpoint(cfg, out, say)
+        folder = dict(resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume),
+                      model=getattr(cfg, "model", None), kind=job.kind)
+        prepare_run_dir(out, is_main=False, **folder)  # every refusal before anything is written
         lock.acquire()
     try:
         with StopRequest(say) as stop:
-            return _run(job, cfg, accelerator, precision, out, say, stop, set_seed)
+            return _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder)
     finally:
         lock.release()
 
 
-def _run(job, cfg, accelerator, precision, out, say, stop, set_seed) -> dict[str, Any]:
+def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder) -> dict[str, Any]:
     distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False))
     is_main = distribution.is_main
-    checkpoint = None
     if is_main:
-        checkpoint = _choose_checkpoint(cfg, out, say)
-        prepare_run_dir(out, resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume),
-                        is_main=True, model=getattr(cfg, "model", None), kind=job.kind)
+        prepare_run_dir(out, is_main=True, **folder)
     distribution.barrier()
     if not is_main:
         found = list_checkpoints(out) if cfg.resume else []
@@ -222,6 +225,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed) -> dict[str
     cfg_dict = asdict(cfg)
     fp = fingerprint(cfg_dict, job.fingerprint_keys)
     start_step = 0
+    resumed_window = None
     if checkpoint is not None:
         states, meta = distribution.load(checkpoint, fp)
         distribution.load_model_state(method, raw, states["model"])
@@ -230,6 +234,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed) -> dict[str
         method.load_extra_state(states.get("method"))
         set_rng_state(states["rng"])
         start_step = int(meta["step"])
+        resumed_window = states.get("loop", {}).get("window")
         ctx.elapsed_before = float(meta.get("elapsed_s", 0.0))
         for ob in observers:
             ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
@@ -261,6 +266,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed) -> dict[str
         extra = method.extra_state()
         if extra is not None:
             states["method"] = extra
+        # the log window in progress: a run stopped between two log steps logs exactly what an uninterrupted one does
+        states["loop"] = {"window": {k: v for k, v in window.items() if k != "t0"}}
         meta = {"fingerprint": fp, "tokens": step * (getattr(job, "tokens_per_step", 0) or 0),
                 "kind": job.marker_kind, "elapsed_s": ctx.elapsed()}
         try:
@@ -290,6 +297,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed) -> dict[str
 
         bar = tqdm(total=total_steps, initial=start_step, desc=job.desc, unit="step", dynamic_ncols=True)
     window = _new_window()
+    if resumed_window:
+        window.update(resumed_window)
     grad_accum = cfg.grad_accum
     for step in range(start_step, total_steps):
         method.begin_step(raw, raw_opt, step)
