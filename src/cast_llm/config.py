@@ -78,6 +78,34 @@ def parse_count(value: Any) -> int:
     return int(float(m.group(1)) * _SUFFIX.get(m.group(2), 1))
 
 
+_STEP = re.compile(r"\s*(\d+)\s*$")
+_FRACTION = re.compile(r"\s*(\d*\.\d*)\s*$")
+
+
+def parse_hist_steps(spec: str) -> str:
+    """Validate a ``--ratio-hist-steps`` value and return it normalised (for the config's ``parse=``).
+
+    Comma-separated items; an item with a decimal point is a fraction of the run in (0, 1] (``0.5``,
+    ``1.0``), one without is an absolute step ≥ 1 (``500``). Empty = no histograms.
+    """
+    items = [s for s in str(spec).split(",") if s.strip()]
+    out = []
+    for item in items:
+        if _STEP.match(item):
+            v = int(item)
+            if v < 1:
+                raise ValueError(f"step {item.strip()!r} must be ≥ 1")
+            out.append(str(v))
+        elif _FRACTION.match(item) and item.strip() != ".":
+            v = float(item)
+            if not 0 < v <= 1:
+                raise ValueError(f"fraction {item.strip()!r} must be in (0, 1] (write steps without a '.')")
+            out.append(repr(v))
+        else:
+            raise ValueError(f"{item.strip()!r} is neither a step (500) nor a fraction of the run (0.5)")
+    return ",".join(out)
+
+
 def _base_type(tp):
     """``Optional[int]`` -> (int, True); ``int`` -> (int, False)."""
     origin = typing.get_origin(tp)

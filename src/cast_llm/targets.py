@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from cast_llm.errors import CastError
-from cast_llm.nn.scaled_linear import ScaledLinear, is_linear_like, linear_features
+from cast_llm.layers import is_linear_like, is_scaled_linear, linear_features
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 class Target:
     """One N:M target layer.
 
-    ``module`` is the layer itself (``nn.Linear``, ``Conv1D`` or an already wrapped :class:`ScaledLinear`),
+    ``module`` is the layer itself (``nn.Linear``, ``Conv1D`` or an already wrapped :class:`~cast_llm.nn.ScaledLinear`),
     ``weight`` its (unscaled) weight Parameter, ``transposed`` True when the weight is stored ``(in, out)``
     so that the N:M groups run along dim 0 (AdamS's ``"transposed": True`` groups).
     """
@@ -82,12 +82,13 @@ class TargetList(list):
 
 
 def _linear_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """(fqn, module) of every Linear / Conv1D / ScaledLinear, not descending into ScaledLinear wrappers."""
+    """(fqn, module) of every Linear / Conv1D / scaling wrapper, not descending into scaling wrappers
+    (:func:`cast_llm.layers.is_scaled_linear`)."""
     inside_wrapper: list[str] = []
     for fqn, module in model.named_modules():
         if any(fqn.startswith(prefix) for prefix in inside_wrapper):
             continue  # the wrapper's base_layer is reported through the wrapper
-        if isinstance(module, ScaledLinear):
+        if is_scaled_linear(module):
             inside_wrapper.append(fqn + ".")
             yield fqn, module
         elif is_linear_like(module):
@@ -106,7 +107,7 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         items = list(module)
-        if any(isinstance(item, ScaledLinear) or is_linear_like(item) for item in items):
+        if any(is_scaled_linear(item) or is_linear_like(item) for item in items):
             continue
         if not any(True for item in items for _ in _linear_modules(item)):
             continue
@@ -176,7 +177,7 @@ def find_targets(
 ) -> TargetList:
     """The N:M target layers of ``model`` (method.md §1), in module order.
 
-    By default every ``nn.Linear`` / ``Conv1D`` (or already wrapped :class:`ScaledLinear`) inside the
+    By default every ``nn.Linear`` / ``Conv1D`` (or already wrapped :class:`~cast_llm.nn.ScaledLinear`) inside the
     decoder blocks (:func:`find_block_list`). ``filter_fn(module, fqn)``, called on every linear-like
     module of the model, *replaces* that rule (torchao-style); use :func:`block_filter` to narrow the
     default instead.
@@ -249,7 +250,7 @@ def param_groups(
             continue
         (sparse_t if target.transposed else sparse).append(target.weight)
 
-    scale_ids = {id(mod.scale) for mod in model.modules() if isinstance(mod, ScaledLinear)}
+    scale_ids = {id(mod.scale) for mod in model.modules() if is_scaled_linear(mod)}
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for pid, (_, p) in trainable.items():

@@ -5,6 +5,7 @@ See docs/analysis.md for the definition of every logged quantity and where it is
 """
 
 from cast_llm.analysis.layers import LayerCounts, layer_counts, packed_flips, packed_popcount
+from cast_llm.analysis.observers import analysis_observers
 from cast_llm.analysis.ratios import RatioHistogram, group_ratios, parse_hist_steps, resolve_hist_steps
 from cast_llm.analysis.tracking import TrackerState, sample_positions
 
@@ -22,10 +23,3 @@ __all__ = [
     "analysis_observers",
 ]
 
-
-def analysis_observers(cfg):
-    """The analysis observers a :class:`~cast_llm.train.config.TrainConfig` asks for (lazy import: the
-    observers need the training package, the pure functions above do not)."""
-    from cast_llm.analysis.observers import analysis_observers as build
-
-    return build(cfg)

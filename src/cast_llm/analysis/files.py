@@ -9,37 +9,26 @@
 ``dynamics.json``   final values: ``"weight_tracking"`` (Table 2) and ``"ratio_histograms"`` (summaries)
 ==================  ================================================================================
 
-Writers replace files atomically (write a temporary file, then rename), so a run killed mid-write never
-leaves a torn file. See docs/analysis.md for what every quantity means.
+Writers replace files atomically (:mod:`cast_llm.io`), so a run killed mid-write never leaves a torn file;
+``layers.jsonl`` is appended to and truncated with :mod:`cast_llm.io`'s JSON-lines helpers. See
+docs/analysis.md for what every quantity means.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cast_llm.analysis.ratios import LIN_BINS, LIN_MAX, LOG_BINS, LOG_MAX, LOG_MIN
+from cast_llm.io import atomic_write, atomic_write_text, read_json
+
 LAYERS_FILE = "layers.jsonl"
 RATIO_FILE = "ratio_hist.npz"
 DYNAMICS_FILE = "dynamics.json"
 LAYER_METRICS = ("flip_rate", "initial_flip_rate", "sparse_weight_ratio")
-
-
-def _replace(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def set_json_key(path: Path, key: str, value: Any | None) -> None:
@@ -52,21 +41,7 @@ def set_json_key(path: Path, key: str, value: Any | None) -> None:
         data.pop(key)
     else:
         data[key] = value
-    _replace(Path(path), lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
-
-
-def truncate_jsonl(path: Path, before_step: int) -> None:
-    """Keep only the records with ``step < before_step`` (a resumed run writes the later ones again)."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < before_step]
-    _replace(path, lambda f: f.write("".join(ln + "\n" for ln in keep).encode()))
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with Path(path).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def read_layers(path: Path) -> dict[str, Any] | None:
@@ -86,8 +61,6 @@ def read_layers(path: Path) -> dict[str, Any] | None:
 
 def save_ratio_histograms(path: Path, hists: list) -> None:
     """Write :class:`~cast_llm.analysis.ratios.RatioHistogram` objects as one ``.npz`` (module table)."""
-    from cast_llm.analysis.ratios import LIN_BINS, LIN_MAX, LOG_BINS, LOG_MAX, LOG_MIN
-
     arrays = {
         "steps": np.array([h.step for h in hists], dtype=np.int64),
         "progress": np.array([h.progress for h in hists], dtype=float),
@@ -101,7 +74,7 @@ def save_ratio_histograms(path: Path, hists: list) -> None:
         "groups": np.array([h.groups for h in hists], dtype=np.int64),
         "mean": np.array([np.nan if h.mean is None else h.mean for h in hists], dtype=float),
     }
-    _replace(Path(path), lambda f: np.savez(f, **arrays))
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def load_ratio_histograms(path: Path) -> dict[str, np.ndarray] | None:

@@ -14,20 +14,21 @@ from typing import Any
 
 import torch
 
+from cast_llm.analysis.base import Observer, StepContext, target_weight
 from cast_llm.analysis.files import (
     DYNAMICS_FILE,
     LAYER_METRICS,
     LAYERS_FILE,
     RATIO_FILE,
-    append_jsonl,
     save_ratio_histograms,
     set_json_key,
-    truncate_jsonl,
 )
 from cast_llm.analysis.layers import layer_counts
 from cast_llm.analysis.ratios import RatioHistogram, group_ratios, resolve_hist_steps
 from cast_llm.analysis.tracking import TrackerState, sample_positions
-from cast_llm.train.observers import Observer, StepContext, target_weight
+from cast_llm.io import append_jsonl, truncate_jsonl
+from cast_llm.layers import linear_features
+from cast_llm.sparsity.mask import pack_mask
 
 __all__ = ["LayerMaskStats", "WeightTracking", "RatioHistograms", "analysis_observers"]
 
@@ -52,12 +53,10 @@ class LayerMaskStats(Observer):
         self._started = False
 
     def on_step(self, ctx: StepContext):
-        from cast_llm.sparsity.mask import pack_mask
-
         if not self._started:
             self._started = True
             if ctx.is_main:
-                truncate_jsonl(ctx.run_dir / LAYERS_FILE, ctx.step)
+                truncate_jsonl(ctx.run_dir / LAYERS_FILE, ctx.step - 1)  # this step on is written again
         if self.initial is None:
             self.initial = {k: pack_mask(v) for k, v in ctx.masks.items()}
             self.prev = dict(self.initial)
@@ -185,8 +184,6 @@ class RatioHistograms(Observer):
 
     def _is_transposed(self, model, fqn: str, mask: torch.Tensor) -> bool:
         if fqn not in self._transposed:
-            from cast_llm.nn.scaled_linear import linear_features
-
             try:
                 self._transposed[fqn] = linear_features(model.get_submodule(fqn))[2]
             except (AttributeError, TypeError):  # not a linear we know: the groups run along a dim m divides

@@ -20,11 +20,12 @@ Histograms are stored twice: linear bins on ``[0, LIN_MAX]`` (the paper-style vi
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from cast_llm.config import parse_hist_steps
 
 __all__ = ["group_ratios", "RatioHistogram", "parse_hist_steps", "resolve_hist_steps"]
 
@@ -128,34 +129,6 @@ class RatioHistogram:
 
 def _minus(a: float, b: float | None) -> float | None:
     return None if b is None else a - b
-
-
-_STEP = re.compile(r"\s*(\d+)\s*$")
-_FRACTION = re.compile(r"\s*(\d*\.\d*)\s*$")
-
-
-def parse_hist_steps(spec: str) -> str:
-    """Validate a ``--ratio-hist-steps`` value and return it normalised (for the config's ``parse=``).
-
-    Comma-separated items; an item with a decimal point is a fraction of the run in (0, 1] (``0.5``,
-    ``1.0``), one without is an absolute step ≥ 1 (``500``). Empty = no histograms.
-    """
-    items = [s for s in str(spec).split(",") if s.strip()]
-    out = []
-    for item in items:
-        if _STEP.match(item):
-            v = int(item)
-            if v < 1:
-                raise ValueError(f"step {item.strip()!r} must be ≥ 1")
-            out.append(str(v))
-        elif _FRACTION.match(item) and item.strip() != ".":
-            v = float(item)
-            if not 0 < v <= 1:
-                raise ValueError(f"fraction {item.strip()!r} must be in (0, 1] (write steps without a '.')")
-            out.append(repr(v))
-        else:
-            raise ValueError(f"{item.strip()!r} is neither a step (500) nor a fraction of the run (0.5)")
-    return ",".join(out)
 
 
 def resolve_hist_steps(spec: str, total_steps: int) -> list[int]:

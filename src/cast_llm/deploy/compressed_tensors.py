@@ -42,6 +42,10 @@ from cast_llm.deploy.checkpoint import (
     write_marker,
 )
 from cast_llm.errors import CastError
+from cast_llm.export import CHECKPOINT_MARKER, verify_nm
+from cast_llm.layers import is_linear_like
+from cast_llm.sparsity.mask import nm_mask
+from cast_llm.targets import find_targets
 
 WEIGHTS_FILE = "model.safetensors"
 SPARSITY_FORMAT = "sparse-24-bitmask"
@@ -77,8 +81,6 @@ def unpack_bitmask_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
 
 def compress_24_bitmask(weight: torch.Tensor, name: str = "weight") -> dict[str, torch.Tensor]:
     """The three tensors of one 2:4 weight ``(R, C)`` (raises CastError naming ``name`` unless 2:4)."""
-    from cast_llm.sparsity.mask import nm_mask
-
     rows, cols = weight.shape
     if cols % 4:
         raise CastError(f"{name}: {cols} columns is not a multiple of 4; it cannot be 2:4")
@@ -99,17 +101,12 @@ def decompress_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape
 
 
 def _linear_names(model: nn.Module) -> list[str]:
-    from cast_llm.nn.scaled_linear import is_linear_like
-
     return [fqn for fqn, mod in model.named_modules() if is_linear_like(mod)]
 
 
 def save_compressed_tensors(model, tokenizer, output_dir: str | Path, *, targets=None,
                             metadata: dict[str, Any] | None = None) -> Path:
     """Write ``model`` (exactly 2:4) in the compressed-tensors ``sparse-24-bitmask`` layout."""
-    from cast_llm.export import verify_nm
-    from cast_llm.targets import find_targets
-
     targets = targets if targets is not None else find_targets(model, n=2, m=4, skip_incompatible=True)
     conv1d = [t.fqn for t in targets if t.transposed]
     if conv1d:
@@ -156,8 +153,6 @@ def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     p = Path(path)
     if not is_compressed_tensors_checkpoint(p):
         raise CastError(f"{p} is not a compressed-tensors {SPARSITY_FORMAT} checkpoint")
-    from cast_llm.export import CHECKPOINT_MARKER
-
     marker = json.loads((p / CHECKPOINT_MARKER).read_text()) if (p / CHECKPOINT_MARKER).is_file() else {}
     state: dict[str, torch.Tensor] = {}
     with safe_open(str(p / WEIGHTS_FILE), framework="pt", device="cpu") as f:

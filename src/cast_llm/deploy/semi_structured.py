@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 from cast_llm.errors import CastError
+from cast_llm.layers import set_submodule
+from cast_llm.sparsity.mask import is_nm
+from cast_llm.targets import find_targets
 
 MIN_CAPABILITY = (8, 0)
 # (min rows, min cols) of the sparse operand per backend and dtype (torch.sparse.semi_structured)
@@ -68,8 +71,6 @@ def require_semi_structured(device, dtype: torch.dtype, backend: str = "auto") -
 
 def check_semi_structured_weight(weight: torch.Tensor, backend: str, name: str = "weight") -> str | None:
     """None if ``weight`` (out, in) can be swapped on ``backend``, else why not (shape, dtype or pattern)."""
-    from cast_llm.sparsity.mask import is_nm
-
     if weight.dim() != 2:
         return f"{name}: weight is {weight.dim()}-D, semi-structured sparsity needs 2-D"
     limits = SHAPE_CONSTRAINTS[backend].get(weight.dtype)
@@ -100,11 +101,6 @@ def _contiguous_input(module, args):
     return (args[0].contiguous(), *args[1:])
 
 
-def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent_name, _, child = fqn.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
-
-
 @torch.no_grad()
 def to_semi_structured_(
     model: nn.Module,
@@ -120,8 +116,6 @@ def to_semi_structured_(
     Layers that cannot be swapped raise a CastError naming them, or with ``skip_incompatible`` stay dense
     (listed in ``model._semi_structured_skipped``). Returns the names of the swapped layers.
     """
-    from cast_llm.targets import find_targets
-
     params = [p for p in model.parameters() if p.is_floating_point()]
     device = params[0].device
     backend = require_semi_structured(device, params[0].dtype, backend)
@@ -150,7 +144,7 @@ def to_semi_structured_(
                 continue
             module = _linear_from_conv1d(t.module) if t.transposed else t.module
             if t.transposed:
-                _set_submodule(model, t.fqn, module)
+                set_submodule(model, t.fqn, module)
             sparse = to_sparse_semi_structured(module.weight.detach().contiguous())
             module.weight = nn.Parameter(sparse, requires_grad=False)  # the dense tensor is freed here
             # the sparse F.linear flattens its input with .view(): make it contiguous (a no-op when it is)

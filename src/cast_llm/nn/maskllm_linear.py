@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cast_llm.nn.scaled_linear import is_linear_like, linear_features, linear_forward
+from cast_llm.layers import is_linear_like, linear_features, linear_forward
 
 __all__ = ["MaskLLMLinear", "nm_patterns", "pattern_index"]
 
@@ -75,6 +75,12 @@ class MaskLLMLinear(nn.Module):
         logits.scatter_(-1, idx.unsqueeze(-1), prior_bonus / self.kappa)
         self.logits = nn.Parameter(logits)  # (out, in/m, K), fp32 whatever the weight dtype
 
+    @classmethod
+    def from_linear(cls, linear: nn.Module, prior: torch.Tensor, *, n: int = 2, m: int = 4,
+                    prior_bonus: float = 3.0, tau: float = 4.0, kappa: float = 100.0) -> MaskLLMLinear:
+        """Wrap ``linear`` (``nn.Linear`` or ``Conv1D``) with learnable mask logits that start at ``prior``."""
+        return cls(linear, prior, n=n, m=m, prior_bonus=prior_bonus, tau=tau, kappa=kappa)
+
     @property
     def weight(self) -> nn.Parameter:
         return self.base_layer.weight
@@ -105,7 +111,7 @@ class MaskLLMLinear(nn.Module):
         return linear_forward(x, weight, self.base_layer.bias, self.transposed)
 
     @torch.no_grad()
-    def to_layer(self) -> nn.Module:
+    def to_linear(self) -> nn.Module:
         """``W ← W ⊙ M_hard`` in place (kept weights bit-identical, pruned exactly 0); returns the base layer."""
         self.base_layer.weight.masked_fill_(~self.hard_mask(), 0.0)
         return self.base_layer

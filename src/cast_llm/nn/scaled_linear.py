@@ -45,64 +45,16 @@ import logging
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cast_llm.errors import CastError
+from cast_llm.layers import linear_features, linear_forward, set_submodule
 from cast_llm.nn.scaled_weight import scaled_weight as _scaled_weight
+from cast_llm.targets import select_targets
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ScaledLinear", "wrap_scaling_", "fold_scaling_", "is_linear_like", "linear_features"]
-
-
-def _conv1d_type() -> type | None:
-    """transformers' GPT-2 ``Conv1D`` (weight ``(in, out)``, ``y = x @ W + b``), or None without transformers."""
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is a dependency, but the math here must not need it
-        return None
-    return Conv1D
-
-
-def is_linear_like(module: nn.Module) -> bool:
-    """True for modules whose forward ScaledLinear can reproduce exactly: ``nn.Linear`` and GPT-2 ``Conv1D``.
-
-    Subclasses that override ``forward`` (quantized or LoRA linears) are not linear-like: their forward is
-    not ``x W^T + b`` and wrapping them would silently change the model.
-    """
-    if isinstance(module, nn.Linear):
-        return type(module).forward is nn.Linear.forward
-    conv1d = _conv1d_type()
-    return conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward
-
-
-def linear_features(module: nn.Module) -> tuple[int, int, bool]:
-    """``(in_features, out_features, transposed)`` of an ``nn.Linear`` / ``Conv1D`` / :class:`ScaledLinear`.
-
-    ``transposed`` is True when the weight is stored ``(in, out)`` (GPT-2 ``Conv1D``): its N:M groups then
-    run along dim 0 instead of the last dim.
-    """
-    if isinstance(module, ScaledLinear):
-        return module.in_features, module.out_features, module.transposed
-    if not is_linear_like(module):
-        raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
-    if isinstance(module, nn.Linear):
-        out_f, in_f = module.weight.shape
-        return in_f, out_f, False
-    in_f, out_f = module.weight.shape  # Conv1D stores (nx, nf) = (in, out)
-    return in_f, out_f, True
-
-
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   transposed: bool) -> torch.Tensor:
-    """``nn.Linear`` semantics (weight ``(out, in)``), or GPT-2 ``Conv1D`` semantics when ``transposed``:
-    ``y = x @ W + b`` with ``W`` of shape ``(in, out)``."""
-    if not transposed:
-        return F.linear(x, weight, bias)
-    flat = x.reshape(-1, weight.shape[0])
-    y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
-    return y.view(*x.shape[:-1], weight.shape[1])
+__all__ = ["ScaledLinear", "wrap_scaling_", "fold_scaling_"]
 
 
 class ScaledLinear(nn.Module):
@@ -237,12 +189,6 @@ def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent_name, _, child = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 def wrap_scaling_(
     model: nn.Module,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
@@ -258,15 +204,13 @@ def wrap_scaling_(
     blocks of whole ``m``-groups raises :class:`CastError` naming it, unless ``skip_incompatible`` is set:
     then it stays unwrapped (and, if its width is not a multiple of ``m`` at all, dense) and is logged.
     """
-    from cast_llm.targets import select_targets  # lazy: targets imports this module
-
     # build every wrapper first, so that an incompatible layer leaves the model untouched
     planned = []
     for target in select_targets(model, m=m, filter_fn=filter_fn, skip_incompatible=skip_incompatible):
         if isinstance(target.module, ScaledLinear):
             continue
         try:
-            planned.append((target.fqn, ScaledLinear(target.module, n_groups=n_groups, m=m)))
+            planned.append((target.fqn, ScaledLinear.from_linear(target.module, n_groups=n_groups, m=m)))
         except ValueError as err:
             if skip_incompatible:
                 logger.warning("not scaling %s: %s", target.fqn, err)
@@ -275,7 +219,7 @@ def wrap_scaling_(
                 f"layer {target.fqn!r}: {err} (or pass skip_incompatible=True / --skip-incompatible)"
             ) from err
     for fqn, scaled in planned:
-        _set_submodule(model, fqn, scaled)
+        set_submodule(model, fqn, scaled)
     wrapped = [fqn for fqn, _ in planned]
     return wrapped
 
@@ -327,7 +271,7 @@ def fold_scaling_(
 
     masks_of_wrappers = {fqn: mask for fqn, _, mask in resolved.values() if fqn is not None}
     for fqn, mod in wrappers.items():
-        _set_submodule(model, fqn, mod.to_linear(masks_of_wrappers.get(fqn)))
+        set_submodule(model, fqn, mod.to_linear(masks_of_wrappers.get(fqn)))
     with torch.no_grad():
         for fqn, param, mask in resolved.values():
             if fqn is None:  # a sparse weight that was never wrapped: prune it in place

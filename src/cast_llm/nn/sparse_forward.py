@@ -13,7 +13,7 @@ backward pass:
 :class:`SparseForwardLinear` wraps an ``nn.Linear`` / GPT-2 ``Conv1D`` or a :class:`ScaledLinear` (CAST
 with ``--mask-learner srste``: the scale is constant inside every N:M group, so masking before or after
 scaling is the same). The mask is a persistent bool buffer in the weight's own layout, so it is part of the
-model's ``state_dict`` and a checkpoint resumes it exactly. :meth:`SparseForwardLinear.to_layer` prunes
+model's ``state_dict`` and a checkpoint resumes it exactly. :meth:`SparseForwardLinear.to_linear` prunes
 the weight in place and returns the wrapped layer, so the exported model has the original module types and
 ``state_dict`` keys.
 """
@@ -23,13 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cast_llm.nn.scaled_linear import (
-    ScaledLinear,
-    _set_submodule,
-    is_linear_like,
-    linear_features,
-    linear_forward,
-)
+from cast_llm.layers import is_linear_like, linear_features, linear_forward, set_submodule
+from cast_llm.nn.scaled_linear import ScaledLinear
 
 __all__ = ["SparseForwardLinear", "ste_masked", "wrap_sparse_forward_", "unwrap_sparse_forward_"]
 
@@ -73,6 +68,12 @@ class SparseForwardLinear(nn.Module):
         self.in_features, self.out_features, self.transposed = linear_features(base_layer)
         self.register_buffer("mask", mask.to(weight.device).clone(), persistent=True)
 
+    @classmethod
+    def from_linear(cls, linear: nn.Module, mask: torch.Tensor, *, ste: bool) -> SparseForwardLinear:
+        """Wrap ``linear`` (``nn.Linear``, ``Conv1D`` or :class:`ScaledLinear`) with the bool ``mask`` (its
+        weight's layout, True = kept)."""
+        return cls(linear, mask, ste=ste)
+
     @property
     def weight(self) -> nn.Parameter:
         """The dense (unmasked, unscaled) weight Parameter."""
@@ -92,7 +93,7 @@ class SparseForwardLinear(nn.Module):
         return linear_forward(x, weight, self.base_layer.bias, self.transposed)
 
     @torch.no_grad()
-    def to_layer(self) -> nn.Module:
+    def to_linear(self) -> nn.Module:
         """Prune the weight in place (``W ← W ⊙ M``, exact +0.0) and return the wrapped layer."""
         self.base_layer.weight.masked_fill_(~self.mask, 0.0)
         return self.base_layer
@@ -105,9 +106,10 @@ def wrap_sparse_forward_(model: nn.Module, masks: dict[str, torch.Tensor], *, st
     """Replace each module named in ``masks`` (fqn -> bool mask in its weight's layout) by a
     :class:`SparseForwardLinear`; returns ``{fqn: wrapper}``. All wrappers are built before any is
     installed, so a bad mask leaves the model untouched."""
-    planned = {fqn: SparseForwardLinear(model.get_submodule(fqn), mask, ste=ste) for fqn, mask in masks.items()}
+    planned = {fqn: SparseForwardLinear.from_linear(model.get_submodule(fqn), mask, ste=ste)
+               for fqn, mask in masks.items()}
     for fqn, wrapper in planned.items():
-        _set_submodule(model, fqn, wrapper)
+        set_submodule(model, fqn, wrapper)
     return planned
 
 
@@ -115,5 +117,5 @@ def unwrap_sparse_forward_(model: nn.Module) -> list[str]:
     """Prune and unwrap every :class:`SparseForwardLinear` of ``model`` in place; returns their fqns."""
     found = [(fqn, mod) for fqn, mod in model.named_modules() if isinstance(mod, SparseForwardLinear)]
     for fqn, mod in found:
-        _set_submodule(model, fqn, mod.to_layer())
+        set_submodule(model, fqn, mod.to_linear())
     return [fqn for fqn, _ in found]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import option, parse_count
+from cast_llm.config import check_ranges, option, parse_count, parse_hist_steps
 from cast_llm.errors import CastError
 
 # training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
@@ -45,12 +45,6 @@ def _count_ge0(v) -> int:
     if n < 0:
         raise ValueError(f"must be ≥ 0, got {v!r}")
     return n
-
-
-def _hist_steps(v) -> str:
-    from cast_llm.analysis.ratios import parse_hist_steps  # lazy: keeps `cast-llm --help` free of torch
-
-    return parse_hist_steps(v)
 
 
 def _resume(v) -> str | None:
@@ -121,8 +115,6 @@ class RunConfig(PatternSettings):
                                                  "needed to resume; removed by default)", section=CKPT)
 
     def validate(self) -> None:
-        from cast_llm.config import check_ranges
-
         if not self.output_dir:
             raise CastError("--output-dir is required")
         check_ranges(self)
@@ -231,7 +223,7 @@ class TrainConfig(RunConfig, CastSettings):
                                  "--mask-interval steps, and every log step)", parse=_count_ge0, section=ANALYSIS)
     ratio_hist_steps: str = option("0.1,0.5,1.0", "when to histogram |pruned|/|kept| inside N:M groups (Fig. 3) "
                                                   "into ratio_hist.npz: fractions of the run (0.5) and/or steps "
-                                                  "(500), comma-separated; '' = never", parse=_hist_steps,
+                                                  "(500), comma-separated; '' = never", parse=parse_hist_steps,
                                    section=ANALYSIS)
 
     def validate(self) -> None:

@@ -1,79 +1,20 @@
-"""Observers: per-step measurements plugged into the training loop without touching it.
+"""Whole-model observers of the training loop: mask statistics and validation perplexity, and the default set.
 
-The loop calls every observer's ``on_step(ctx)`` after each optimizer step. An observer returns a dict of
-scalars to add to the step's log record (only merged on log steps) or None. Observers that keep state
-across steps implement ``state_dict`` / ``load_state_dict`` so that a resumed run logs exactly what an
-uninterrupted run would; ``on_end(ctx)`` runs once before the final prune.
+The observer protocol (:class:`~cast_llm.analysis.base.Observer`, :class:`~cast_llm.analysis.base.StepContext`)
+lives in :mod:`cast_llm.analysis.base`; the per-layer analysis observers in :mod:`cast_llm.analysis.observers`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
 import torch
 
+from cast_llm.analysis import analysis_observers
+from cast_llm.analysis.base import Observer, StepContext, target_weight, with_masks_applied
+from cast_llm.sparsity.mask import pack_mask, unpack_mask
+from cast_llm.sparsity.stats import flip_rate, initial_flip_rate, sparse_weight_ratio
 
-@dataclass
-class StepContext:
-    step: int  # optimizer steps done (1-based)
-    total_steps: int
-    model: torch.nn.Module  # the unwrapped student
-    masks_fn: Callable[[], dict[str, torch.Tensor]]  # fqn -> current bool mask, computed on first use
-    is_log_step: bool
-    run_dir: Path
-    is_main: bool
-    cfg: Any
-    evaluator: Any = None
-    _masks: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-
-    @property
-    def masks(self) -> dict[str, torch.Tensor]:
-        if self._masks is None:
-            self._masks = self.masks_fn()
-        return self._masks
-
-
-class Observer:
-    name = "observer"
-
-    def on_step(self, ctx: StepContext) -> dict[str, float] | None:
-        return None
-
-    def on_end(self, ctx: StepContext) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-def target_weight(params: dict[str, torch.nn.Parameter], fqn: str) -> torch.nn.Parameter:
-    """The weight Parameter of target ``fqn`` (plain or wrapped in a ``base_layer``)."""
-    for key in (f"{fqn}.weight", f"{fqn}.base_layer.weight"):
-        if key in params:
-            return params[key]
-    raise KeyError(f"no weight for target {fqn}")
-
-
-@torch.no_grad()
-def with_masks_applied(model, masks: dict[str, torch.Tensor], fn):
-    """Run ``fn(model)`` with the target weights hard-masked, then restore them exactly."""
-    params = dict(model.named_parameters())
-    saved = {}
-    for fqn, mask in masks.items():
-        w = target_weight(params, fqn)
-        saved[fqn] = w.detach().clone()
-        w.mul_(mask.to(w.dtype))
-    try:
-        return fn(model)
-    finally:
-        for fqn, w0 in saved.items():
-            target_weight(params, fqn).copy_(w0)
+__all__ = ["Observer", "StepContext", "target_weight", "with_masks_applied", "MaskStats", "ValidationPerplexity",
+           "default_observers"]
 
 
 class MaskStats(Observer):
@@ -91,9 +32,6 @@ class MaskStats(Observer):
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     def on_step(self, ctx: StepContext):
-        from cast_llm.sparsity.mask import pack_mask, unpack_mask
-        from cast_llm.sparsity.stats import flip_rate, initial_flip_rate, sparse_weight_ratio
-
         if self.initial is None:  # the masks of the first step are the pretrained (Eq. 6) ones
             self.shapes = {k: tuple(v.shape) for k, v in ctx.masks.items()}
             self.initial = {k: pack_mask(v) for k, v in ctx.masks.items()}
@@ -137,6 +75,4 @@ class ValidationPerplexity(Observer):
 
 
 def default_observers(cfg) -> list[Observer]:
-    from cast_llm.analysis import analysis_observers  # per-layer stats, weight tracking, ratio histograms
-
     return [MaskStats(), ValidationPerplexity(), *analysis_observers(cfg)]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from cast_llm.layers import set_submodule
+from cast_llm.nn import MaskLLMLinear
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.masks import initial_masks, mask_keys
 
@@ -24,17 +26,15 @@ class MaskLLMMethod(TrainingMethod):
     name = "maskllm"
 
     def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
-        from cast_llm.nn import MaskLLMLinear
-        from cast_llm.nn.scaled_linear import _set_submodule
-
         priors = initial_masks(model, cfg, data=data, device=device, apply=False)
         model.requires_grad_(False)  # weights frozen: only the mask logits learn
         self.tau, self.kappa = cfg.schedule("maskllm_tau"), cfg.schedule("maskllm_kappa")
         self.wrappers = {}
         for fqn, prior in priors.items():
-            wrapper = MaskLLMLinear(model.get_submodule(fqn), prior, n=cfg.n, m=cfg.m,
-                                    prior_bonus=cfg.maskllm_prior, tau=self.tau[0], kappa=self.kappa[0])
-            _set_submodule(model, fqn, wrapper)
+            wrapper = MaskLLMLinear.from_linear(model.get_submodule(fqn), prior, n=cfg.n, m=cfg.m,
+                                                prior_bonus=cfg.maskllm_prior, tau=self.tau[0],
+                                                kappa=self.kappa[0])
+            set_submodule(model, fqn, wrapper)
             self.wrappers[fqn] = wrapper
         self.keys = mask_keys(model, {fqn: w.weight for fqn, w in self.wrappers.items()})
 
@@ -57,10 +57,8 @@ class MaskLLMMethod(TrainingMethod):
 
     @torch.no_grad()
     def finalize(self, model, optimizer, *, out=None, is_main=True):
-        from cast_llm.nn.scaled_linear import _set_submodule
-
         for fqn, w in self.wrappers.items():
-            _set_submodule(model, fqn, w.to_layer())  # W ← W ⊙ M_argmax; kept weights untouched
+            set_submodule(model, fqn, w.to_linear())  # W ← W ⊙ M_argmax; kept weights untouched
         model.requires_grad_(True)
         return model
 

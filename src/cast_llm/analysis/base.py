@@ -1,0 +1,81 @@
+"""The observer protocol of the training loop: what an observer receives each step and what it implements.
+
+The loop calls every observer's ``on_step(ctx)`` after each optimizer step with a :class:`StepContext`; an
+observer returns a dict of scalars to add to the step's log record (only merged on log steps) or None.
+Observers that keep state across steps implement ``state_dict`` / ``load_state_dict`` so that a resumed
+run logs exactly what an uninterrupted run would; ``on_end(ctx)`` runs once before the final prune. The
+observers themselves live above this module: :mod:`cast_llm.analysis.observers` (per-layer statistics,
+weight tracking, ratio histograms) and :mod:`cast_llm.train.observers` (whole-model mask statistics,
+validation perplexity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["StepContext", "Observer", "target_weight", "with_masks_applied"]
+
+
+@dataclass
+class StepContext:
+    step: int  # optimizer steps done (1-based)
+    total_steps: int
+    model: torch.nn.Module  # the unwrapped student
+    masks_fn: Callable[[], dict[str, torch.Tensor]]  # fqn -> current bool mask, computed on first use
+    is_log_step: bool
+    run_dir: Path
+    is_main: bool
+    cfg: Any
+    evaluator: Any = None
+    _masks: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def masks(self) -> dict[str, torch.Tensor]:
+        if self._masks is None:
+            self._masks = self.masks_fn()
+        return self._masks
+
+
+class Observer:
+    name = "observer"
+
+    def on_step(self, ctx: StepContext) -> dict[str, float] | None:
+        return None
+
+    def on_end(self, ctx: StepContext) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def target_weight(params: dict[str, torch.nn.Parameter], fqn: str) -> torch.nn.Parameter:
+    """The weight Parameter of target ``fqn`` (plain or wrapped in a ``base_layer``)."""
+    for key in (f"{fqn}.weight", f"{fqn}.base_layer.weight"):
+        if key in params:
+            return params[key]
+    raise KeyError(f"no weight for target {fqn}")
+
+
+@torch.no_grad()
+def with_masks_applied(model, masks: dict[str, torch.Tensor], fn):
+    """Run ``fn(model)`` with the target weights hard-masked, then restore them exactly."""
+    params = dict(model.named_parameters())
+    saved = {}
+    for fqn, mask in masks.items():
+        w = target_weight(params, fqn)
+        saved[fqn] = w.detach().clone()
+        w.mul_(mask.to(w.dtype))
+    try:
+        return fn(model)
+    finally:
+        for fqn, w0 in saved.items():
+            target_weight(params, fqn).copy_(w0)
