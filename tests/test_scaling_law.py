@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 
 from cast_llm.cli import main
-from cast_llm.cli.scaling import format_count, parse_budgets, read_points_csv, run_sweep
 from cast_llm.errors import CastError
-from cast_llm.scaling import CHINCHILLA_BETA, fit_token_scaling, format_billions, plot_token_scaling
+from cast_llm.scaling_law import (
+    CHINCHILLA_BETA,
+    fit_token_scaling,
+    format_billions,
+    format_count,
+    parse_budgets,
+    plot_token_scaling,
+    read_points_csv,
+    run_sweep,
+)
 
 A, B = 2.9, 0.35  # asymptote exp(2.9) ≈ 18.2
 D = np.array([0.005, 0.01, 0.02, 0.04, 0.08])  # 5M … 80M tokens, in billions
@@ -153,7 +161,7 @@ def test_cli_fit_csv(tmp_path, capsys):
     rows = [(f"{round(d * 1000)}M", repr(float(p))) for d, p in zip(D, law(D), strict=True)]
     png = tmp_path / "fit.png"
     rc = main(
-        ["scaling", "fit", str(_csv(tmp_path / "p.csv", rows)), "--dense-ppl", "19", "--plot", str(png)]
+        ["scaling-law", "fit", str(_csv(tmp_path / "p.csv", rows)), "--dense-ppl", "19", "--plot", str(png)]
     )
     out = capsys.readouterr().out
     assert rc == 0 and png.is_file()
@@ -162,14 +170,14 @@ def test_cli_fit_csv(tmp_path, capsys):
     d_star = (B / (math.log(19) - A)) ** (1 / CHINCHILLA_BETA)
     assert f"D* = {d_star:.4g} billion tokens" in out
 
-    rc = main(["scaling", "fit", str(tmp_path / "p.csv"), "--dense-ppl", "10", "--json"])
+    rc = main(["scaling-law", "fit", str(tmp_path / "p.csv"), "--dense-ppl", "10", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0 and rep["fit"]["A"] == pytest.approx(A) and rep["dense_reachable"] is False
     assert rep["leave_one_out"]["relative_error"] == pytest.approx(0, abs=1e-9)
 
 
 def test_cli_fit_refuses_two_points(tmp_path, capsys):
-    rc = main(["scaling", "fit", str(_csv(tmp_path / "p.csv", [("1M", 30), ("2M", 29)]))])
+    rc = main(["scaling-law", "fit", str(_csv(tmp_path / "p.csv", [("1M", 30), ("2M", 29)]))])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "at least 3 points" in err and "\n" not in err
 
@@ -195,10 +203,10 @@ def test_cli_fit_run_dirs(tmp_path, capsys):
     runs = [
         _run(tmp_path / f"r{i}", round(d * 1e9), float(law(d)), float(law(d, a=2.4))) for i, d in enumerate(D)
     ]
-    assert main(["scaling", "fit", *map(str, runs), "--json"]) == 0
+    assert main(["scaling-law", "fit", *map(str, runs), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["fit"]["A"] == pytest.approx(A) and rep["dense_ppl"] == 19.0  # dense ppl from the runs
-    assert main(["scaling", "fit", *map(str, runs), "--metric", "heldout", "--json"]) == 0
+    assert main(["scaling-law", "fit", *map(str, runs), "--metric", "heldout", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["fit"]["A"] == pytest.approx(2.4) and rep["dense_ppl"] == 12.0
 
@@ -208,11 +216,11 @@ def test_cli_run_dirs_fall_back_to_heldout(tmp_path, capsys):
         _run(tmp_path / f"r{i}", round(d * 1e9), None if i == 1 else 30.0, float(law(d)))
         for i, d in enumerate(D[:3])
     ]
-    assert main(["scaling", "fit", *map(str, runs)]) == 0
+    assert main(["scaling-law", "fit", *map(str, runs)]) == 0
     out = capsys.readouterr().out
     assert "note: 1 run(s) have no WikiText-2 perplexity" in out and f"A  = {A:.6f}" in out
     rc = main(
-        ["scaling", "fit", *map(str, runs), "--metric", "wikitext2"]
+        ["scaling-law", "fit", *map(str, runs), "--metric", "wikitext2"]
     )  # asked for explicitly: no fallback
     assert rc == 2 and "has no 'wikitext2' sparse perplexity" in capsys.readouterr().err
 
@@ -221,9 +229,9 @@ def test_cli_unfinished_run_dir(tmp_path, capsys):
     unfinished = tmp_path / "r"
     unfinished.mkdir()
     (unfinished / "results.json").write_text(json.dumps({"perplexity": {"heldout": {"dense": 12.0}}}))
-    assert main(["scaling", "fit", str(unfinished)]) == 2
+    assert main(["scaling-law", "fit", str(unfinished)]) == 2
     assert "has not finished" in capsys.readouterr().err
-    assert main(["scaling", "fit", str(tmp_path / "missing.csv")]) == 2
+    assert main(["scaling-law", "fit", str(tmp_path / "missing.csv")]) == 2
     assert "missing.csv does not exist" in capsys.readouterr().err
 
 
@@ -277,12 +285,12 @@ def test_sweep_resumes_or_restarts_unfinished(tmp_path):
 
 
 def test_sweep_command_end_to_end(tmp_path, capsys, monkeypatch):
-    import cast_llm.cli.scaling as scaling_cli
+    import cast_llm.scaling_law as scaling_law
 
     out = tmp_path / "sweep"
     fake = FakeTrainer(fail_at=4_000_000)
-    monkeypatch.setattr(scaling_cli, "run_command", fake)
-    argv = ["scaling", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
+    monkeypatch.setattr(scaling_law, "run_command", fake)
+    argv = ["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
     assert main(argv) == 2  # the 4M run fails: one line, what to do
     assert "training for 4M tokens failed (exit code 1)" in capsys.readouterr().err
     fake.fail_at = None
@@ -298,8 +306,8 @@ def test_sweep_command_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 def test_sweep_dry_run(tmp_path, capsys, monkeypatch):
-    import cast_llm.cli.scaling as scaling_cli
+    import cast_llm.scaling_law as scaling_law
 
-    monkeypatch.setattr(scaling_cli, "run_command", lambda cmd: pytest.fail("dry run must not train"))
-    assert main(["scaling", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(tmp_path), "--dry-run"]) == 0
+    monkeypatch.setattr(scaling_law, "run_command", lambda cmd: pytest.fail("dry run must not train"))
+    assert main(["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(tmp_path), "--dry-run"]) == 0
     assert capsys.readouterr().out.count(" train ") == 3

@@ -10,18 +10,36 @@ least-squares regression of L on x. From the fit:
   model's ppl: the budget at which the sparse model is predicted to match it);
 - ``leave_one_out()``: fit without the largest budget and predict it - an honest check of the extrapolation
   that D* relies on.
+
+Around the fit (what ``cast-llm scaling-law`` runs): points from CSV files (:func:`read_points_csv`) and
+finished run folders (:func:`read_runs`), the fit with its report (:func:`fit_report`), and the sweep that
+trains one run per token budget (:func:`run_sweep`, :func:`sweep`). Not to be confused with the learnable
+*weight* scaling of Eq. 11-12 (:mod:`cast_llm.nn.scaled_linear`).
 """
 
 from __future__ import annotations
 
+import csv
+import json
 import math
-from collections.abc import Sequence
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from cast_llm.config import parse_count
+from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_text
+from cast_llm.train.checkpoint import list_checkpoints
+
 CHINCHILLA_BETA = 0.2849
+METRICS = ("wikitext2", "heldout")  # the perplexities of a run folder's results.json that can be fitted
+# the sweep sets these itself; a copy among the pass-through options would silently fight with it
+SWEEP_OWNED = ("--tokens", "--max-steps", "--output-dir", "--resume", "--overwrite")
 
 
 def _as_points(tokens_billions, ppl) -> tuple[np.ndarray, np.ndarray]:
@@ -265,3 +283,339 @@ def format_billions(d: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g}{unit}"
     return f"{n:.3g}"
+
+
+# ---------------------------------------------------------------- points: CSV files and run folders
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point: training tokens (billions), perplexity, and where it was read."""
+
+    tokens_billions: float
+    ppl: float
+    source: str
+
+
+# ---------------------------------------------------------------- reading points
+
+
+def read_points_csv(path: Path) -> list[Point]:
+    """Points of a CSV file: a ``ppl`` (or ``perplexity``) column and ``tokens`` (raw counts, ``20M``
+    allowed) or ``tokens_billions``; other columns are ignored."""
+    try:
+        rows = list(csv.DictReader(path.read_text(encoding="utf-8").splitlines()))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise CastError(f"cannot read {path}: {e}") from None
+    if not rows:
+        raise CastError(
+            f"{path} holds no points (expected a header such as 'tokens,ppl' and one row per run)"
+        )
+    header = {k.strip().lower(): k for k in rows[0] if k}
+    ppl_col = header.get("ppl") or header.get("perplexity")
+    tok_col, in_billions = (
+        (header["tokens_billions"], True) if "tokens_billions" in header else (header.get("tokens"), False)
+    )
+    if ppl_col is None or tok_col is None:
+        raise CastError(
+            f"{path}: needs a 'ppl' column and a 'tokens' (raw counts, 20M allowed) or "
+            f"'tokens_billions' column; found {', '.join(header) or 'none'}"
+        )
+    points = []
+    for i, row in enumerate(rows, start=2):  # line 1 is the header
+        t, p = (row.get(tok_col) or "").strip(), (row.get(ppl_col) or "").strip()
+        if not t and not p:
+            continue
+        try:
+            d = float(t) if in_billions else parse_count(t) / 1e9
+            ppl = float(p)
+        except ValueError as e:
+            raise CastError(f"{path}, line {i}: {e}") from None
+        points.append(Point(d, ppl, f"{path}:{i}"))
+    return points
+
+
+def _ppl(results: dict, metric: str, model: str = "sparse") -> float | None:
+    """``results["perplexity"][metric][model]`` as a float, None when absent (e.g. no WikiText-2 file)."""
+    v = (results.get("perplexity") or {}).get(metric) or {}
+    v = v.get(model) if isinstance(v, dict) else None
+    if isinstance(v, dict):  # tolerate a full PplResult dict
+        v = v.get("perplexity")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def load_results(run_dir: Path) -> dict | None:
+    """``results.json`` of a *finished* run (tokens_trained and a sparse ppl present), else None."""
+    f = run_dir / "results.json"
+    if not f.is_file():
+        return None
+    try:
+        results = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    finished = (
+        isinstance(results, dict)
+        and isinstance(results.get("tokens_trained"), int)
+        and any(_ppl(results, m) is not None for m in METRICS)
+    )
+    return results if finished else None
+
+
+def read_runs(
+    run_dirs: list[Path], metric: str, metric_given: bool, note=print
+) -> tuple[list[Point], float | None]:
+    """Points and the dense ppl (median over runs; None if absent) of finished run folders, one metric
+    for all of them."""
+    results = []
+    for r in run_dirs:
+        res = load_results(r)
+        if res is None:
+            why = "holds no results.json" if not (r / "results.json").is_file() else "has not finished"
+            raise CastError(f"run folder {r} {why}: finish it (or `cast-llm train --resume`) before fitting")
+        results.append((r, res))
+    missing = [r for r, res in results if _ppl(res, metric) is None]
+    if (
+        missing
+        and not metric_given
+        and metric == "wikitext2"
+        and all(_ppl(res, "heldout") is not None for _, res in results)
+    ):
+        note(
+            f"note: {len(missing)} run(s) have no WikiText-2 perplexity (e.g. {missing[0]}); "
+            "fitting the held-out perplexity of every run instead (a --dense-ppl must then be held-out too)"
+        )
+        metric, missing = "heldout", []
+    if missing:
+        raise CastError(
+            f"run folder {missing[0]} has no '{metric}' sparse perplexity in results.json; "
+            f"choose the metric all runs have with --metric ({', '.join(METRICS)})"
+        )
+    points = [Point(res["tokens_trained"] / 1e9, _ppl(res, metric), str(r)) for r, res in results]
+    # every run measures the same dense model before training: take the median in case evaluations differ
+    dense = sorted(v for _, res in results if (v := _ppl(res, metric, "dense")) is not None)
+    return points, (dense[len(dense) // 2] if dense else None)
+
+
+def collect(
+    inputs: list[str], metric: str, metric_given: bool, note=print
+) -> tuple[list[Point], float | None]:
+    """Points (and the dense ppl of the run folders) of every input: CSV files and finished run folders."""
+    points, runs = [], []
+    for s in inputs:
+        p = Path(s)
+        if p.is_dir():
+            runs.append(p)
+        elif p.is_file():
+            points += read_points_csv(p)
+        else:
+            raise CastError(f"{p} does not exist (pass CSV files of tokens,ppl or training run folders)")
+    dense = None
+    if runs:
+        run_points, dense = read_runs(runs, metric, metric_given, note)
+        points += run_points
+    return points, dense
+
+
+# ---------------------------------------------------------------- the fit and its report
+
+
+@dataclass
+class FitReport:
+    """The fit of a set of points, with its leave-one-out check and the tokens to reach the dense ppl."""
+
+    fit: TokenScalingFit
+    points: list[Point]
+    dense_ppl: float | None
+    leave_one_out: LeaveOneOut | None
+    leave_one_out_error: str | None  # why there is no leave-one-out check
+    tokens_to_reach_dense: float | None  # D* in billions (inf: astronomically far); None: never
+    plot: Path | None = None
+
+    def to_dict(self) -> dict:
+        d_star = self.tokens_to_reach_dense
+        out = {
+            "fit": self.fit.to_dict(),
+            "leave_one_out": self.leave_one_out.to_dict() if self.leave_one_out else None,
+            "leave_one_out_error": self.leave_one_out_error,
+            "dense_ppl": self.dense_ppl,
+            "dense_reachable": d_star is not None,
+            "tokens_to_reach_dense_billions": None if d_star is None or math.isinf(d_star) else d_star,
+            "points": [{"tokens_billions": p.tokens_billions, "ppl": p.ppl, "source": p.source} for p in self.points],
+        }
+        if self.plot is not None:
+            out["plot"] = str(self.plot)
+        return out
+
+    def lines(self) -> list[str]:
+        """The report as text: the law, the points against the fit, A, B, R², the checks and D*."""
+        fit, loo, d_star, dense_ppl = self.fit, self.leave_one_out, self.tokens_to_reach_dense, self.dense_ppl
+        out = [
+            "token scaling law (method.md §7): ln ppl = A + B / D^β, D in billions of tokens, "
+            f"β = {fit.beta:g} fixed",
+            f"{'tokens':>10} {'ppl':>10} {'fitted':>10}  source",
+        ]
+        for p in sorted(self.points, key=lambda q: q.tokens_billions):
+            out.append(f"{format_billions(p.tokens_billions):>10} {p.ppl:>10.3f} "
+                       f"{fit.predict_ppl(p.tokens_billions):>10.3f}  {p.source}")
+        out.append(f"A  = {fit.A:.6f}   (asymptote exp(A) = {fit.asymptote_ppl:.3f} ppl)")
+        out.append(f"B  = {fit.B:.6f}")
+        out.append(f"R² = {fit.r2:.6f}   ({fit.n_points} points)")
+        if loo:
+            out.append(f"leave-one-out: without D = {format_billions(loo.tokens_billions)}, predicted ppl "
+                       f"{loo.predicted_ppl:.3f} vs actual {loo.actual_ppl:.3f} "
+                       f"(error {100 * loo.relative_error:+.2f}%)")
+        else:
+            out.append(f"leave-one-out: n/a ({self.leave_one_out_error})")
+        if dense_ppl is None:
+            out.append("dense ppl unknown: pass --dense-ppl to get the tokens needed to reach it")
+        elif d_star is None:
+            why = "B ≤ 0: ppl does not fall with tokens" if fit.B <= 0 else f"the asymptote {fit.asymptote_ppl:.3f} ≥ it"
+            out.append(f"dense ppl {dense_ppl:.3f} is not reachable by this fit ({why})")
+        else:
+            out.append(f"dense ppl {dense_ppl:.3f} reached at D* = {d_star:.4g} billion tokens "
+                       f"({format_billions(d_star)})")
+        if self.plot is not None:
+            out.append(f"plot: {self.plot}")
+        return out
+
+
+def fit_report(points: list[Point], dense_ppl: float | None = None, beta: float = CHINCHILLA_BETA, *,
+               plot: str | Path | None = None) -> FitReport:
+    """Fit the law to ``points`` (a CastError when it cannot be fitted), check it by leave-one-out, compute
+    D* for ``dense_ppl`` and, with ``plot``, draw the PNG there."""
+    try:
+        fit = fit_token_scaling([p.tokens_billions for p in points], [p.ppl for p in points], beta=beta)
+    except ValueError as e:
+        raise CastError(str(e)) from None
+    try:
+        loo, loo_error = fit.leave_one_out(), None
+    except ValueError as e:
+        loo, loo_error = None, str(e)
+    d_star = fit.tokens_to_reach(dense_ppl) if dense_ppl is not None else None
+    report = FitReport(fit, list(points), dense_ppl, loo, loo_error, d_star)
+    if plot:
+        report.plot = plot_token_scaling(fit, dense_ppl=dense_ppl, path=plot)
+    return report
+
+
+# ---------------------------------------------------------------- the sweep
+
+def format_count(n: int) -> str:
+    """20_000_000 -> '20M', 1_500_000 -> '1.5M', 1_250_000 -> '1250k', 12345 -> '12345': at most one decimal,
+    and exact, so that a run folder's name maps back to its budget."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale and n % (scale // 10) == 0:
+            return f"{n / scale:g}{unit}"
+    return str(n)
+
+
+def parse_budgets(spec: str) -> list[int]:
+    try:
+        budgets = sorted({parse_count(s) for s in spec.split(",") if s.strip()})
+    except ValueError as e:
+        raise CastError(f"--tokens: {e}") from None
+    if any(b <= 0 for b in budgets) or len(budgets) < 3:
+        raise CastError(
+            f"--tokens needs at least 3 distinct positive budgets (the fit has 3 points at least), "
+            f"got {spec!r}"
+        )
+    return budgets
+
+
+def run_command(cmd: list[str]) -> int:
+    """Run a training command in the foreground, its output going to ours."""
+    return subprocess.run(cmd, check=False).returncode
+
+
+def train_command(budget: int, run_dir: Path, train_args: list[str], extra: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "cast_llm.cli",
+        "train",
+        *train_args,
+        "--tokens",
+        str(budget),
+        "--output-dir",
+        str(run_dir),
+        *extra,
+    ]
+
+
+def run_sweep(
+    budgets: list[int],
+    output_dir: Path,
+    train_args: list[str],
+    *,
+    runner: Callable[[list[str]], int] | None = None,
+    dry_run: bool = False,
+    log=print,
+) -> list[Path]:
+    """Train one run per budget, in order, into ``output_dir/tokens-<budget>``; returns the run folders.
+
+    A budget whose folder holds a finished ``results.json`` is skipped; an unfinished run is resumed from
+    its last checkpoint, or restarted (``--overwrite``) when it has none. ``runner`` runs one training command
+    and returns its exit code (default: :func:`run_command`, looked up at the call).
+    """
+    bad = [a for a in train_args if a.split("=")[0] in SWEEP_OWNED]
+    if bad:
+        raise CastError(
+            f"the sweep sets {', '.join(SWEEP_OWNED)} itself: remove {' '.join(bad)} from the "
+            "training options after --"
+        )
+    runner = runner or run_command
+    runs = []
+    for i, budget in enumerate(budgets, start=1):
+        run_dir = output_dir / f"tokens-{format_count(budget)}"
+        runs.append(run_dir)
+        if load_results(run_dir) is not None:
+            log(f"[{i}/{len(budgets)}] {format_count(budget)} tokens: finished already ({run_dir}), skipped")
+            continue
+        extra = []
+        if run_dir.is_dir() and any(run_dir.iterdir()):
+            if not (run_dir / "cast_run.json").is_file():
+                raise CastError(
+                    f"{run_dir} exists and is not a cast-llm run: move it away or use another --output-dir"
+                )
+            extra = ["--resume"] if list_checkpoints(run_dir) else ["--overwrite"]
+        cmd = train_command(budget, run_dir, train_args, extra)
+        log(f"[{i}/{len(budgets)}] {format_count(budget)} tokens: {shlex.join(cmd)}")
+        if dry_run:
+            continue
+        rc = runner(cmd)
+        if rc != 0:
+            raise CastError(
+                f"training for {format_count(budget)} tokens failed (exit code {rc}); fix the cause "
+                "and run the same sweep again: finished budgets are skipped, this one resumes from its last "
+                "checkpoint (or restarts)"
+            )
+    return runs
+
+
+def write_points_csv(points: list[Point], path: Path) -> Path:
+    """The points as ``tokens,ppl,run`` rows (what :func:`read_points_csv` reads back)."""
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["tokens", "ppl", "run"])
+        for p in points:
+            w.writerow([round(p.tokens_billions * 1e9), repr(p.ppl), p.source])
+    return path
+
+
+def sweep(budgets: list[int], output_dir: Path, train_args: list[str], *, metric: str = "wikitext2",
+          metric_given: bool = False, dense_ppl: float | None = None, beta: float = CHINCHILLA_BETA,
+          plot: str | Path | None = None, dry_run: bool = False, log=print,
+          runner: Callable[[list[str]], int] | None = None) -> FitReport | None:
+    """Train every budget (:func:`run_sweep`), then fit the finished runs: writes ``points.csv``,
+    ``scaling.png`` (or ``plot``) and ``scaling.json`` into ``output_dir``. None with ``dry_run``."""
+    runs = run_sweep(budgets, output_dir, train_args, runner=runner, dry_run=dry_run, log=log)
+    if dry_run:
+        return None
+    points, dense = read_runs(runs, metric, metric_given, note=log)
+    log(f"points: {write_points_csv(points, output_dir / 'points.csv')}")
+    report = fit_report(points, dense_ppl if dense_ppl is not None else dense, beta,
+                        plot=plot or output_dir / "scaling.png")
+    atomic_write_text(output_dir / "scaling.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    return report
+
+
