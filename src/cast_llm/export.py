@@ -9,9 +9,6 @@ along its input dimension and finite: a half-sparse model written silently is wo
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,9 @@ import torch
 
 from cast_llm import __version__
 from cast_llm.errors import CastError
+from cast_llm.io import move_into, staging_dir
+from cast_llm.sparsity.mask import is_nm
+from cast_llm.targets import find_targets
 
 CHECKPOINT_MARKER = "cast_llm.json"  # written last: its presence means the export completed
 
@@ -44,9 +44,6 @@ def _nm_view(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 def sparsity_report(model, *, n: int = 2, m: int = 4, targets=None) -> list[LayerSparsity]:
     """Per-target zero counts and whether each is N:M (at most n non-zeros in every group of m)."""
-    from cast_llm.sparsity.mask import is_nm
-    from cast_llm.targets import find_targets
-
     targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
     rows = []
     for t in targets:
@@ -82,28 +79,6 @@ def verify_nm(model, *, n: int = 2, m: int = 4, targets=None) -> list[LayerSpars
     return rows
 
 
-def _move_into(src: Path, dst: Path) -> list[str]:
-    """Move every file of ``src`` into ``dst`` (each move atomic, mode 0644) and return their names.
-
-    An older completion marker in ``dst`` is removed first and the new one moved last, so a folder whose
-    move was interrupted never carries a marker: it cannot be taken for a complete checkpoint.
-    """
-    from cast_llm.io import FILE_MODE, fsync_path
-
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / CHECKPOINT_MARKER).unlink(missing_ok=True)
-    files = sorted(p for p in src.iterdir() if p.name != CHECKPOINT_MARKER)
-    moved = []
-    for f in files + [src / CHECKPOINT_MARKER]:
-        if f.exists():
-            if f.is_file():
-                os.chmod(f, FILE_MODE)
-            os.replace(f, dst / f.name)
-            moved.append(f.name)
-    fsync_path(dst)
-    return moved
-
-
 def save_sparse_checkpoint(
     model,
     tokenizer,
@@ -119,8 +94,6 @@ def save_sparse_checkpoint(
 
     Nothing is written unless every target is N:M; then :func:`save_hf_checkpoint` writes atomically.
     """
-    from cast_llm.targets import find_targets
-
     targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
     rows = verify_nm(model, n=n, m=m, targets=targets)
     info = {
@@ -147,20 +120,18 @@ def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[
     marker, holding ``kind``) last.
     """
     out = Path(output_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     had = getattr(model.config, "sparsity", None)
     model.config.sparsity = sparsity
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        names = sorted(p.name for p in tmp.iterdir()) + [CHECKPOINT_MARKER]
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity, "files": names},
-                                                        indent=2))
-        _move_into(tmp, out)
+        with staging_dir(out, prefix=".export-") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            names = sorted(p.name for p in tmp.iterdir()) + [CHECKPOINT_MARKER]
+            (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity, "files": names},
+                                                            indent=2))
+            move_into(tmp, out, last=CHECKPOINT_MARKER)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         if had is None:
             del model.config.sparsity
         else:

@@ -1,7 +1,14 @@
 """Files the tool writes: atomically (a temporary file, fsync, rename), with checksums, and JSON lines.
 
 Every writer of the package goes through these, so that a run killed at any instant — ``kill -9``, a full
-disk, a node that dies — leaves either the previous version of a file or the new one, never a torn one.
+disk, a node that dies — leaves either the previous version of a file or the new one, never a torn one:
+
+* one file: :func:`atomic_write` (and ``_bytes`` / ``_text`` / ``_json``);
+* a whole folder under a temporary name, renamed into place: :func:`atomic_dir`, :func:`publish_dir`;
+* files staged beside a folder that already holds others (a run folder receiving its exported model):
+  :func:`staging_dir`, then :func:`move_into`, the completion marker last;
+* JSON lines: :func:`append_jsonl`, :func:`read_jsonl`, :func:`truncate_jsonl` (a resumed run drops what a
+  killed one wrote past its checkpoint).
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes", "atomic_write_text",
-           "atomic_write_json", "atomic_dir", "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json"]
+__all__ = ["FILE_MODE", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes", "atomic_write_text",
+           "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into", "append_jsonl",
+           "read_jsonl", "truncate_jsonl", "read_json"]
 
 FILE_MODE = 0o644  # what a user expects of a model or log file (mkstemp would give 0600)
 
@@ -97,7 +106,7 @@ def atomic_dir(final: str | Path, *, replace: bool = False) -> Iterator[Path]:
 
     Yields the temporary folder (``final`` + ``.tmp``); every file in it is fsynced before the rename. If the
     block raises, the temporary folder is removed and ``final`` is untouched. An existing ``final`` is
-    replaced only with ``replace=True`` (it is removed after the new one is complete, then renamed over).
+    replaced only with ``replace=True`` (:func:`publish_dir`).
     """
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
@@ -108,20 +117,67 @@ def atomic_dir(final: str | Path, *, replace: bool = False) -> Iterator[Path]:
         for f in tmp.rglob("*"):
             if f.is_file():
                 fsync_path(f)
-        if final.exists():
-            if not replace:
-                raise FileExistsError(f"{final} exists")
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_path(final.parent)
+        publish_dir(tmp, final, replace=replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_dir(tmp: str | Path, final: str | Path, *, replace: bool = False) -> Path:
+    """Rename the complete folder ``tmp`` to ``final`` (same filesystem) and sync the parent folder.
+
+    An existing ``final`` raises :class:`FileExistsError` (``tmp`` is left for the caller), unless
+    ``replace=True``: then it is moved aside, the new folder renamed into place, and the old one removed.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        if not replace:
+            raise FileExistsError(f"{final} exists")
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_path(final.parent)
+    return final
+
+
+@contextlib.contextmanager
+def staging_dir(beside: str | Path, *, prefix: str) -> Iterator[Path]:
+    """A private temporary folder next to ``beside`` (on its filesystem, so that what is built in it can be
+    renamed into place), created with its parents and always removed at the end of the block."""
+    beside = Path(beside)
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=beside.parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_into(src: str | Path, dst: str | Path, *, last: str | None = None) -> list[str]:
+    """Move every file of ``src`` into ``dst`` (each move an atomic rename, mode :data:`FILE_MODE`); returns
+    their names.
+
+    ``last`` names a completion marker: any older copy in ``dst`` is removed first and the new one is moved
+    last, so a folder whose move was interrupted never carries a marker and cannot be taken for complete.
+    """
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    if last is not None:
+        (dst / last).unlink(missing_ok=True)
+    files = sorted(p for p in src.iterdir() if p.name != last)
+    moved = []
+    for f in files + ([src / last] if last is not None else []):
+        if f.exists():
+            if f.is_file():
+                os.chmod(f, FILE_MODE)
+            os.replace(f, dst / f.name)
+            moved.append(f.name)
+    fsync_path(dst)
+    return moved
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:

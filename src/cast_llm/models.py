@@ -17,19 +17,23 @@ A model argument is resolved in this order (:func:`resolve_model`):
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib.util
 import os
-import shutil
 import socket
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from cast_llm.deploy.compressed import is_compressed_checkpoint, load_compressed
+from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint, load_compressed_tensors
 from cast_llm.errors import CastError
+from cast_llm.io import publish_dir, staging_dir
+from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
+from cast_llm.quant.pack import load_quantized
 
 
 @dataclass(frozen=True)
@@ -103,19 +107,14 @@ def _forget_gguf(model):
     return model
 
 
-def _atomic_save_pretrained(obj_model, tokenizer, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        obj_model.save_pretrained(tmp, safe_serialization=True)
+def _save_pretrained_once(model, tokenizer, target: Path) -> None:
+    """Write ``model`` and ``tokenizer`` to the folder ``target`` all or nothing; when another process wrote
+    it first (a race between processes converting the same model), keep theirs."""
+    with staging_dir(target, prefix=target.name + ".tmp-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists():  # another process won the race: keep theirs
-            shutil.rmtree(tmp)
-            return
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with contextlib.suppress(FileExistsError):  # another process won the race: keep theirs
+            publish_dir(tmp, target)
 
 
 EXPORT_FORMATS = ("compressed", "compressed-tensors", "quantized")  # our own folders, decoded on load
@@ -128,10 +127,6 @@ def export_format(path: str | Path) -> str | None:
     p = Path(path)
     if not p.is_dir():
         return None
-    from cast_llm.deploy.compressed import is_compressed_checkpoint
-    from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint
-    from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
-
     if is_compressed_checkpoint(p):
         return "compressed"
     if (p / QUANT_INDEX).is_file():
@@ -203,7 +198,7 @@ def _embedded(alias: str) -> tuple[str, str | None]:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = _forget_gguf(AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32))
     try:
-        _atomic_save_pretrained(model, tok, cached)
+        _save_pretrained_once(model, tok, cached)
     except OSError:  # read-only cache: load from the GGUF every time
         return str(gguf.parent), gguf.name
     return str(cached), None
@@ -282,14 +277,9 @@ def load_export(path: str | Path, *, dtype: torch.dtype | str | None = None, dev
     """The dense causal LM of one of our own export folders (:func:`export_format`), bit-identical to what
     was exported (pruned entries are exact zeros; a quantized folder gives its dequantized weights), cast to
     ``dtype`` (None or ``"auto"``: as stored)."""
-    fmt = export_format(path)
-    if fmt == "compressed":
-        from cast_llm.deploy.compressed import load_compressed as load
-    elif fmt == "compressed-tensors":
-        from cast_llm.deploy.compressed_tensors import load_compressed_tensors as load
-    elif fmt == "quantized":
-        from cast_llm.quant.pack import load_quantized as load
-    else:
+    load = {"compressed": load_compressed, "compressed-tensors": load_compressed_tensors,
+            "quantized": load_quantized}.get(export_format(path))
+    if load is None:
         raise CastError(f"{path} is not a cast-llm export (no compressed_index.json, quant_index.json or "
                         "sparse-24-bitmask config); write one with `cast-llm export` or `cast-llm quantize`")
     model = load(path, device=device)  # decoded in the stored dtype: exactly the weights that were exported
@@ -343,6 +333,20 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device:
     if src.gguf_file:
         _forget_gguf(model)
     return model.to(device).eval()
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device a ``--device`` value names: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``,
+    ``cuda:N``; a CastError for an unknown name or for CUDA on a machine without it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CastError(f"--device: unknown device '{name}' (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CastError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
 
 
 def max_positions(model) -> int | None:

@@ -56,20 +56,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CastError(f"--device: unknown device '{name}' (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CastError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    return device
-
-
 def random_model(spec: str, dtype, device, seed: int = 0):
     """A LLaMA of a named shape with random weights, built directly on ``device`` in ``dtype``."""
     import torch
@@ -93,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                                                            **cli_layer(args, BenchInferenceConfig)}))
     from cast_llm.deploy.bench import BenchConfig, format_report, run_bench
     from cast_llm.deploy.checkpoint import parse_dtype
-    from cast_llm.models import load_model
+    from cast_llm.models import load_model, resolve_device
 
     device = resolve_device(cfg.device)
     dtype = parse_dtype(cfg.dtype)

@@ -84,20 +84,6 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
         )
 
 
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CastError(f"--device: unknown device '{name}' (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CastError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    return device
-
-
 def _perplexity(model, ids, seq_len, device, max_windows, desc):
     from cast_llm.eval.ppl import perplexity
 
@@ -117,13 +103,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(PruneConfig, *layers)
     out = Path(cfg.output_dir)
     check_output_dir(out, cfg.overwrite)
-    device = resolve_device(cfg.device)
 
     from cast_llm.export import format_sparsity_report, save_sparse_checkpoint, sparsity_report
-    from cast_llm.models import check_seq_len, load_model, load_tokenizer
+    from cast_llm.models import check_seq_len, load_model, load_tokenizer, resolve_device
     from cast_llm.prune import prune_model
     from cast_llm.targets import find_targets
 
+    device = resolve_device(cfg.device)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model)  # fp32 on the CPU; blocks visit `device` one at a time

@@ -85,10 +85,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(QuantizeConfig, ("command line", {"model": args.model, **cli_layer(args, QuantizeConfig)}))
     import torch
 
-    from cast_llm.cli.bench import resolve_device
     from cast_llm.deploy.checkpoint import parse_dtype, prepare_output_dir
     from cast_llm.export import read_sparsity_metadata
-    from cast_llm.models import check_seq_len, load_model, load_tokenizer
+    from cast_llm.models import check_seq_len, load_model, load_tokenizer, resolve_device
     from cast_llm.quant import quantize_model_
     from cast_llm.quant.pack import save_quantized
 

@@ -1,6 +1,7 @@
 """Shared plumbing for the deployment formats: output folders, state dicts, rebuilding a model.
 
 * :func:`prepare_output_dir` — refuse to clobber a folder unless asked, and then only a checkpoint folder;
+* :func:`read_format_index` — the JSON index of one of our formats, checked for format and version;
 * :func:`staged_output` — write into a temporary folder beside the target, move in when complete, the
   ``cast_llm.json`` completion marker last (the same protocol as :func:`cast_llm.export.save_sparse_checkpoint`);
 * :func:`unique_state_dict` — the model's tensors once each (tied ``lm_head`` = embedding is stored once,
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from cast_llm import __version__
 from cast_llm.errors import CastError
-from cast_llm.export import CHECKPOINT_MARKER, _move_into
+from cast_llm.export import CHECKPOINT_MARKER
+from cast_llm.io import move_into, staging_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -59,9 +61,7 @@ def prepare_output_dir(path: str | Path, overwrite: bool) -> Path:
 def staged_output(out_dir: str | Path) -> Iterator[Path]:
     """Yield a temporary folder beside ``out_dir``; on success its files are moved into ``out_dir``."""
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".stage-", dir=out.parent))
-    try:
+    with staging_dir(out, prefix=".stage-") as tmp:
         yield tmp
         if not (tmp / CHECKPOINT_MARKER).is_file():
             raise RuntimeError(f"staged checkpoint has no {CHECKPOINT_MARKER}: not moving it into place")
@@ -71,14 +71,26 @@ def staged_output(out_dir: str | Path) -> Iterator[Path]:
             if (out / d.name).exists():
                 shutil.rmtree(out / d.name)
             d.rename(out / d.name)
-        _move_into(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        move_into(tmp, out, last=CHECKPOINT_MARKER)
+
+
+def read_format_index(folder: str | Path, index_file: str, fmt: str, version: int, *, kind: str, hint: str,
+                      required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON index of one of our checkpoint formats (``fmt``, at most ``version``); a CastError naming the
+    folder when the index (or one of the ``required`` files) is missing or of another format / a newer version.
+    ``kind`` names the format in messages, ``hint`` says how to write one."""
+    p = Path(folder)
+    needed = (index_file, *required)
+    if not all((p / f).is_file() for f in needed):
+        raise CastError(f"{p} is not a {kind} checkpoint (no {' / '.join(needed)}); {hint}")
+    index = json.loads((p / index_file).read_text())
+    if index.get("format") != fmt or index.get("version", 0) > version:
+        raise CastError(f"{p}: unsupported {kind} format {index.get('format')} v{index.get('version')} "
+                        f"(this cast-llm reads {fmt} v{version})")
+    return index
 
 
 def write_marker(folder: Path, kind: str, **info: Any) -> None:
-    from cast_llm import __version__
-
     payload = {"kind": kind, "cast_llm_version": __version__, **info}
     (folder / CHECKPOINT_MARKER).write_text(json.dumps(payload, indent=2))
 

@@ -31,15 +31,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from cast_llm.deploy.checkpoint import (
+    DTYPES,
     dtype_name,
     model_from_state_dict,
+    read_format_index,
     save_config_and_tokenizer,
     staged_output,
     unique_state_dict,
     write_marker,
 )
 from cast_llm.deploy.nm_codec import NMSparseWeight
-from cast_llm.errors import CastError
+from cast_llm.deploy.semi_structured import require_semi_structured, to_semi_structured_
+from cast_llm.export import verify_nm
+from cast_llm.targets import find_targets
 
 FORMAT = "cast-llm-compressed-nm"
 VERSION = 1
@@ -54,9 +58,6 @@ def _model_dtype(model) -> torch.dtype:
 def compress_state_dict(model, *, n: int = 2, m: int = 4, targets=None, encoding: str = "auto"
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors and index of the compressed format for ``model`` (verified N:M first)."""
-    from cast_llm.export import verify_nm
-    from cast_llm.targets import find_targets
-
     targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
     verify_nm(model, n=n, m=m, targets=targets)  # names every non-N:M layer in one error
     tensors, aliases = unique_state_dict(model)
@@ -99,15 +100,9 @@ def is_compressed_checkpoint(path: str | Path) -> bool:
 
 
 def read_index(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not is_compressed_checkpoint(p):
-        raise CastError(f"{p} is not a compressed checkpoint (no {INDEX_FILE} / {WEIGHTS_FILE}); "
-                        "write one with `cast-llm export MODEL --format compressed`")
-    index = json.loads((p / INDEX_FILE).read_text())
-    if index.get("format") != FORMAT or index.get("version", 0) > VERSION:
-        raise CastError(f"{p}: unsupported compressed format {index.get('format')} v{index.get('version')} "
-                        f"(this cast-llm reads {FORMAT} v{VERSION})")
-    return index
+    """``compressed_index.json`` of a compressed checkpoint (a CastError for anything else)."""
+    return read_format_index(path, INDEX_FILE, FORMAT, VERSION, kind="compressed", required=(WEIGHTS_FILE,),
+                             hint="write one with `cast-llm export MODEL --format compressed`")
 
 
 def decompress_state_dict(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -140,16 +135,12 @@ def load_compressed(path: str | Path, *, dtype: torch.dtype | None = None, devic
     compute capability ≥ 8.0, fp16/bf16); the dense copy of each weight is freed as it is swapped.
     """
     index = read_index(path)
-    stored = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(index["dtype"], torch.float32)
+    stored = DTYPES.get(index["dtype"], torch.float32)
     dtype = dtype or stored
     if semi_structured:
-        from cast_llm.deploy.semi_structured import require_semi_structured
-
         require_semi_structured(device, dtype)
     model = model_from_state_dict(path, decompress_state_dict(path), dtype=dtype, device=device)
     if semi_structured:
-        from cast_llm.deploy.semi_structured import to_semi_structured_
-
         names = set(index["targets"])
         to_semi_structured_(model, filter_fn=lambda module, fqn: fqn in names)
     return model

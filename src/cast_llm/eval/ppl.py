@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_bytes
+from cast_llm.models import cache_dir, check_seq_len
 
 # WikiText-2 raw v1 test rows joined with "\n\n", shipped as package data (resources/wikitext2/README.md
 # has its provenance and licence). The sha256 is of the uncompressed UTF-8 text.
@@ -70,29 +72,11 @@ def _packaged_wikitext2_bytes() -> bytes:
     return data
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """All or nothing: a temporary file beside ``path``, fsynced, renamed over it (readable by all)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def packaged_wikitext2_file() -> Path:
     """The packaged WikiText-2 text as a plain file: decompressed once into the cast-llm cache folder
     (:func:`cast_llm.models.cache_dir`, i.e. ``$CAST_LLM_CACHE``, ``$XDG_CACHE_HOME/cast-llm`` or
     ``~/.cache/cast-llm``), written atomically, and re-checked against WIKITEXT2_SHA256 on every call (a
     damaged cache file is rewritten). A cache that cannot be written falls back to the temporary folder."""
-    from cast_llm.models import cache_dir
-
     name = f"wikitext2-test-{WIKITEXT2_SHA256[:16]}.txt"
     folders = [cache_dir() / "data", Path(tempfile.gettempdir()) / f"cast-llm-{os.getuid() if hasattr(os, 'getuid') else 0}"]
     for folder in folders:
@@ -106,8 +90,8 @@ def packaged_wikitext2_file() -> Path:
     errors = []
     for folder in folders:
         try:
-            _write_atomically(folder / name, data)
-            return folder / name
+            folder.mkdir(parents=True, exist_ok=True)
+            return atomic_write_bytes(folder / name, data)
         except OSError as e:
             errors.append(f"{folder}: {e.strerror or e}")
     raise CastError(f"cannot write the decompressed WikiText-2 copy ({'; '.join(errors)}): set CAST_LLM_CACHE "
@@ -200,8 +184,6 @@ def perplexity(
     desc: str = "ppl",
 ) -> PplResult:
     """Perplexity of ``model`` on a 1-D token stream, non-overlapping windows of ``seq_len``."""
-    from cast_llm.models import check_seq_len
-
     check_seq_len(model, seq_len)
     available = n = ids.numel() // seq_len
     if n == 0:

@@ -20,7 +20,7 @@ from torch.optim.optimizer import Optimizer
 
 from cast_llm.errors import NonFiniteError
 from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam
-from cast_llm.sparsity.mask import is_nm_mask, nm_mask, pack_mask, unpack_mask
+from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
 
 try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
     from torch.distributed.tensor import DTensor as _DTensor
@@ -187,10 +187,7 @@ class AdamS(Optimizer):
         return group
 
     def _compute_mask(self, p: Tensor, group: dict[str, Any]) -> Tensor:
-        w = _local(p).detach()
-        if group["transposed"]:
-            return nm_mask(w.t(), group["n"], group["m"]).t().contiguous()
-        return nm_mask(w, group["n"], group["m"])
+        return magnitude_mask(_local(p), group["transposed"], group["n"], group["m"])
 
     def _encode(self, mask: Tensor) -> Tensor:
         return pack_mask(mask) if self.mask_storage == "packed" else mask.contiguous()
@@ -241,8 +238,6 @@ class AdamS(Optimizer):
     @torch.no_grad()
     def prune_(self) -> None:
         """``θ ← θ ⊙ m`` for every sparse parameter (Algorithm 1's last line): afterwards each is exactly N:M."""
-        from cast_llm.sparsity.mask import apply_mask_
-
         for p, mask in self.masks().items():
             apply_mask_(_local(p), mask)
 
@@ -435,7 +430,7 @@ def _check_hparams(h: dict[str, Any], where: str) -> None:
     if h["foreach"] is False and h.get("fused"):
         raise ValueError(f"{where}: foreach=False (the reference path) and fused=True exclude each other")
     if h.get("fused"):
-        from cast_llm.optim import triton_adams
+        from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
 
         reason = triton_adams.unavailable_reason()
         if reason is not None:

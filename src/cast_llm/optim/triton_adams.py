@@ -27,6 +27,7 @@ tested on machines without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -214,7 +215,7 @@ def _launch(device, P, G, MU, V, K, t, *, packed, beta1, beta2, lr, eps, l1_deca
         bc2_sqrt=math.sqrt(1.0 - beta2**t), eps=eps, wd_keep=1.0 - lr * weight_decay,
     )  # fmt: skip
     grid = (triton.cdiv(max(p.numel() for p in P), _BLOCK), len(P))
-    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _adams_kernel[grid](
             table, numels, len(P), P[0], G[0], MU[0], V[0], K[0], **scalars,
             PACKED=packed, ADDITIVE=decay_mode == "additive", MAXIMIZE=bool(maximize),
@@ -222,10 +223,3 @@ def _launch(device, P, G, MU, V, K, t, *, packed, beta1, beta2, lr, eps, l1_deca
             BLOCK=_BLOCK, num_warps=_NUM_WARPS,
         )  # fmt: skip
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

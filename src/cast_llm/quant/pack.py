@@ -38,6 +38,7 @@ from cast_llm.deploy.checkpoint import (
     dtype_name,
     model_from_state_dict,
     parse_dtype,
+    read_format_index,
     save_config_and_tokenizer,
     staged_output,
     unique_state_dict,
@@ -45,7 +46,10 @@ from cast_llm.deploy.checkpoint import (
 )
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.errors import CastError
+from cast_llm.export import save_sparse_checkpoint, sparsity_report
 from cast_llm.quant.rtn import QuantizedWeight, num_groups
+from cast_llm.sparsity.mask import nm_mask
+from cast_llm.targets import find_targets
 
 FORMAT = "cast-llm-quantized"
 VERSION = 1
@@ -61,8 +65,6 @@ def pack_weight(qw: QuantizedWeight, n: int = 2, m: int = 4) -> tuple[dict[str, 
     info: dict[str, Any] = {"shape": [rows, cols], "layout": "dense"}
     nonzero = qw.codes != qw.zero.repeat_interleave(qw.group_size, dim=1)[:, :cols]  # ŵ != 0
     if cols % m == 0 and bool((nonzero.view(rows, cols // m, m).sum(-1) <= n).all()):
-        from cast_llm.sparsity.mask import nm_mask
-
         keep = nm_mask(nonzero.float(), n, m)  # every non-zero code, padded by position to exactly n
         sparse = NMSparseWeight.from_dense(torch.where(keep, qw.codes, 0), n, m, mask=keep)
         tensors["qweight"] = pack_bits(sparse.values, qw.bits)
@@ -95,9 +97,6 @@ def save_quantized(model, result, tokenizer, output_dir: str | Path, *, n: int =
     :class:`cast_llm.quant.QuantResult`. Before writing, each packed weight is unpacked again and must equal
     the model's fake-quant weight bit for bit.
     """
-    from cast_llm.export import save_sparse_checkpoint, sparsity_report
-    from cast_llm.targets import find_targets
-
     tensors, aliases = unique_state_dict(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "method": result.method, "bits": result.bits,
@@ -141,13 +140,9 @@ def save_quantized(model, result, tokenizer, output_dir: str | Path, *, n: int =
 
 
 def read_index(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not (p / INDEX_FILE).is_file():
-        raise CastError(f"{p} is not a quantized checkpoint (no {INDEX_FILE}); write one with `cast-llm quantize`")
-    index = json.loads((p / INDEX_FILE).read_text())
-    if index.get("format") != FORMAT or index.get("version", 0) > VERSION:
-        raise CastError(f"{p}: unsupported format {index.get('format')} v{index.get('version')}")
-    return index
+    """``quant_index.json`` of a packed quantized checkpoint (a CastError for anything else)."""
+    return read_format_index(path, INDEX_FILE, FORMAT, VERSION, kind="quantized",
+                             hint="write one with `cast-llm quantize`")
 
 
 def load_quantized_weights(path: str | Path) -> dict[str, QuantizedWeight]:

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from cast_llm.errors import NonFiniteError
 
-__all__ = ["nm_mask", "is_nm", "is_nm_mask", "apply_mask_", "pack_mask", "unpack_mask", "packed_numel"]
+__all__ = ["nm_mask", "magnitude_mask", "is_nm", "is_nm_mask", "apply_mask_", "pack_mask", "unpack_mask",
+           "packed_numel"]
 
 
 def _check_pattern(n: int, m: int) -> None:
@@ -82,6 +83,13 @@ def nm_mask(weight: Tensor, n: int = 2, m: int = 4) -> Tensor:
 
 _BLOCK_GROUPS_CPU = 1 << 17
 _BLOCK_GROUPS_OTHER = 1 << 24
+
+
+def magnitude_mask(weight: Tensor, transposed: bool, n: int, m: int) -> Tensor:
+    """Eq. 6 in the weight's own layout: groups along the last dim, or along dim 0 when ``transposed`` (GPT-2
+    ``Conv1D`` weights, stored ``(in, out)``). No gradient flows through it."""
+    w = weight.detach()
+    return nm_mask(w.t(), n, m).t().contiguous() if transposed else nm_mask(w, n, m)
 
 
 def _rank_block(mag: Tensor, n: int, m: int, base: Tensor, out: Tensor) -> None:

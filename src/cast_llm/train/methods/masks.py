@@ -1,5 +1,6 @@
-"""Masks shared by the training methods: the initial one-shot mask (``--init-mask``), magnitude refreshes
-(Eq. 6), and the names under which a method reports its masks to the loop.
+"""Masks shared by the training methods: the initial one-shot mask (``--init-mask``), when magnitude
+refreshes (Eq. 6, :func:`cast_llm.sparsity.mask.magnitude_mask`) are due, and the names under which a method
+reports its masks to the loop.
 
 The initial mask is magnitude (Eq. 6) by default, or Wanda / SparseGPT (method.md §6) calibrated on
 ``--calib-samples`` sequences of the run's own training data through :func:`cast_llm.prune.prune_model`.
@@ -12,16 +13,13 @@ import copy
 import torch
 from torch import nn
 
+from cast_llm.data import calibration_samples
 from cast_llm.errors import CastError
-from cast_llm.sparsity.mask import nm_mask
+from cast_llm.prune import prune_model
+from cast_llm.sparsity.mask import magnitude_mask
+from cast_llm.targets import find_targets
 
-__all__ = ["magnitude_mask", "initial_masks", "mask_keys", "refresh_due"]
-
-
-def magnitude_mask(weight: torch.Tensor, transposed: bool, n: int, m: int) -> torch.Tensor:
-    """Eq. 6 in the weight's own layout (Conv1D ``(in, out)`` weights group along dim 0)."""
-    w = weight.detach()
-    return nm_mask(w.t(), n, m).t().contiguous() if transposed else nm_mask(w, n, m)
+__all__ = ["initial_masks", "mask_keys", "refresh_due"]
 
 
 def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool = False) -> dict[str, torch.Tensor]:
@@ -31,8 +29,6 @@ def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool 
     pruned weights zeroed, and SparseGPT's reconstructed kept weights); ``apply=False`` leaves the weights
     untouched (the mask learners start from the dense weights and take only the mask).
     """
-    from cast_llm.targets import find_targets
-
     targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
     if cfg.init_mask == "magnitude":
         masks = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets}
@@ -43,9 +39,6 @@ def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool 
         return masks
     if data is None:
         raise CastError(f"--init-mask {cfg.init_mask} needs calibration data; pass the run's data to prepare_model")
-    from cast_llm.data import calibration_samples
-    from cast_llm.prune import prune_model
-
     samples = min(cfg.calib_samples, data.train.shape[0])
     calib = calibration_samples(data, samples, seed=cfg.seed)
     subject = model if apply else copy.deepcopy(model)  # a copy: the one-shot pruner edits weights in place

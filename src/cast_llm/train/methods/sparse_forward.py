@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from cast_llm.nn import fold_scaling_, wrap_scaling_
+from cast_llm.nn.sparse_forward import unwrap_sparse_forward_, wrap_sparse_forward_
+from cast_llm.sparsity.mask import magnitude_mask
+from cast_llm.targets import find_targets, param_groups
 from cast_llm.train.methods.base import TrainingMethod
-from cast_llm.train.methods.masks import initial_masks, magnitude_mask, mask_keys, refresh_due
+from cast_llm.train.methods.masks import initial_masks, mask_keys, refresh_due
 
 
 class SparseForwardMethod(TrainingMethod):
@@ -19,9 +23,6 @@ class SparseForwardMethod(TrainingMethod):
     prune_at_start = False  # start from the one-shot pruned model instead of the dense weights
 
     def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
-        from cast_llm.nn import wrap_scaling_
-        from cast_llm.nn.sparse_forward import wrap_sparse_forward_
-
         masks = initial_masks(model, cfg, data=data, device=device, apply=self.prune_at_start)
         if cfg.use_scaling:
             wrap_scaling_(model, filter_fn=lambda mod, fqn: fqn in masks, n_groups=cfg.scale_groups, m=cfg.m)
@@ -32,8 +33,6 @@ class SparseForwardMethod(TrainingMethod):
 
     def weight_groups(self, model, cfg) -> list[dict]:
         """Param groups (sparse targets / dense / no-decay), as for AdamS, on the wrapped model."""
-        from cast_llm.targets import param_groups
-
         weights = {id(w.weight) for w in self.wrappers.values()}
         targets = [t for t in _inner_targets(model, cfg) if id(t.weight) in weights]
         return param_groups(model, targets=targets, weight_decay=cfg.weight_decay)
@@ -58,16 +57,11 @@ class SparseForwardMethod(TrainingMethod):
         return {self.keys[fqn]: w.mask for fqn, w in self.wrappers.items()}
 
     def finalize(self, model, optimizer, *, out=None, is_main=True):
-        from cast_llm.nn import fold_scaling_
-        from cast_llm.nn.sparse_forward import unwrap_sparse_forward_
-
         unwrap_sparse_forward_(model)  # W ← W ⊙ M (exact zeros), original module types back
         fold_scaling_(model)  # then W ← Diag(A) W: the zeros stay zeros
         return model
 
 
 def _inner_targets(model, cfg):
-    from cast_llm.targets import find_targets
-
     # find_targets descends into the sparse-forward wrappers and reports the layers (or ScaledLinears) inside
     return find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
