@@ -31,7 +31,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cast_llm.deploy.semi_structured import semi_structured_unavailable_reason, sparse_weight_nbytes
+from cast_llm.deploy.semi_structured import (
+    semi_structured_unavailable_reason,
+    sparse_weight_nbytes,
+    to_semi_structured_,
+)
+from cast_llm.export import sparsity_report
+from cast_llm.prune.magnitude import magnitude_prune_
+from cast_llm.sparsity.mask import nm_mask
+from cast_llm.targets import find_targets
 
 
 @dataclass
@@ -160,8 +168,6 @@ def linear_shapes(targets) -> dict[tuple[int, int], list[str]]:
 def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[str, int], *, dtype: torch.dtype,
                   device: torch.device, sparse: bool, warmup: int = 3, repeats: int = 20) -> list[dict[str, Any]]:
     """F.linear latency per distinct shape and token count; with ``sparse`` also the 2:4 kernel."""
-    from cast_llm.sparsity.mask import nm_mask
-
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
     for (out_f, in_f), names in shapes.items():
@@ -186,11 +192,6 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
 
 def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchReport:
     """The whole side-by-side benchmark on the model's device and dtype (see the module docstring)."""
-    from cast_llm.deploy.semi_structured import to_semi_structured_
-    from cast_llm.export import sparsity_report
-    from cast_llm.prune.magnitude import magnitude_prune_
-    from cast_llm.targets import find_targets
-
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     targets = find_targets(model, n=2, m=4, skip_incompatible=True)

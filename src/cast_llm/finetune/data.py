@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from cast_llm.data import prepare
 from cast_llm.errors import CastError
 
 IGNORE_INDEX = -100  # label of tokens without loss (torch cross_entropy's default ignore_index)
@@ -161,8 +162,6 @@ def load_causal(cfg, tokenizer) -> TaskData:
     if records is not None and Path(cfg.data).suffix.lower() in (".csv", ".tsv"):
         raise CastError(f"--data {cfg.data}: causal-lm CSV data needs 'prompt' and 'completion' columns "
                         "(plain text goes in .txt or .jsonl with a 'text' field)")
-    from cast_llm.data import prepare
-
     def packed(spec, val_fraction):
         d = prepare(spec, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=val_fraction,
                     min_train_sequences=cfg.batch_size, max_documents=cfg.max_examples)

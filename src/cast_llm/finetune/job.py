@@ -13,10 +13,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from cast_llm import __version__
+from cast_llm.data import BatchSampler
+from cast_llm.export import (
+    format_sparsity_report,
+    save_hf_checkpoint,
+    save_sparse_checkpoint,
+    sparsity_report,
+)
+from cast_llm.finetune import get_mode
 from cast_llm.finetune.config import FINGERPRINT_KEYS, FinetuneConfig
 from cast_llm.finetune.data import collate, load_task_data
 from cast_llm.finetune.evaluate import batch_loss, evaluate, exact_match
 from cast_llm.io import atomic_write_json
+from cast_llm.models import check_seq_len, load_model, load_tokenizer
+from cast_llm.sparsity.mask import pack_mask, unpack_mask
+from cast_llm.targets import find_targets
 from cast_llm.train.loop import Job, run
 
 RUN_KIND = "cast-llm-finetune"
@@ -24,8 +36,6 @@ RUN_KIND = "cast-llm-finetune"
 
 def load_task_model(cfg: FinetuneConfig, data, tokenizer):
     """The causal LM, or a sequence-classification head (new, seeded) on the same backbone."""
-    from cast_llm.models import load_model
-
     if cfg.task == "classification":
         from transformers import AutoModelForSequenceClassification
 
@@ -40,15 +50,11 @@ def load_task_model(cfg: FinetuneConfig, data, tokenizer):
 
 
 def _supports(targets) -> dict[str, tuple[tuple[int, ...], Any]]:
-    from cast_llm.sparsity.mask import pack_mask
-
     return {t.fqn: (tuple(t.weight.shape), pack_mask(t.weight.detach().cpu() != 0)) for t in targets}
 
 
 def support_changes(before: dict, targets) -> int:
     """How many target entries changed between zero and non-zero since ``before`` (0 = same masks)."""
-    from cast_llm.sparsity.mask import unpack_mask
-
     changed = 0
     for t in targets:
         shape, packed = before[t.fqn]
@@ -64,18 +70,11 @@ class FinetuneJob(Job):
     tokens_per_step = None  # examples vary in length: the log counts the tokens it saw
 
     def __init__(self, cfg: FinetuneConfig):
-        from cast_llm.finetune import get_mode
-
         self.cfg = cfg
         self.method = get_mode(cfg.mode)
         self.desc = f"finetune {cfg.mode}"
 
     def setup(self, ctx, results, resuming: bool) -> None:
-        from cast_llm.data import BatchSampler
-        from cast_llm.export import sparsity_report
-        from cast_llm.models import check_seq_len, load_tokenizer
-        from cast_llm.targets import find_targets
-
         cfg, say = self.cfg, ctx.say
         self.tokenizer = tokenizer = load_tokenizer(cfg.model)
         self.data = data = load_task_data(cfg, tokenizer)
@@ -135,9 +134,6 @@ class FinetuneJob(Job):
             results["after_unmerged"] = self.measure(raw)  # plain LoRA: the trained model differs from the merged one
 
     def finish(self, ctx, final, results):
-        from cast_llm.export import sparsity_report
-        from cast_llm.targets import find_targets
-
         cfg, data = self.cfg, self.data
         final_targets = find_targets(final, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         rows_after = sparsity_report(final, n=cfg.n, m=cfg.m, targets=final_targets)
@@ -170,9 +166,6 @@ def finetune(cfg: FinetuneConfig, *, log=print) -> dict[str, Any]:
 
 
 def _export(final, tokenizer, out, mode, cfg, targets, rows, was_nm, meta, say) -> None:
-    from cast_llm import __version__
-    from cast_llm.export import format_sparsity_report, save_hf_checkpoint, save_sparse_checkpoint
-
     if mode.keeps_nm:
         save_sparse_checkpoint(final, tokenizer, out, n=cfg.n, m=cfg.m, method=mode.method_name, targets=targets,
                                metadata=meta)

@@ -36,6 +36,9 @@ from torch import nn
 
 from cast_llm.errors import CastError
 from cast_llm.finetune.modes import FinetuneMode
+from cast_llm.io import atomic_dir
+from cast_llm.sparsity.mask import is_nm
+from cast_llm.targets import find_targets
 
 MASK_NAME = "cast_nm_mask"
 
@@ -111,8 +114,6 @@ def _variants():
 
 
 def _weight_is_nm(layer, n: int, m: int) -> bool:
-    from cast_llm.sparsity.mask import is_nm
-
     w = layer.get_base_layer().weight.detach()
     return is_nm(w.t() if layer.fan_in_fan_out else w, n, m)
 
@@ -227,8 +228,6 @@ class LoraMode(FinetuneMode):
         if self.cfg.save_adapter and is_main:
             save_adapter(model, out / "adapter")
         merged = merge_and_unload_sparse(model, n=self.cfg.n, m=self.cfg.m)
-        from cast_llm.targets import find_targets
-
         self.targets = find_targets(merged, n=self.cfg.n, m=self.cfg.m, skip_incompatible=self.cfg.skip_incompatible)
         FinetuneMode.verify(self, merged)
         return merged
@@ -244,7 +243,5 @@ class LoraMode(FinetuneMode):
 
 def save_adapter(peft_model, path: Path) -> None:
     """Write the un-merged adapter (peft format) atomically: into a temporary folder, then renamed."""
-    from cast_llm.io import atomic_dir
-
     with atomic_dir(path, replace=True) as tmp:
         peft_model.save_pretrained(tmp)

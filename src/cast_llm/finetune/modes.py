@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from cast_llm.errors import CastError
+from cast_llm.export import format_sparsity_report, verify_nm
+from cast_llm.targets import find_targets
 from cast_llm.train.methods.base import TrainingMethod
 
 
@@ -38,8 +40,6 @@ class FinetuneMode(TrainingMethod):
 
     def check_input(self, rows, cfg) -> None:
         """Refuse, in one line that shows its sparsity, a model that is not N:M when the mode keeps N:M."""
-        from cast_llm.export import format_sparsity_report
-
         bad = [r for r in rows if not r.is_nm]
         if self.keeps_nm and bad:
             worst = ", ".join(f"{r.name} {r.sparsity:.1%} zero" for r in bad[:2])
@@ -49,8 +49,6 @@ class FinetuneMode(TrainingMethod):
                 "first (cast-llm train, or cast-llm prune --method magnitude) or use --mode dense")
 
     def prepare_model(self, model, cfg, *, data=None, device=None):
-        from cast_llm.targets import find_targets
-
         self.cfg = cfg
         self.targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         return self.prepare(model, self.targets, cfg)
@@ -64,8 +62,6 @@ class FinetuneMode(TrainingMethod):
 
     def verify(self, model) -> None:
         """The mode's own invariants, then N:M where the mode keeps it (before every checkpoint and the export)."""
-        from cast_llm.export import verify_nm
-
         self.check_invariants(model)
         if self.keeps_nm:
             verify_nm(model, n=self.cfg.n, m=self.cfg.m, targets=self.targets)

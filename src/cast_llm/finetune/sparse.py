@@ -20,6 +20,7 @@ import torch
 
 from cast_llm.errors import CastError
 from cast_llm.finetune.modes import FinetuneMode
+from cast_llm.sparsity.mask import pack_mask, unpack_mask
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -65,13 +66,9 @@ class SparseMasks:
         return out
 
     def state_dict(self) -> dict:
-        from cast_llm.sparsity.mask import pack_mask
-
         return {fqn: (tuple(m.shape), pack_mask(m.cpu())) for fqn, m in self.masks.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        from cast_llm.sparsity.mask import unpack_mask
-
         if set(state) != set(self.masks):
             raise CastError("checkpoint masks name other layers than this model's N:M targets")
         for fqn, (shape, packed) in state.items():

@@ -23,6 +23,11 @@ import torch
 from transformers import Trainer
 
 from cast_llm.config import option
+from cast_llm.distill import kd_loss
+from cast_llm.export import verify_nm
+from cast_llm.nn import fold_scaling_, wrap_scaling_
+from cast_llm.optim import AdamS
+from cast_llm.targets import param_groups
 from cast_llm.train.config import CastSettings
 
 
@@ -44,8 +49,6 @@ def cast_kd_loss(model, teacher, inputs: dict, *, eta: float, temperature: float
 
     Returns ``(loss, outputs)``; without a teacher it is plain next-token cross-entropy.
     """
-    from cast_llm.distill import kd_loss
-
     labels = inputs.get("labels", inputs["input_ids"])
     fwd = {k: v for k, v in inputs.items() if k != "labels"}
     outputs = model(**fwd)
@@ -70,8 +73,6 @@ class CastTrainer(Trainer):
         if model is None:
             raise ValueError("CastTrainer needs model=...")
         if self.cast_args.scaling:  # before the optimizer exists, so the scales are trained
-            from cast_llm.nn import wrap_scaling_
-
             wrap_scaling_(model, n_groups=self.cast_args.scale_groups, m=self.cast_args.m)
         super().__init__(*args, **kwargs)
         # our loss is a per-batch mean: let the Trainer divide it by the accumulation steps
@@ -87,9 +88,6 @@ class CastTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            from cast_llm.optim import AdamS
-            from cast_llm.targets import param_groups
-
             c, a = self.cast_args, self.args
             total = self._total_steps or a.max_steps
             if not total or total <= 0:
@@ -119,9 +117,6 @@ class CastTrainer(Trainer):
 
     def finalize_sparse(self):
         """Prune with the final masks, fold the scales, verify every target is exactly N:M."""
-        from cast_llm.export import verify_nm
-        from cast_llm.nn import fold_scaling_
-
         model = self.accelerator.unwrap_model(self.model)
         self.adams.prune_()
         fold_scaling_(model)

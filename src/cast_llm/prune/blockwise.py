@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from cast_llm.errors import CastError
+from cast_llm.targets import find_block_list
 
 # (running statistic or None, inputs (tokens, C) float32) -> updated statistic
 Accumulate = Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor]
@@ -57,8 +58,6 @@ def decoder_blocks(model: nn.Module, target_fqns: list[str]) -> tuple[str, nn.Mo
     Uses :func:`cast_llm.targets.find_block_list`; every target must lie inside one of its blocks, since
     block-by-block calibration reaches nothing else.
     """
-    from cast_llm.targets import find_block_list
-
     found = find_block_list(model)
     if found is None:
         raise CastError(f"no decoder block list found in {type(model).__name__}: block-by-block calibration "

@@ -23,6 +23,7 @@ from cast_llm.errors import CastError
 from cast_llm.nn.scaled_linear import ScaledLinear
 from cast_llm.prune.blockwise import LayerInputs, prune_blockwise
 from cast_llm.prune.sparsegpt import accumulate_hessian, finalize_hessian, sparsegpt_prune_
+from cast_llm.targets import find_targets
 
 __all__ = ["CompensationReport", "compensated_prune_", "reconstruction_error"]
 
@@ -74,8 +75,6 @@ def compensated_prune_(
     Afterwards every masked-out entry is exactly 0 and each kept weight has moved to compensate. Targets
     without a mask are left untouched (but still run, so later blocks see their outputs).
     """
-    from cast_llm.targets import find_targets
-
     if targets is None:
         targets = find_targets(model, n=n, m=m, skip_incompatible=True)
     by_fqn = {t.fqn: t for t in targets}

@@ -22,6 +22,7 @@ from cast_llm.prune.blockwise import LayerInputs, prune_blockwise
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.prune.sparsegpt import accumulate_hessian, finalize_hessian, sparsegpt_prune_
 from cast_llm.prune.wanda import accumulate_col_sq_norm, wanda_prune_
+from cast_llm.targets import find_targets
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ def prune_model(
     if damp < 0:
         raise CastError(f"--damp must be ≥ 0, got {damp}")
     if targets is None:
-        from cast_llm.targets import find_targets
-
         targets = find_targets(model, n=n, m=m, skip_incompatible=skip_incompatible)
     if not targets:
         raise CastError("the model has no linear layers inside its decoder blocks to prune")

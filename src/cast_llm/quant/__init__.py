@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cast_llm.errors import CastError
+from cast_llm.quant.calibration import awq_quantize_
 from cast_llm.quant.rtn import QuantizedWeight, dequantize_codes, fake_quantize, quant_params, rtn_quantize_
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
+from cast_llm.targets import find_targets
 
 METHODS = ("rtn", "awq")
 
@@ -71,8 +73,6 @@ def quantize_model_(model, *, method: str, bits: int, group_size: int | None = N
     AWQ needs ``calib_ids`` (samples, seq_len) and also rescales the producers it folds into (norms,
     v_proj / up_proj rows). The model should be in fp32 (the search and the folding run in its dtype).
     """
-    from cast_llm.targets import find_targets
-
     if method not in METHODS:
         raise CastError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
     if not isinstance(bits, int) or not 2 <= bits <= 8:
@@ -88,8 +88,6 @@ def quantize_model_(model, *, method: str, bits: int, group_size: int | None = N
     else:
         if calib_ids is None:
             raise CastError("AWQ needs calibration data: pass --data (and --calib-samples, --seq-len)")
-        from cast_llm.quant.calibration import awq_quantize_
-
         weights, report = awq_quantize_(model, targets, calib_ids, bits=bits, group_size=group_size, grid=grid,
                                         search_tokens=search_tokens, batch_size=batch_size, seed=seed,
                                         progress=progress)

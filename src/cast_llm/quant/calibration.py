@@ -23,6 +23,7 @@ import logging
 import torch
 
 from cast_llm.errors import CastError
+from cast_llm.prune.blockwise import capture_block_inputs, decoder_blocks, run_block
 from cast_llm.quant.awq import (
     SUPPORTED_MODEL_TYPES,
     ScaleGroup,
@@ -68,8 +69,6 @@ def awq_quantize_(model, targets, calib_ids: torch.Tensor, *, bits: int, group_s
 
     Returns ``(quantized weights by fqn, one report row per scale group: block, group, alpha, error ratio)``.
     """
-    from cast_llm.prune.blockwise import capture_block_inputs, decoder_blocks, run_block
-
     model_type = getattr(model.config, "model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         logger.warning("AWQ scale folding is not defined for model type %r (supported: %s): plain RTN is "
@@ -129,8 +128,6 @@ def _search_and_fold(group: ScaleGroup, rec: _InputRecorder, *, bits: int, group
 
 
 def _check_function_preserved(block, inp, expected: torch.Tensor, index: int) -> None:
-    from cast_llm.prune.blockwise import run_block
-
     got = run_block(block, inp)
     tol = 1e-3 if expected.dtype == torch.float32 else 3e-2  # fold rounding only; a wrong fold is O(1)
     rel = float((got.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12))

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from cast_llm.targets import find_targets
+from cast_llm.train import fsdp
 from cast_llm.train.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 
 __all__ = ["Distribution", "Replicated", "Sharded", "build_distribution"]
@@ -113,9 +115,6 @@ class Sharded(Distribution):
     """FSDP2: every parameter sharded by rows across the processes (:mod:`cast_llm.train.fsdp`)."""
 
     def shard(self, model, teacher, cfg, say) -> None:
-        from cast_llm.targets import find_targets
-        from cast_llm.train import fsdp
-
         mesh = fsdp.device_mesh(self.device)
         for module in (model, teacher):
             if module is not None:
@@ -130,8 +129,6 @@ class Sharded(Distribution):
         return model, optimizer, teacher  # sharded already; accelerate only set up processes, device, autocast
 
     def no_sync(self, model, sync: bool):
-        from cast_llm.train import fsdp
-
         fsdp.set_gradient_sync(model, sync)
         return contextlib.nullcontext()
 
@@ -139,23 +136,15 @@ class Sharded(Distribution):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # works on DTensor gradients: global norm
 
     def model_state(self, method, raw):
-        from cast_llm.train import fsdp
-
         return fsdp.local_model_state(raw)
 
     def load_model_state(self, method, raw, state) -> None:
-        from cast_llm.train import fsdp
-
         fsdp.load_local_model_state(raw, state)
 
     def optimizer_state(self, optimizer):
-        from cast_llm.train import fsdp
-
         return fsdp.local_optimizer_state(optimizer)
 
     def load_optimizer_state(self, optimizer, state) -> None:
-        from cast_llm.train import fsdp
-
         fsdp.load_local_optimizer_state(optimizer, state)
 
     def save(self, out, step, states, meta, keep) -> None:
@@ -169,9 +158,6 @@ class Sharded(Distribution):
 
     def finish(self, raw, optimizer, method, cfg, out):
         """Gather the sharded student and its final masks on rank 0 into a plain model; finalize it there."""
-        from cast_llm.targets import find_targets
-        from cast_llm.train import fsdp
-
         names = {id(t.weight): t.fqn for t in find_targets(raw, n=cfg.n, m=cfg.m,
                                                           skip_incompatible=cfg.skip_incompatible)}
         masks = fsdp.gather_masks(optimizer, names, self.is_main)

@@ -27,6 +27,11 @@ import torch
 from torch import nn
 
 from cast_llm.errors import CastError
+from cast_llm.models import load_model
+from cast_llm.nn import wrap_scaling_
+from cast_llm.sparsity.mask import pack_mask, unpack_mask
+from cast_llm.targets import find_block_list, find_targets
+from cast_llm.train.observers import target_weight
 
 try:
     from torch.distributed.tensor import DTensor
@@ -69,8 +74,6 @@ def shard_model(model: nn.Module, mesh, *, transposed_weights=()) -> nn.Module:
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
-
-    from cast_llm.targets import find_block_list
 
     found = find_block_list(model)
     if found is None:
@@ -170,10 +173,6 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def build_plain_student(cfg) -> nn.Module:
     """An unsharded student with the trained model's structure (weights to be loaded into it)."""
-    from cast_llm.models import load_model
-    from cast_llm.nn import wrap_scaling_
-    from cast_llm.targets import find_targets
-
     plain = load_model(cfg.model, dtype=torch.float32)
     if cfg.use_scaling:  # as CastMethod.prepare_model
         fqns = {t.fqn for t in find_targets(plain, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)}
@@ -200,9 +199,6 @@ class ShardedMaskStats:
 
     def on_step(self, ctx):
         import torch.distributed as dist
-
-        from cast_llm.sparsity.mask import pack_mask, unpack_mask
-        from cast_llm.train.observers import target_weight
 
         if self.initial is None:
             self.shapes = {k: tuple(v.shape) for k, v in ctx.masks.items()}

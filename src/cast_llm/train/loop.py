@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from cast_llm.analysis.base import StepContext
+from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
 from cast_llm.io import append_jsonl, atomic_write_json, truncate_jsonl
 from cast_llm.train.checkpoint import (
@@ -240,8 +242,6 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
         say(f"resumed from {checkpoint} at step {start_step}")
     if is_main:
-        from cast_llm.config import dump_yaml
-
         dump_yaml(cfg, out / "config.yaml")
         write_marker(out, {"kind": job.marker_kind, "method": getattr(cfg, "method", None) or getattr(cfg, "mode", None),
                            "config": cfg_dict})
@@ -330,8 +330,6 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         is_log = done % cfg.log_every == 0 or done == total_steps
         measured = {}
         if observers:
-            from cast_llm.train.observers import StepContext
-
             sctx = StepContext(step=done, total_steps=total_steps, model=raw, is_log_step=is_log, run_dir=out,
                                is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
                                masks_fn=lambda: method.current_masks(raw, raw_opt))
@@ -372,8 +370,6 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
 
     # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation
     if observers:
-        from cast_llm.train.observers import StepContext
-
         end_ctx = StepContext(step=total_steps, total_steps=total_steps, model=raw, is_log_step=False, run_dir=out,
                               is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
                               masks_fn=lambda: method.current_masks(raw, raw_opt))

@@ -15,11 +15,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cast_llm.data import BatchSampler, prepare, steps_for_tokens
+from cast_llm.distill import causal_kd_loss
 from cast_llm.errors import CastError
+from cast_llm.eval.ppl import packed_perplexity, perplexity, tokenize_text, wikitext2_source
+from cast_llm.export import save_sparse_checkpoint
 from cast_llm.io import atomic_write_json
+from cast_llm.models import check_seq_len, load_model, load_tokenizer, max_positions
+from cast_llm.sparsity.mask import magnitude_mask
+from cast_llm.targets import find_targets
+from cast_llm.train import fsdp as fsdp2
 from cast_llm.train.checkpoint import FINGERPRINT_KEYS
 from cast_llm.train.config import TrainConfig
 from cast_llm.train.loop import Job, run
+from cast_llm.train.methods import get_method
 from cast_llm.train.observers import default_observers, with_masks_applied
 
 
@@ -29,8 +38,6 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
     if teacher_logits is None:
         ce = F.cross_entropy(student_logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
         return ce, float(ce.detach()), 0.0
-    from cast_llm.distill import causal_kd_loss
-
     out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=cfg.eta, temperature=cfg.temperature,
                          chunk_size=cfg.kd_chunk_size)
     return out.loss, float(out.ce), float(out.kd)
@@ -50,8 +57,6 @@ class Evaluator:
 
     def __init__(self, cfg: TrainConfig, tokenizer, val: torch.Tensor, model_max: int | None, *,
                  train_tokens: int | None = None, say=None):
-        from cast_llm.eval.ppl import tokenize_text
-
         self.cfg = cfg
         self.say = say or (lambda *a, **k: None)
         self.val = val[: cfg.val_sequences] if cfg.val_sequences else val
@@ -59,8 +64,6 @@ class Evaluator:
         self.eval_len = cfg.eval_seq_len or cfg.seq_len
         if model_max is not None and self.eval_len > model_max:
             raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
-        from cast_llm.eval.ppl import wikitext2_source
-
         source = wikitext2_source(cfg.wikitext_file)  # explicit file, else $CAST_WIKITEXT2, else the packaged copy
         path = source.path
         self.wiki_source = source.description
@@ -90,16 +93,12 @@ class Evaluator:
         return "; ".join(parts) or "no evaluation data"
 
     def heldout(self, model, label: str = "model") -> float | None:
-        from cast_llm.eval.ppl import packed_perplexity
-
         if self.val.shape[0] == 0:
             return None
         return packed_perplexity(model, self.val, batch_size=self.cfg.batch_size, progress=self.cfg.progress,
                                  desc=f"{label}: held-out ppl").perplexity
 
     def wikitext(self, model, label: str = "model") -> float | None:
-        from cast_llm.eval.ppl import perplexity
-
         if self.wiki_ids is None:
             return None
         return perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
@@ -122,22 +121,14 @@ class PretrainJob(Job):
     fingerprint_keys = FINGERPRINT_KEYS
 
     def __init__(self, cfg: TrainConfig):
-        from cast_llm.train.methods import get_method
-
         self.cfg = cfg
         self.method = get_method(cfg.method)
         self.desc = f"{cfg.method} {cfg.n}:{cfg.m}"
         self.evaluator = None
 
     def setup(self, ctx, results, resuming: bool) -> None:
-        from cast_llm.data import BatchSampler, prepare, steps_for_tokens
-        from cast_llm.models import check_seq_len, load_model, load_tokenizer, max_positions
-        from cast_llm.targets import find_targets
-
         cfg, say = self.cfg, ctx.say
         if cfg.fsdp:
-            from cast_llm.train import fsdp as fsdp2
-
             fsdp2.check_supported(cfg)
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, dtype=torch.float32)
@@ -163,8 +154,6 @@ class PretrainJob(Job):
         say(f"evaluation: {self.evaluator.describe()} (--wikitext-windows 0: the full protocol)")
         results.setdefault("perplexity", {"heldout": {}, "wikitext2": {}})
         if not resuming and cfg.baseline_eval:  # the starting points of every run: dense and one-shot magnitude
-            from cast_llm.train.methods.masks import magnitude_mask
-
             model.to(ctx.device)
             dense = self.evaluator.both(model, "dense model")
             mags = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets}
@@ -194,8 +183,6 @@ class PretrainJob(Job):
 
     def observers(self, ctx) -> list:
         if self.cfg.fsdp:  # the per-layer analysis observers need whole tensors; mask statistics are summed
-            from cast_llm.train import fsdp as fsdp2
-
             ctx.say("FSDP2: per-layer statistics, weight tracking and ratio histograms are off (whole-model mask "
                     "statistics are logged)")
             return [fsdp2.ShardedMaskStats(ctx.device)]
@@ -205,9 +192,6 @@ class PretrainJob(Job):
         cfg = self.cfg
         tokens_trained = self.total_steps * self.tokens_per_step
         if ctx.is_main:
-            from cast_llm.export import save_sparse_checkpoint
-            from cast_llm.targets import find_targets
-
             final_targets = find_targets(final, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
             save_sparse_checkpoint(final, self.tokenizer, ctx.out, n=cfg.n, m=cfg.m, method=cfg.method,
                                              targets=final_targets,

@@ -14,6 +14,7 @@ data, KD, accumulation, clipping, logging, checkpoints, export — is shared by 
 
 from __future__ import annotations
 
+from cast_llm.errors import CastError
 from cast_llm.train.methods.ast import ASTMethod
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.cast import CastMethod
@@ -31,8 +32,6 @@ REGISTRY: dict[str, type[TrainingMethod]] = {
 
 
 def get_method(name: str) -> TrainingMethod:
-    from cast_llm.errors import CastError
-
     if name not in REGISTRY:
         raise CastError(f"unknown training method '{name}' (choose from {', '.join(REGISTRY)})")
     return REGISTRY[name]()

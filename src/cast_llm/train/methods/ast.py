@@ -14,6 +14,7 @@ parameters are not part of this baseline.
 
 from __future__ import annotations
 
+from cast_llm.optim import AdamS
 from cast_llm.train.methods.sparse_forward import SparseForwardMethod
 
 
@@ -22,8 +23,6 @@ class ASTMethod(SparseForwardMethod):
     ste = True
 
     def build_optimizer(self, model, cfg, total_steps: int):
-        from cast_llm.optim import AdamS
-
         groups = self.weight_groups(model, cfg)
         for g in groups:
             if g["sparse"]:

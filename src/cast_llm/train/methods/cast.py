@@ -27,8 +27,18 @@ from __future__ import annotations
 
 import torch
 
+from cast_llm.data import calibration_samples
 from cast_llm.errors import CastError
+from cast_llm.nn import fold_scaling_, wrap_scaling_
+from cast_llm.optim import AdamS
+from cast_llm.optim.forecast import forecast_decay
+from cast_llm.prune.compensate import compensated_prune_
+from cast_llm.sparsity.stats import sparse_weight_ratio
+from cast_llm.targets import find_targets, param_groups
 from cast_llm.train.methods.base import TrainingMethod
+from cast_llm.train.methods.masks import initial_masks
+from cast_llm.train.methods.srste import SRSTEMethod
+from cast_llm.train.schedule import schedule_lrs
 
 
 def optimizer_step_count(optimizer) -> int:
@@ -49,23 +59,14 @@ class CastMethod(TrainingMethod):
         self.start_forecast: dict | None = None  # the decay forecast made before the first update
 
     def prepare_model(self, model, cfg, *, data=None, device=None):
-        from cast_llm.nn import wrap_scaling_
-        from cast_llm.targets import find_targets
-
         if cfg.mask_learner == "srste":
-            from cast_llm.train.methods.srste import SRSTEMethod
-
             self._srste = SRSTEMethod()
             return self._srste.prepare_model(model, cfg, data=data, device=device)
         self.cfg, self._device = cfg, device
         if cfg.use_warm_start or cfg.init_mask != "magnitude":
             # Eq. 6 is what AdamS computes by itself at its first step; a warm start prunes the model too
-            from cast_llm.train.methods.masks import initial_masks
-
             self._init_masks = initial_masks(model, cfg, data=data, device=device, apply=cfg.use_warm_start)
         if cfg.effective_final_prune == "compensated":
-            from cast_llm.data import calibration_samples
-
             if data is None:
                 raise CastError("--final-prune compensated needs calibration data; pass the run's data")
             self._calib = calibration_samples(data, min(cfg.calib_samples, data.train.shape[0]), seed=cfg.seed)
@@ -77,9 +78,6 @@ class CastMethod(TrainingMethod):
     def build_optimizer(self, model, cfg, total_steps: int):
         if self._srste is not None:
             return self._srste.build_optimizer(model, cfg, total_steps)
-        from cast_llm.optim import AdamS
-        from cast_llm.targets import find_targets, param_groups
-
         targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         groups = param_groups(model, targets=targets, l1_decay=cfg.l1_decay, weight_decay=cfg.weight_decay)
         self._names = {id(t.weight): t.fqn for t in targets}
@@ -98,8 +96,6 @@ class CastMethod(TrainingMethod):
         if self._init_masks is not None:
             for t in targets:
                 opt.set_mask(t.weight, self._init_masks[t.fqn])
-        from cast_llm.train.schedule import schedule_lrs
-
         self.total_steps = total_steps
         self._lrs = schedule_lrs(cfg, total_steps, cfg.lr, default_warmup=0.02)
         fraction = cfg.effective_repair_fraction
@@ -129,16 +125,12 @@ class CastMethod(TrainingMethod):
     def prune(self, model, optimizer, *, step: int) -> None:
         """The final prune with the current masks: hard (``θ ← θ ⊙ m``) or compensated (OBS update of the
         kept weights on calibration data); records the L1 mass it removed in ``prune_report``."""
-        from cast_llm.sparsity.stats import sparse_weight_ratio
-
         masks = optimizer.masks()
         weights = list(masks)
         ratio = sparse_weight_ratio(weights, [masks[w] for w in weights])
         removed = float(sum(w.detach()[~mk].abs().double().sum() for w, mk in masks.items()))
         how = self.cfg.effective_final_prune
         if how == "compensated":
-            from cast_llm.prune.compensate import compensated_prune_
-
             by_fqn = {self._names[id(p)]: mk for p, mk in masks.items()}
             compensated_prune_(model, by_fqn, self._calib, n=self.cfg.n, m=self.cfg.m, device=self._device,
                                progress=self.cfg.progress)
@@ -153,8 +145,6 @@ class CastMethod(TrainingMethod):
 
     # ---- will the decay finish? (optim/forecast.py; before the first update and on log steps)
     def _forecast(self, optimizer, suggest: bool):
-        from cast_llm.optim.forecast import forecast_decay
-
         return forecast_decay(optimizer, self._lrs, target=self.cfg.forecast_target, suggest=suggest)
 
     def before_update(self, model, optimizer, step: int, ctx, results: dict) -> None:
@@ -187,8 +177,6 @@ class CastMethod(TrainingMethod):
     def finalize(self, model, optimizer, *, out=None, is_main=True):
         if self._srste is not None:
             return self._srste.finalize(model, optimizer, out=out, is_main=is_main)
-        from cast_llm.nn import fold_scaling_
-
         if self.repair_start is None:  # (with a masked repair the prune happened when it began)
             self.prune(model, optimizer, step=optimizer_step_count(optimizer))
         optimizer.prune_()
@@ -196,8 +184,6 @@ class CastMethod(TrainingMethod):
         return model
 
     def finalize_gathered(self, model, masks):
-        from cast_llm.nn import fold_scaling_
-
         # the gathered masks are those AdamS held at the end; the fold writes Diag(A)(W ⊙ M) with them
         fold_scaling_(model, {f"{fqn}.weight": mask for fqn, mask in masks.items()})
         return model

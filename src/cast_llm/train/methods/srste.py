@@ -13,6 +13,7 @@ scaling (inside the sparse forward) to exactly this.
 
 from __future__ import annotations
 
+from cast_llm.optim import SRSTEAdamW
 from cast_llm.train.methods.sparse_forward import SparseForwardMethod
 
 
@@ -21,8 +22,6 @@ class SRSTEMethod(SparseForwardMethod):
     ste = True
 
     def build_optimizer(self, model, cfg, total_steps: int):
-        from cast_llm.optim import SRSTEAdamW
-
         masks = {w.weight: w.mask for w in self.wrappers.values()}  # shared with the forward
         return SRSTEAdamW(self.weight_groups(model, cfg), masks, srste_decay=cfg.srste_decay, lr=cfg.lr,
                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
