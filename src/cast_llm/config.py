@@ -162,14 +162,16 @@ def coerce(cls, name: str, value: Any, source: str) -> Any:
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (),
+                  sections: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per dataclass field, in ``--help`` groups that follow the fields' sections.
 
     Defaults are SUPPRESSed so that only typed flags override; the help shows the choices and the default
     once (a help text that already says what the default is, with "default", keeps its own words).
+    ``sections``: the order of the groups (others follow in the order of their first field).
     """
     hints = _hints(cls)
-    groups: dict[str | None, Any] = {}
+    groups: dict[str | None, Any] = {name: parser.add_argument_group(name) for name in sections}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.cli.options import add_config_command, resolve_options, summary
+from cast_llm.config import option
 from cast_llm.errors import CastError
 
 # LLaMA-2 shapes (hidden, intermediate, layers, heads) for random-weight speed runs
@@ -22,23 +24,26 @@ RANDOM_SHAPES = {
 }
 
 
+MODEL, WORKLOAD, TIMING, OUTPUT = "model and kernels", "workload", "timing", "output"
+
+
 @dataclass
 class BenchInferenceConfig:
     model: str = option("", "model folder, hub id, alias (smollm2-135m) or random:llama-2-7b / random:llama-2-13b")
-    batch_size: int = option(1, "sequences per batch")
-    prompt_len: int = option(128, "prompt tokens per sequence (prefill)")
-    gen_len: int = option(64, "tokens generated per sequence (decode, greedy, KV cache)")
+    batch_size: int = option(1, "sequences per batch", section=WORKLOAD)
+    prompt_len: int = option(128, "prompt tokens per sequence (prefill)", section=WORKLOAD)
+    gen_len: int = option(64, "tokens generated per sequence (decode, greedy, KV cache)", section=WORKLOAD)
     dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
-                        choices=("fp16", "bf16", "fp32"))
-    device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N")
+                        choices=("fp16", "bf16", "fp32"), section=MODEL)
+    device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", section=MODEL)
     backend: str = option("auto", "semi-structured kernels: auto (cuSPARSELt if available), cusparselt, cutlass",
-                          choices=("auto", "cusparselt", "cutlass"))
-    warmup: int = option(1, "untimed runs before measuring")
-    repeats: int = option(3, "timed generation runs; the median is reported")
-    linear_repeats: int = option(20, "timed runs of each per-linear F.linear measurement (median)")
-    seed: int = option(0, "seed of the random prompt (and of random: models)")
-    json: bool = option(False, "print the report as one JSON object instead of a table")
-    json_out: str | None = option(None, "also write the report as JSON to this file")
+                          choices=("auto", "cusparselt", "cutlass"), section=MODEL)
+    warmup: int = option(1, "untimed runs before measuring", section=TIMING)
+    repeats: int = option(3, "timed generation runs; the median is reported", section=TIMING)
+    linear_repeats: int = option(20, "timed runs of each per-linear F.linear measurement (median)", section=TIMING)
+    seed: int = option(0, "seed of the random prompt (and of random: models)", section=TIMING)
+    json: bool = option(False, "print the report as one JSON object instead of a table", section=OUTPUT)
+    json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
 
     def validate(self) -> None:
         if not self.model:
@@ -49,11 +54,9 @@ class BenchInferenceConfig:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench-inference", help="dense vs 2:4 inference speed and weight memory",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("model", metavar="MODEL", help="model folder, hub id, alias or random:llama-2-7b")
-    add_arguments(p, BenchInferenceConfig, skip=("model",))
-    p.set_defaults(func=run)
+    add_config_command(subparsers, "bench-inference", BenchInferenceConfig, func=run,
+                       model="model folder, hub id, alias or random:llama-2-7b",
+                       help="dense vs 2:4 inference speed and weight memory", description=summary(__doc__))
 
 
 def random_model(spec: str, dtype, device, seed: int = 0):
@@ -75,8 +78,7 @@ def random_model(spec: str, dtype, device, seed: int = 0):
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve(BenchInferenceConfig, ("command line", {"model": args.model,
-                                                           **cli_layer(args, BenchInferenceConfig)}))
+    cfg = resolve_options(BenchInferenceConfig, args)
     from cast_llm.deploy.bench import BenchConfig, format_report, run_bench
     from cast_llm.deploy.checkpoint import parse_dtype
     from cast_llm.models import load_model, resolve_device
@@ -93,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
     print(json.dumps(report.to_dict()) if cfg.json else format_report(report))
     if cfg.json_out:
-        from pathlib import Path
+        from cast_llm.io import atomic_write_text
 
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json_out).write_text(json.dumps(report.to_dict(), indent=2))
+        atomic_write_text(cfg.json_out, json.dumps(report.to_dict(), indent=2))
     return 0

@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.cli.options import add_config_command, resolve_options, summary
+from cast_llm.config import option
 from cast_llm.errors import CastError
 
 # kept here (not imported from cast_llm.eval.zeroshot) so that `cast-llm --help` does not import lm-eval
@@ -37,29 +38,34 @@ def _parse_batch_size(value) -> int | str:
     return n
 
 
+MODEL, TASKS, OUTPUT = "model", "tasks", "output"
+
+
 @dataclass
 class ZeroShotOptions:
     model: str | None = option(
-        None, "the model to score: a local folder, a .gguf file, a hub id or an alias (smollm2-135m)"
+        None, "the model to score (required): a local folder, a .gguf file, a hub id or an alias (smollm2-135m)",
+        section=MODEL,
     )
     tasks: str = option(
-        DEFAULT_TASKS, "comma-separated lm-eval task names (default: the paper's zero-shot suite)"
+        DEFAULT_TASKS, "comma-separated lm-eval task names (default: the paper's zero-shot suite)", section=TASKS
     )
     num_fewshot: int | None = option(
-        None, "few-shot examples per item; None keeps each task's own (0 in the suite)"
+        None, "few-shot examples per item (default: each task's own, 0 in the suite)", section=TASKS
     )
     limit: float | None = option(
-        None, "score only the first N items per task (< 1: a fraction); smoke tests only", parse=_parse_limit
+        None, "score only the first N items per task (< 1: a fraction); smoke tests only (default: every item)",
+        parse=_parse_limit, section=TASKS,
     )
-    batch_size: str = option("8", "items per forward pass, or 'auto'", parse=_parse_batch_size)
-    device: str = option("auto", "cpu, cuda, cuda:1, ... or auto (cuda when available)")
-    dtype: str = option("float32", "dtype the model is loaded in", choices=DTYPES)
-    max_length: int | None = option(None, "longest context in tokens; None: the model's maximum")
-    include_path: str | None = option(None, "a folder of extra lm-eval task YAML files (local tasks)")
-    output_dir: str = option(".", "folder where zeroshot.json and zeroshot.md are written")
-    seed: int = option(0, "seed of python/numpy/torch and of the few-shot sampler")
-    json: bool = option(False, "print the result as JSON instead of a table")
-    verbose: bool = option(False, "show lm-eval's own log")
+    batch_size: str = option("8", "items per forward pass, or 'auto'", parse=_parse_batch_size, section=TASKS)
+    device: str = option("auto", "cpu, cuda, cuda:1, ... or auto (cuda when available)", section=MODEL)
+    dtype: str = option("float32", "dtype the model is loaded in", choices=DTYPES, section=MODEL)
+    max_length: int | None = option(None, "longest context in tokens (default: the model's maximum)", section=MODEL)
+    include_path: str | None = option(None, "a folder of extra lm-eval task YAML files (local tasks)", section=TASKS)
+    output_dir: str = option(".", "folder where zeroshot.json and zeroshot.md are written", section=OUTPUT)
+    seed: int = option(0, "seed of python/numpy/torch and of the few-shot sampler", section=TASKS)
+    json: bool = option(False, "print the result as JSON instead of a table", section=OUTPUT)
+    verbose: bool = option(False, "show lm-eval's own log", section=OUTPUT)
 
     def validate(self) -> None:
         if not self.model:
@@ -69,13 +75,8 @@ class ZeroShotOptions:
 
 
 def register(eval_subparsers) -> None:
-    p = eval_subparsers.add_parser(
-        "zeroshot",
-        help="zero-/few-shot accuracy with lm-evaluation-harness",
-        description=__doc__.split("\n\n")[0].replace("``", "'"),
-    )
-    add_arguments(p, ZeroShotOptions)
-    p.set_defaults(func=run)
+    add_config_command(eval_subparsers, "zeroshot", ZeroShotOptions, func=run,
+                       help="zero-/few-shot accuracy with lm-evaluation-harness", description=summary(__doc__))
 
 
 def pick_device(name: str) -> str:
@@ -94,7 +95,7 @@ def run(args) -> int:
     from cast_llm.eval.zeroshot import evaluate_zeroshot, load_tasks
     from cast_llm.models import load_model, load_tokenizer
 
-    cfg = resolve(ZeroShotOptions, ("command line", cli_layer(args, ZeroShotOptions)))
+    cfg = resolve_options(ZeroShotOptions, args)
     device = pick_device(cfg.device)
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():

@@ -16,7 +16,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.cli.options import add_config_command, resolve_options, summary
+from cast_llm.config import option
 from cast_llm.errors import CastError
 
 FORMATS = ("hf", "compressed", "compressed-tensors")
@@ -50,11 +51,9 @@ class ExportConfig:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("export", help="write a sparse model as hf / compressed / compressed-tensors",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("model", metavar="MODEL", help="the sparse model: a local HF folder, a hub id or an alias")
-    add_arguments(p, ExportConfig, skip=("model",))
-    p.set_defaults(func=run)
+    add_config_command(subparsers, "export", ExportConfig, func=run,
+                       model="the sparse model: a local HF folder, a hub id or an alias",
+                       help="write a sparse model as hf / compressed / compressed-tensors", description=summary(__doc__))
 
 
 def _load_dtype(name: str):
@@ -108,7 +107,7 @@ def reload(cfg: ExportConfig, out: Path, dtype):
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve(ExportConfig, ("command line", {"model": args.model, **cli_layer(args, ExportConfig)}))
+    cfg = resolve_options(ExportConfig, args)
     from cast_llm.deploy.checkpoint import prepare_output_dir
     from cast_llm.deploy.compressed import on_disk_bytes
     from cast_llm.models import load_model, load_tokenizer

@@ -12,36 +12,48 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cast_llm.config import add_arguments, cli_layer, load_yaml, option, resolve, to_dict
+from cast_llm.cli.options import add_config_command, resolve_options
+from cast_llm.config import option, to_dict
 from cast_llm.errors import CastError
 
 METHODS = ("magnitude", "wanda", "sparsegpt")  # = cast_llm.prune.METHODS, kept here so --help stays fast
 
 
+RUN, CALIB, PATTERN, SPARSEGPT, EVAL = "model and output", "calibration", "N:M pattern", "SparseGPT", "evaluation"
+
+
 @dataclass
 class PruneConfig:
     method: str | None = option(
-        None, "one-shot method: magnitude (Eq. 6), wanda (|W|·‖X‖), sparsegpt (OBS reconstruction)", choices=METHODS)
-    model: str = option("smollm2-135m", "dense model: a local HF folder, a .gguf file, a hub id or the alias smollm2-135m")
+        None, "one-shot method (required): magnitude (Eq. 6), wanda (|W|·‖X‖), sparsegpt (OBS reconstruction)",
+        choices=METHODS, section=RUN)
+    model: str = option("smollm2-135m", "dense model: a local HF folder, a .gguf file, a hub id or the alias "
+                                        "smollm2-135m", section=RUN)
     data: str = option("wiki-summaries",
-                       "calibration text: wiki-summaries, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG]")
-    calib_samples: int = option(128, "calibration sequences (wanda, sparsegpt); the paper uses 128")
+                       "calibration text: wiki-summaries, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG]",
+                       section=CALIB)
+    calib_samples: int = option(128, "calibration sequences (wanda, sparsegpt); the paper uses 128", section=CALIB)
     # 512 rather than the paper's 2048: a CPU calibrates 128 × 512 tokens in minutes, and the statistics
     # (column norms, X Xᵀ) are averages over tokens that change little with the window length
-    seq_len: int = option(512, "tokens per calibration sequence (at most the model's maximum)")
-    calib_batch_size: int = option(1, "calibration sequences per forward through a block")
-    n: int = option(2, "N of the N:M pattern: weights kept in every group")
-    m: int = option(4, "M of the N:M pattern: group size along the input dimension")
-    damp: float = option(0.01, "SparseGPT: diagonal damping as a fraction of mean(diag H); ×10 retries if Cholesky fails")
-    blocksize: int = option(128, "SparseGPT: columns per lazy-update block (a multiple of m)")
-    seed: int = option(0, "seed for the split of the data and the choice of calibration sequences")
-    device: str = option("auto", "where the blocks run: auto (cuda if available), cpu, cuda, cuda:N")
-    output_dir: str | None = option(None, "folder for the pruned checkpoint (required)")
-    overwrite: bool = option(False, "write into an existing non-empty folder that is not a cast-llm output")
-    skip_incompatible: bool = option(False, "leave layers whose input width is not a multiple of m dense")
-    eval_text_file: str | None = option(None, "also report perplexity before and after pruning on this text file")
-    eval_seq_len: int | None = option(None, "perplexity window length (default: --seq-len)")
-    eval_max_windows: int | None = option(None, "score only the first this many windows (default: all)")
+    seq_len: int = option(512, "tokens per calibration sequence (at most the model's maximum)", section=CALIB)
+    calib_batch_size: int = option(1, "calibration sequences per forward through a block", section=CALIB)
+    n: int = option(2, "N of the N:M pattern: weights kept in every group", section=PATTERN)
+    m: int = option(4, "M of the N:M pattern: group size along the input dimension", section=PATTERN)
+    damp: float = option(0.01, "diagonal damping as a fraction of mean(diag H); ×10 retries if Cholesky fails",
+                         section=SPARSEGPT)
+    blocksize: int = option(128, "columns per lazy-update block (a multiple of m)", section=SPARSEGPT)
+    seed: int = option(0, "seed for the split of the data and the choice of calibration sequences", section=CALIB)
+    device: str = option("auto", "where the blocks run: auto (cuda if available), cpu, cuda, cuda:N", section=RUN)
+    output_dir: str | None = option(None, "folder for the pruned checkpoint (required)", section=RUN)
+    overwrite: bool = option(False, "write into an existing non-empty folder that is not a cast-llm output",
+                             section=RUN)
+    skip_incompatible: bool = option(False, "leave layers whose input width is not a multiple of m dense",
+                                     section=PATTERN)
+    eval_text_file: str | None = option(None, "also report perplexity before and after pruning on this text file",
+                                        section=EVAL)
+    eval_seq_len: int | None = option(None, "perplexity window length (default: --seq-len)", section=EVAL)
+    eval_max_windows: int | None = option(None, "score only the first this many windows (default: all)",
+                                          section=EVAL)
 
     def validate(self) -> None:
         if self.method is None:
@@ -61,14 +73,9 @@ class PruneConfig:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "prune",
-        help="one-shot N:M pruning (magnitude, Wanda, SparseGPT)",
-        description="Prune a dense model to N:M in one shot and write a verified sparse checkpoint.",
-    )
-    p.add_argument("--config", metavar="FILE", help="YAML file of options (flags typed here override it)")
-    add_arguments(p, PruneConfig)
-    p.set_defaults(func=run)
+    add_config_command(subparsers, "prune", PruneConfig, func=run, config_file=True,
+                       help="one-shot N:M pruning (magnitude, Wanda, SparseGPT)",
+                       description="Prune a dense model to N:M in one shot and write a verified sparse checkpoint.")
 
 
 def check_output_dir(path: Path, overwrite: bool) -> None:
@@ -96,11 +103,7 @@ def _perplexity(model, ids, seq_len, device, max_windows, desc):
 
 
 def run(args: argparse.Namespace) -> int:
-    layers = [("defaults", {})]
-    if args.config:
-        layers.append((args.config, load_yaml(args.config)))
-    layers.append(("command line", cli_layer(args, PruneConfig)))
-    cfg = resolve(PruneConfig, *layers)
+    cfg = resolve_options(PruneConfig, args)
     out = Path(cfg.output_dir)
     check_output_dir(out, cfg.overwrite)
 

@@ -18,38 +18,42 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.cli.options import add_config_command, resolve_options, summary
+from cast_llm.config import option
 from cast_llm.errors import CastError
 
-METHODS = ("awq", "rtn")
+METHODS = ("awq", "rtn")  # = cast_llm.quant.METHODS (in another order), kept here so --help stays fast
+QUANT, CALIB, OUTPUT, EVAL = "quantization", "AWQ calibration", "output", "evaluation"
 
 
 @dataclass
 class QuantizeConfig:
     model: str = option("", "the model to quantize (dense or N:M sparse): HF folder, hub id or alias")
     method: str = option("awq", "awq (activation-aware scale search, then group-wise quantization) or rtn "
-                         "(round-to-nearest)", choices=METHODS)
-    bits: int = option(4, "bits per weight (the paper: 4 and 3)", choices=(2, 3, 4, 8))
+                         "(round-to-nearest)", choices=METHODS, section=QUANT)
+    bits: int = option(4, "bits per weight (the paper: 4 and 3)", choices=(2, 3, 4, 8), section=QUANT)
     group_size: int | None = option(None, "weights per quantization group along the input dim "
-                                    "(default: 128; 64 for GPT-2, method.md §7)")
+                                    "(default: 128; 64 for GPT-2, method.md §7)", section=QUANT)
     data: str = option("wiki-summaries", "AWQ calibration text: wiki-summaries, a .txt/.jsonl/.parquet file or "
-                       "folder, or hf:NAME[:CONFIG]")
-    calib_samples: int = option(128, "AWQ calibration sequences (the AWQ paper: 128)")
-    seq_len: int = option(512, "tokens per calibration sequence (the AWQ paper: 512)")
-    calib_batch_size: int = option(1, "calibration sequences per forward through a block")
-    grid: int = option(20, "AWQ: alpha grid points on [0, 1] beyond 0 (alpha = i / grid)")
+                       "folder, or hf:NAME[:CONFIG]", section=CALIB)
+    calib_samples: int = option(128, "AWQ calibration sequences (the AWQ paper: 128)", section=CALIB)
+    seq_len: int = option(512, "tokens per calibration sequence (the AWQ paper: 512)", section=CALIB)
+    calib_batch_size: int = option(1, "calibration sequences per forward through a block", section=CALIB)
+    grid: int = option(20, "AWQ: alpha grid points on [0, 1] beyond 0 (alpha = i / grid)", section=CALIB)
     search_tokens: int = option(4096, "AWQ: calibration tokens (a seeded random subset) on which the output "
-                                "error of each alpha is measured; mean |x| uses all tokens")
-    n: int = option(2, "N of the N:M pattern (selects targets; a sparse model's packed codes use it)")
-    m: int = option(4, "M of the N:M pattern")
+                                "error of each alpha is measured; mean |x| uses all tokens", section=CALIB)
+    n: int = option(2, "N of the N:M pattern (selects targets; a sparse model's packed codes use it)", section=QUANT)
+    m: int = option(4, "M of the N:M pattern", section=QUANT)
     dtype: str = option("fp16", "dtype of the non-quantized tensors and of fake-quant/ (the search runs in fp32)",
-                        choices=("fp16", "bf16", "fp32"))
-    device: str = option("auto", "where calibration runs: auto (cuda if available), cpu, cuda, cuda:N")
-    seed: int = option(0, "seed of the data split, the calibration samples and the search subset")
-    output_dir: str | None = option(None, "folder to write (required): packed weights + fake-quant/")
-    overwrite: bool = option(False, "replace an existing checkpoint folder at --output-dir")
-    eval_windows: int = option(0, "if > 0: WikiText-2 perplexity before and after, on the first this many windows")
-    eval_seq_len: int = option(512, "perplexity window length for --eval-windows")
+                        choices=("fp16", "bf16", "fp32"), section=OUTPUT)
+    device: str = option("auto", "where calibration runs: auto (cuda if available), cpu, cuda, cuda:N",
+                         section=CALIB)
+    seed: int = option(0, "seed of the data split, the calibration samples and the search subset", section=CALIB)
+    output_dir: str | None = option(None, "folder to write (required): packed weights + fake-quant/", section=OUTPUT)
+    overwrite: bool = option(False, "replace an existing checkpoint folder at --output-dir", section=OUTPUT)
+    eval_windows: int = option(0, "if > 0: WikiText-2 perplexity before and after, on the first this many windows",
+                               section=EVAL)
+    eval_seq_len: int = option(512, "perplexity window length for --eval-windows", section=EVAL)
 
     def validate(self) -> None:
         if not self.model:
@@ -67,11 +71,9 @@ class QuantizeConfig:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="sparsity-preserving AWQ / RTN quantization (4/3-bit)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("model", metavar="MODEL", help="the model to quantize: HF folder, hub id or alias")
-    add_arguments(p, QuantizeConfig, skip=("model",))
-    p.set_defaults(func=run)
+    add_config_command(subparsers, "quantize", QuantizeConfig, func=run,
+                       model="the model to quantize: HF folder, hub id or alias",
+                       help="sparsity-preserving AWQ / RTN quantization (4/3-bit)", description=summary(__doc__))
 
 
 def _wikitext_ppl(model, tokenizer, cfg: QuantizeConfig, ids=None):
@@ -82,7 +84,7 @@ def _wikitext_ppl(model, tokenizer, cfg: QuantizeConfig, ids=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve(QuantizeConfig, ("command line", {"model": args.model, **cli_layer(args, QuantizeConfig)}))
+    cfg = resolve_options(QuantizeConfig, args)
     import torch
 
     from cast_llm.deploy.checkpoint import parse_dtype, prepare_output_dir

@@ -9,29 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.cli.options import add_config_command, resolve_options, summary
+from cast_llm.config import option
 
 
 @dataclass
 class ReportOptions:
-    output: str | None = option(None, "folder for report.md, report.html and the PNGs; None: RUN_DIR/report "
-                                      "for one run, ./cast-llm-report for several")
+    output: str | None = option(None, "folder for report.md, report.html and the PNGs (default: RUN_DIR/report "
+                                      "for one run, ./cast-llm-report for several)")
     html: bool = option(False, "also write report.html with the PNGs embedded (one self-contained file)")
-    title: str | None = option(None, "report title; None: the run labels")
+    title: str | None = option(None, "report title (default: the run labels)")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("report", help="Markdown/HTML report with plots of one or several training runs",
-                              description=__doc__.split("\n\n")[0].replace("``", "'"))
+    p = add_config_command(subparsers, "report", ReportOptions, func=run,
+                           help="Markdown/HTML report with plots of one or several training runs",
+                           description=summary(__doc__))
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) written by cast-llm train")
-    add_arguments(p, ReportOptions)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from cast_llm.report import build_report
 
-    opts = resolve(ReportOptions, ("command line", cli_layer(args, ReportOptions)))
+    opts = resolve_options(ReportOptions, args)
     files = build_report(args.run_dirs, opts.output, html=opts.html, title=opts.title)
     print(f"report: {files.markdown}" + (f", {files.html}" if files.html else "")
           + f" ({len(files.images)} figures in {files.folder})")

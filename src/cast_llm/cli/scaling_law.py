@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cast_llm.config import add_arguments, cli_layer, option, resolve
+from cast_llm.cli.options import resolve_options, summary
+from cast_llm.config import add_arguments, cli_layer, option
 from cast_llm.errors import CastError
 
 METRICS = ("wikitext2", "heldout")  # = cast_llm.scaling_law.METRICS, kept here so --help stays fast
@@ -58,7 +59,7 @@ def _print_report(report, as_json: bool) -> None:
 def run_fit(args) -> int:
     from cast_llm import scaling_law
 
-    cfg = resolve(FitOptions, ("command line", cli_layer(args, FitOptions)))
+    cfg = resolve_options(FitOptions, args)
     say = (lambda s: print(s, file=sys.stderr)) if cfg.json else print
     points, dense = scaling_law.collect(args.inputs, cfg.metric, "metric" in cli_layer(args, FitOptions), note=say)
     report = scaling_law.fit_report(points, cfg.dense_ppl if cfg.dense_ppl is not None else dense, cfg.beta,
@@ -70,7 +71,7 @@ def run_fit(args) -> int:
 def run_sweep_command(args) -> int:
     from cast_llm import scaling_law
 
-    cfg = resolve(SweepOptions, ("command line", cli_layer(args, SweepOptions)))
+    cfg = resolve_options(SweepOptions, args)
     if not cfg.output_dir:
         raise CastError("--output-dir is required: the sweep writes one run folder per budget there")
     say = (lambda s: print(s, file=sys.stderr)) if cfg.json else print
@@ -90,7 +91,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "scaling-law",
         help="token scaling law: fit ln ppl = A + B/D^β, sweep token budgets",
-        description=__doc__.split("\n\n")[0].replace("``", "'"),
+        description=summary(__doc__),
     )
     sub = p.add_subparsers(dest="scaling_law_command", metavar="ACTION")
     fit = sub.add_parser(

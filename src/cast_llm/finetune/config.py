@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from cast_llm.config import option
 from cast_llm.errors import CastError
-from cast_llm.train.config import BUDGET, EVAL, OPTIM, RUN, RunConfig
+from cast_llm.train.config import BUDGET, CKPT, EVAL, OPTIM, RUN, RunConfig
 
 LORA = "LoRA"
+SECTIONS = (RUN, BUDGET, OPTIM, LORA, EVAL, CKPT)  # the order of `finetune --help`
 
 MODES = ("lora", "sparse", "dense")
 TASKS = ("causal-lm", "classification")
@@ -55,8 +56,9 @@ class FinetuneConfig(RunConfig):
                           min=2, section=BUDGET)
     max_examples: int | None = option(None, "use only the first this many training records (quick runs)", min=1,
                                       section=BUDGET)
-    lr: float | None = option(None, f"peak learning rate (default by mode: {DEFAULT_LR})", min=0,
-                              min_exclusive=True, section=OPTIM)
+    lr: float | None = option(None, "peak learning rate (default by --mode: "
+                                    + ", ".join(f"{mode} {lr:g}" for mode, lr in DEFAULT_LR.items()) + ")",
+                              min=0, min_exclusive=True, section=OPTIM)
     # --- LoRA (paper: r = 64 for parity)
     lora_r: int = option(64, "LoRA rank r (paper: 64)", min=1, section=LORA)
     lora_alpha: float = option(64.0, "LoRA alpha; the update is scaled by alpha / r (ours: scaling 1)", min=0,

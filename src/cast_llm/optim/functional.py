@@ -83,7 +83,7 @@ def adams(
 
 def _triton_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, required, **hp) -> list[int]:
     """Run the Triton kernel on every CUDA tensor it supports; return the indices left to the fast path."""
-    from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy), only for CUDA tensors
+    from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
 
     why = triton_adams.unavailable_reason()
     take, rest = [], []

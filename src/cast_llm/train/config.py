@@ -34,6 +34,7 @@ RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT = (
     "run", "budget and batch", "optimizer and schedule", "CAST: AdamS, weight scaling, distillation",
     "beyond the paper (short budgets; off with --paper-exact)", "baselines and ablations", "evaluation",
     "mask-learning statistics", "logging and checkpoints")
+SECTIONS = (RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT)  # the order of `train --help`
 
 
 def _opt_count(v):
@@ -154,8 +155,9 @@ class TrainConfig(RunConfig, CastSettings):
                                        min=1, section=BUDGET)
     lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
                        section=OPTIM)
-    beta1: float = option(0.9, "Adam β1 (the paper gives none; Adam's default)", min=0, max=0.999999, section=OPTIM)
-    beta2: float = option(0.999, "Adam β2 (the paper gives none; Adam's default)", min=0, max=0.999999,
+    beta1: float = option(0.9, "Adam β1 (the paper gives none: Adam's usual value)", min=0, max=0.999999,
+                          section=OPTIM)
+    beta2: float = option(0.999, "Adam β2 (the paper gives none: Adam's usual value)", min=0, max=0.999999,
                           section=OPTIM)
     eps: float = option(1e-8, "Adam ε", min=0, min_exclusive=True, section=OPTIM)
     scaling: bool | None = option(None, "learnable weight scaling (Eq. 11-12); default: on for cast only; "
