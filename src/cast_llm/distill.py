@@ -21,18 +21,8 @@ is saved: backward only scales that buffer by the incoming gradient (in place) a
 memory is therefore the logits (which exist anyway), one logits-sized gradient (which backward would
 allocate anyway) and ~3 fp32 ``chunk_size × V`` work tensors, with no recomputation.
 
-Measured on CPU, 4096 tokens × V = 49152, chunk_size 1024, peak RSS above the two input tensors (0.75 GiB
-each in fp32), one subprocess per strategy, forward + backward:
-
-    strategy                                fp32 logits      bf16 logits    time (fp32, 1 thread)
-    unchunked autograd (F.kl_div + CE)        3.75 GiB         3.75 GiB         12.8 s
-    chunked, sum of chunk losses (autograd)   2.45 GiB         2.07 GiB          8.4 s
-    chunked + torch.utils.checkpoint          1.77 GiB         1.39 GiB         13.1 s
-    this function                             1.13 GiB         0.85 GiB          2.8 s
-
-(the gradient w.r.t. the logits alone is 0.75 / 0.38 GiB). With chunk_size 4096 the same function peaks at
-2.26 GiB, hence the default of 1024 tokens: ~0.6 GiB of work space at V = 49152, large enough for
-efficient kernels.
+The default ``chunk_size`` of 1024 tokens keeps ~0.6 GiB of work space at V = 49152; the memory and time
+this saves against autograd versions of the same loss are in docs/results/performance.md (§5).
 
 Consequences: only the student receives a gradient (the teacher is treated as a constant), ``kd`` and
 ``ce`` in the result are detached diagnostics (only ``loss`` is differentiable), and the graph can be

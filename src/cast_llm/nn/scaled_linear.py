@@ -22,11 +22,11 @@ Design notes (the "why"):
   the input into blocks (``n_groups > 1``) keeps ``n_groups`` partial products of ``tokens x out`` alive
   and runs ``n_groups`` smaller matmuls. Building the weight costs ``out x in`` multiplies per step (less
   than the matmul's ``tokens x out x in``), saves only ``W`` and ``A`` for backward, and under autocast the
-  scaled weight simply replaces the low-precision weight copy autocast makes anyway. Measured on CPU
-  (fwd+bwd, 2048 tokens, 768x768): plain 119 ms, scaled weight 117-120 ms, output scaling 129 ms, input
-  split 144 ms. The forward is dense — CAST never masks in the forward. The product and its backward
-  are one hand-written autograd function (:mod:`cast_llm.nn.scaled_weight`): one memory pass each way,
-  the product written directly in the matmul's (autocast) dtype.
+  scaled weight simply replaces the low-precision weight copy autocast makes anyway (timings of the
+  alternatives: docs/results/performance.md, §5). The forward is dense — CAST never masks in the
+  forward. The product and its backward are one hand-written autograd function
+  (:mod:`cast_llm.nn.scaled_weight`): one memory pass each way, the product written directly in the
+  matmul's (autocast) dtype.
 * **Scale dtype.** The scale is a float32 parameter even when the wrapped weight is bf16/fp16 (float64
   weights get a float64 scale, for reference tests): a scale near 1 in bf16 has a resolution of 2^-7, so
   updates of ``lr ~ 1e-4`` would be rounded away. The product ``W * A`` is formed in the promoted dtype and

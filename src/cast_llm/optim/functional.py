@@ -27,7 +27,7 @@ __all__ = ["adams", "dense_adam", "DECAY_MODES"]
 # "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
 DECAY_MODES = ("proportional", "additive")
 # Elements per cache block in the fast path: its two scratch vectors (8 MiB in fp32) stay in L2/L3
-# while the 4-5 passes of Eq. 7-8 run over them; measured flat between 2**18 and 2**22 on CPU.
+# while the 4-5 passes of Eq. 7-8 run over them (the choice: docs/results/performance.md, §5).
 _CHUNK = 1 << 20
 # On a GPU there is no cache to fit: blocks only bound the scratch memory, and small ones multiply the
 # kernel launches (6 per block), so the non-Triton CUDA path uses blocks of 16M elements.

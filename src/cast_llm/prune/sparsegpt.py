@@ -64,8 +64,8 @@ def finalize_hessian(xxt: torch.Tensor, tokens: int) -> torch.Tensor:
 
 @contextmanager
 def _single_thread_on_cpu(device: torch.device) -> Iterator[None]:
-    """The column loop is thousands of tiny ops: on CPU, intra-op threads only add synchronisation (a
-    576×64 update measured 700× slower with 2 threads than with 1 on a busy 2-core machine)."""
+    """The column loop is thousands of tiny ops: on CPU, intra-op threads only add synchronisation, so it
+    runs on one thread (docs/results/performance.md, §5)."""
     if device.type != "cpu":
         yield
         return

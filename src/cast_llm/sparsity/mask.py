@@ -63,8 +63,8 @@ def nm_mask(weight: Tensor, n: int = 2, m: int = 4) -> Tensor:
     groups = weight.numel() // m
     flat = weight.detach().reshape(groups, m)  # (groups, m): one N:M group per row
     keep = torch.empty((groups, m), dtype=torch.bool, device=weight.device)
-    # Blocks of groups keep the temporaries cache-resident on CPU (measured ~4x faster than one pass
-    # over a large weight); elsewhere they only bound the temporary memory.
+    # Blocks of groups keep the temporaries cache-resident on CPU (faster than one pass over a large
+    # weight: docs/results/performance.md, §5); elsewhere they only bound the temporary memory.
     block = _BLOCK_GROUPS_CPU if weight.device.type == "cpu" else _BLOCK_GROUPS_OTHER
     base = torch.arange(m, dtype=torch.int8, device=weight.device).unsqueeze(1)  # (m, 1)
     nan_probes = []

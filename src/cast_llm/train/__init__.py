@@ -1,0 +1,1 @@
+"""Training: the one loop (:mod:`.loop`), its jobs, methods, distribution strategies, run folders and checkpoints."""

@@ -1,4 +1,4 @@
-"""Training methods: strategies plugged into the one training loop (``cast_llm.train.trainer``).
+"""Training methods: strategies plugged into the one training loop (:mod:`cast_llm.train.loop`).
 
 A method decides how the model is prepared (weight scaling, sparse-forward wrappers), which optimizer
 updates it, what the current masks are, and how the final N:M model is produced. The loop itself —
