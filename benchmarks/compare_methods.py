@@ -16,8 +16,11 @@ Tiers::
     python benchmarks/compare_methods.py --tier cpu       # SmolLM2-135M, small budget, ~1 h on 2 cores
     python benchmarks/compare_methods.py --tier gpu --data big.jsonl   # --device cuda, bf16, 40M tokens
 
-Finished runs are reused when the script is started again (``--fresh`` redoes them); a failed run is
-reported in the table and does not stop the others.
+Finished runs are reused when the script is started again (``--fresh`` redoes them); a training run that was
+stopped (Ctrl-C, SIGTERM, a crash after a checkpoint) resumes from its newest checkpoint (``--resume auto``;
+``--save-every`` sets how often they are written); a failed run is reported in the table and does not stop
+the others. ``--seeds 0,1`` runs the rows marked seeded (CAST, naive retraining and its SparseGPT start) once
+per seed and reports the mean and the range.
 """
 
 from __future__ import annotations
@@ -76,40 +79,60 @@ class Entry:
     kind: str
     args: list[str] = field(default_factory=list)
     kd: bool = False
-    adams: bool = False  # AdamS decays the pruned weights: the tier's "adams" lr applies
+    adams: bool = False  # AdamS decays the pruned weights: the tier's "adams" hyperparameters apply
     weight_update: str = "—"
     mask: str = "—"
+    seeded: bool = False  # run once per --seeds value (mean and range in the table)
 
+
+# CAST's best configuration for short budgets (docs/results/compare-smollm2-135m-cpu-notes.md says how it was
+# chosen): the same flags are `cast-llm train`'s defaults, so `--method cast` alone gives it; they are spelled
+# out here so that the table's command says what the row is.
+CAST_BEST = ["--warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0.2", "--final-prune", "hard",
+             "--lr-schedule", "constant"]
 
 CORE = [
     Entry("dense", "Dense", "dense"),
     Entry("magnitude", "Magnitude", "oneshot", ["--method", "magnitude"], mask="one-shot"),
     Entry("wanda", "Wanda", "oneshot", ["--method", "wanda"], mask="one-shot"),
     Entry("sparsegpt", "SparseGPT", "oneshot", ["--method", "sparsegpt"], weight_update="OBS", mask="one-shot"),
-    Entry("naive", "Naive retraining", "train", ["--method", "naive"], weight_update="AdamW", mask="fixed"),
+    Entry("naive", "Naive retraining", "train", ["--method", "naive"], weight_update="AdamW", mask="fixed",
+          seeded=True),
+    Entry("naive-sgpt", "Naive retraining from SparseGPT", "train", ["--method", "naive", "--init-mask", "sparsegpt"],
+          weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
     Entry("srste", "SR-STE", "train", ["--method", "srste"], weight_update="AdamW + STE", mask="learned"),
     Entry("ast", "AST", "train", ["--method", "ast"], kd=True, weight_update="AdamS-additive + STE",
           mask="learned"),
-    Entry("cast", "CAST", "train", ["--method", "cast"], kd=True, adams=True, weight_update="AdamS",
-          mask="learned"),
+    Entry("cast", "CAST (paper-exact)", "train", ["--method", "cast", "--paper-exact"], kd=True, adams=True,
+          weight_update="AdamS", mask="learned", seeded=True),
+    Entry("cast-best", "CAST (best configuration)", "train", ["--method", "cast", *CAST_BEST], kd=True,
+          adams=True, weight_update="AdamS", mask="learned (SparseGPT start)", seeded=True),
 ]
-MASKLLM = [Entry("maskllm", "MaskLLM", "train", ["--method", "maskllm"], weight_update="frozen", mask="learned")]
+# SR-STE's λ_W was tuned for SGD; under AdamW its effect scales with λ_W·|w| / |g| (method.md §6): swept
+SRSTE_SWEEP = [Entry(f"srste-{lw}", f"SR-STE, λ_W {lw}", "train", ["--method", "srste", "--srste-decay", lw],
+                     weight_update="AdamW + STE", mask="learned") for lw in ("2e-3", "2e-2")]
+MASKLLM = [Entry("maskllm", "MaskLLM", "train", ["--method", "maskllm"], weight_update="frozen (logits 10× lr)",
+                 mask="learned")]
+# The ablation rows mean what the paper's Table 6 means (method.md §6); CAST's own switches on paper-exact CAST.
 ABLATIONS = [
     Entry("naive-kd", "Naive + KD", "train", ["--method", "naive", "--kd"], kd=True, weight_update="AdamW",
           mask="fixed"),
-    Entry("naive-kd-adams", "Naive + KD + AdamS", "train", ["--method", "cast", "--fixed-mask", "--no-scaling"],
-          kd=True, adams=True, weight_update="AdamS", mask="fixed"),
-    Entry("cast-no-kd", "CAST w/o KD", "train", ["--method", "cast", "--no-kd"], adams=True,
+    Entry("naive-kd-adams", "Naive + KD + AdamS (= CAST w/o scaling)", "train",
+          ["--method", "cast", "--paper-exact", "--no-scaling"], kd=True, adams=True, weight_update="AdamS",
+          mask="learned"),
+    Entry("cast-fixed-mask", "CAST, fixed mask (= naive + KD + scaling)", "train",
+          ["--method", "naive", "--kd", "--scaling"], kd=True, weight_update="AdamW", mask="fixed"),
+    Entry("cast-no-kd", "CAST w/o KD", "train", ["--method", "cast", "--paper-exact", "--no-kd"], adams=True,
           weight_update="AdamS", mask="learned"),
-    Entry("cast-fixed-mask", "CAST, fixed mask", "train", ["--method", "cast", "--fixed-mask"], kd=True,
-          adams=True, weight_update="AdamS", mask="fixed"),
-    Entry("cast-no-scaling", "CAST w/o scaling", "train", ["--method", "cast", "--no-scaling"], kd=True,
-          adams=True, weight_update="AdamS", mask="learned"),
-    Entry("cast-base-lr", "CAST at the baselines' lr", "train", ["--method", "cast"], kd=True,
-          weight_update="AdamS", mask="learned"),
-    Entry("cast-srste", "CAST, SR-STE mask learner", "train", ["--method", "cast", "--mask-learner", "srste"],
-          kd=True, weight_update="AdamW + STE", mask="learned"),
+    Entry("cast-srste", "CAST, SR-STE instead of AdamS", "train",
+          ["--method", "cast", "--paper-exact", "--mask-learner", "srste"], kd=True, weight_update="AdamW + STE",
+          mask="learned"),
+    # ours, not rows of the paper: AdamS's decay under a mask that never changes
+    Entry("cast-adams-fixed", "CAST, AdamS decay under a fixed mask (ours)", "train",
+          ["--method", "cast", "--paper-exact", "--fixed-mask"], kd=True, adams=True, weight_update="AdamS",
+          mask="fixed"),
 ]
+ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + ABLATIONS
 
 
 def budget_name(tokens: int) -> str:
@@ -144,21 +167,23 @@ class Comparison:
         if self.inprocess and not opts.threads:
             opts.threads = 1  # tiny matrices: one thread is fastest, and never oversubscribes a CI machine
         root = Path(opts.runs_dir) if opts.runs_dir else REPO / "runs" / "compare"
-        self.entries = CORE + (MASKLLM if opts.maskllm else []) + (ABLATIONS if opts.ablations else [])
+        self.entries = (CORE + (SRSTE_SWEEP if opts.sweeps else []) + (MASKLLM if opts.maskllm else [])
+                        + (ABLATIONS if opts.ablations else []))
         self.only = set(opts.only.split(",")) if opts.only else None
         if self.only:  # rows named in --only run; other rows of the table are kept if already finished
-            self.entries = [e for e in CORE + MASKLLM + ABLATIONS
-                            if e.key in self.only or e in self.entries]
+            unknown = self.only - {e.key for e in ALL_ENTRIES}
+            if unknown:
+                raise SystemExit(f"--only: unknown row(s) {', '.join(sorted(unknown))}; rows: "
+                                 f"{', '.join(e.key for e in ALL_ENTRIES)}")
+            self.entries = [e for e in ALL_ENTRIES if e.key in self.only or e in self.entries]
+        self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
         if opts.tier == "quick":
             self._build_quick_model(root)
         elif "wikitext_file" not in self.tier:
             from cast_llm.eval.ppl import wikitext2_file
 
-            found = wikitext2_file()  # explicit in every command, so each run evaluates the same file
-            if found is None:
-                print("warning: no WikiText-2 file found (set CAST_WIKITEXT2); WikiText-2 ppl will be n/a")
-            else:
-                self.tier["wikitext_file"] = str(found.resolve())
+            # explicit in every command, so each run evaluates the same file ($CAST_WIKITEXT2 or the packaged copy)
+            self.tier["wikitext_file"] = str(wikitext2_file().resolve())
         self.model_name = Path(self.tier["model"]).name if opts.tier == "quick" else self.tier["model"]
         self.runs = root / f"{self.model_name}-{budget_name(self.budget)}"
         self.runs.mkdir(parents=True, exist_ok=True)
@@ -209,13 +234,19 @@ class Comparison:
 
         return build_config(build_parser().parse_args(self.train_argv(tokens, extra, out)))
 
-    def train_argv(self, tokens: int, extra: list[str], out: Path) -> list[str]:
-        argv = ["train", "--output-dir", str(out), "--tokens", str(tokens), "--no-progress",
-                "--no-baseline-eval", "--overwrite"]
+    def train_argv(self, tokens: int, extra: list[str], out: Path, seed: int | None = None) -> list[str]:
+        # a stopped row resumes from its newest checkpoint; --fresh starts it again
+        again = ["--overwrite"] if self.opts.fresh else ["--resume", "auto"]
+        argv = ["train", "--output-dir", str(out), "--tokens", str(tokens), "--no-progress", "--no-baseline-eval",
+                *again]
         for k, v in self.tier.items():
-            if k not in ("tokens", "adams"):
+            if k not in ("tokens", "adams", "row_lr") and not (k == "seed" and seed is not None):
                 argv += _flag(k, v)
-        return argv + extra
+        if seed is not None:
+            argv += ["--seed", str(seed)]
+        if self.opts.save_every:
+            argv += ["--save-every", str(self.opts.save_every)]
+        return argv + extra + shlex.split(self.opts.train_args or "")
 
     def prune_argv(self, extra: list[str], out: Path) -> list[str]:
         t = self.tier
@@ -263,14 +294,34 @@ class Comparison:
             return self.evaluator().both(model)
 
     def run_entry(self, e: Entry) -> dict:
-        out = self.runs / e.key
+        """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
+        if not (e.seeded and len(self.seeds) > 1):
+            return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
+        runs = [self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in self.seeds]
+        ok = [r for r in runs if r.get("status") == "ok"]
+        row = dict(runs[0])
+        row["seeds"] = runs
+        if len(ok) < len(runs):
+            row.update(status="failed", error="; ".join(r.get("error", "") for r in runs if r.get("status") != "ok"))
+            return row
+        for split in ("heldout", "wikitext2"):
+            vals = [r[split] for r in ok]
+            row[split] = sum(vals) / len(vals)
+            row[f"{split}_range"] = [min(vals), max(vals)]
+        for key in ("sparse_weight_ratio", "tokens_per_s", "wall_s"):
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            row[key] = sum(vals) / len(vals) if vals else None
+        row["command"] = ok[0]["command"] + f"  (and with --seed {', '.join(map(str, self.seeds[1:]))})"
+        return row
+
+    def _run_one(self, e: Entry, out: Path, seed: int | None) -> dict:
         done = out / "compare_row.json"
         if done.is_file() and not self.opts.fresh:
             return json.loads(done.read_text())
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         row = {"key": e.key, "label": e.label, "kind": e.kind, "kd": e.kd, "weight_update": e.weight_update,
-               "mask": e.mask, "tokens": 0}
+               "mask": e.mask, "tokens": 0, "seed": seed}
         if e.kind == "dense":
             row["command"] = f"(evaluation of {self.tier['model']})"
             ppl = self.evaluate_checkpoint(self.tier["model"])
@@ -284,8 +335,9 @@ class Comparison:
         else:
             tokens = self.budget * 3 // 4 if e.kd else self.budget  # equal compute: KD costs 4/3 (§4)
             hp = {**{k: self.tier[k] for k in ("lr", "l1_decay")}, **(self.tier["adams"] if e.adams else {})}
+            hp.update(self.tier.get("row_lr", {}).get(e.key, {}))  # a row's own best lr (docs: the sweep)
             argv = self.train_argv(tokens, e.args + [x for k, v in hp.items() for x in _flag(k, v)],
-                                   out / "model")
+                                   out / "model", seed)
             row["lr"] = hp["lr"]
             row["command"] = "cast-llm " + shlex.join(argv)
             if self._run_cli(argv, out / "log.txt") != 0:
@@ -294,6 +346,7 @@ class Comparison:
             ppl = {split: res["perplexity"][split]["sparse"] for split in ("heldout", "wikitext2")}
             row["tokens"] = res["tokens_trained"]
             row["train_wall_s"] = res["wall_time_s"]
+            row.update(run_statistics(out / "model", res))
         row.update(heldout=ppl["heldout"], wikitext2=ppl["wikitext2"],
                    wall_s=round(time.perf_counter() - t0, 1), status="ok")
         done.write_text(json.dumps(row, indent=2))
@@ -318,6 +371,9 @@ class Comparison:
                 done = self.runs / e.key / "compare_row.json"
                 if done.is_file():
                     rows.append(json.loads(done.read_text()))
+                elif e.seeded and all((self.runs / e.key / f"seed-{x}" / "compare_row.json").is_file()
+                                      for x in self.seeds):
+                    rows.append(self.run_entry(e))  # every seed finished: aggregates without running
                 continue
             print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} ...", flush=True)
             rows.append(self.run_entry(e))
@@ -339,6 +395,21 @@ class Comparison:
         return md, png
 
 
+def run_statistics(run: Path, results: dict) -> dict:
+    """S_T (the sparse-weight ratio just before the final prune) and the median training tokens/s of a run."""
+    records = []
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    pruned = results.get("decay", {}).get("final_prune") or {}
+    swr = pruned.get("sparse_weight_ratio")
+    if swr is None:
+        last = [r["sparse_weight_ratio"] for r in records if r.get("sparse_weight_ratio") is not None]
+        swr = last[-1] if last else None
+    speeds = sorted(r["tokens_per_s"] for r in records if r.get("tokens_per_s"))
+    return {"sparse_weight_ratio": swr, "tokens_per_s": speeds[len(speeds) // 2] if speeds else None}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,7 +418,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="override the tier's model")
     p.add_argument("--data", help="override the tier's data (--data of cast-llm train)")
     p.add_argument("--device", help="override the tier's device (cpu / cuda)")
-    p.add_argument("--ablations", action="store_true", help="also run CAST's ablations and naive + KD (+ AdamS)")
+    p.add_argument("--ablations", action="store_true", help="also run the ablation rows of the paper's Table 6")
+    p.add_argument("--sweeps", action="store_true", help="also run SR-STE at other λ_W (its best is in the table)")
+    p.add_argument("--seeds", default="0", help="seeds of the seeded rows (CAST, naive), e.g. 0,1 (default 0)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps of each training row "
+                                                             "(a stopped row resumes from it)")
+    p.add_argument("--train-args", default="", help="extra `cast-llm train` flags for every training row")
     p.add_argument("--maskllm", action="store_true", help="also run MaskLLM")
     p.add_argument("--only", help="comma-separated row keys to run (e.g. maskllm,cast-no-kd); the report "
                                   "also keeps every other row that already finished")
@@ -364,7 +440,8 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["ORDER_CHECK", "main", "TIERS", "budget_name"]
+__all__ = ["ORDER_CHECK", "main", "TIERS", "budget_name", "CORE", "SRSTE_SWEEP", "MASKLLM", "ABLATIONS",
+           "ALL_ENTRIES", "CAST_BEST", "Entry", "Comparison", "run_statistics"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -368,7 +368,11 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     if bar is not None:
         bar.close()
 
-    # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation
+    # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation. With
+    # checkpoints on, the last step is saved first, so a failure in the export (a full disk, …) costs no
+    # training: --resume goes straight to the finish.
+    if cfg.save_every and start_step < total_steps:
+        save(total_steps, required=False)
     if observers:
         end_ctx = StepContext(step=total_steps, total_steps=total_steps, model=raw, is_log_step=False, run_dir=out,
                               is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
