@@ -16,15 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from cast_llm.analysis.files import (
-    DYNAMICS_FILE,
-    LAYERS_FILE,
-    RATIO_FILE,
-    load_ratio_histograms,
-    read_json,
-    read_layers,
-)
+from cast_llm.analysis.files import DYNAMICS_FILE, LAYERS_FILE, RATIO_FILE, load_ratio_histograms, read_layers
 from cast_llm.errors import CastError
+from cast_llm.io import read_json
 
 RUN_MARKERS = ("cast_run.json", "metrics.jsonl", "results.json")
 

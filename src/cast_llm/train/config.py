@@ -22,7 +22,7 @@ from cast_llm.errors import CastError
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
 INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
-LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none)
+LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none; train/schedule.py)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
 RESUME = ("latest", "auto")
 # Defaults of --kd / --scaling when not given: what each method is in the paper (method.md §6). Naive

@@ -12,9 +12,9 @@ import math
 
 import torch
 
-__all__ = ["SCHEDULES", "lr_factor", "build_scheduler", "schedule_lrs", "warmup_steps"]
+from cast_llm.train.config import LR_SCHEDULES as SCHEDULES
 
-SCHEDULES = ("cosine", "constant", "linear")
+__all__ = ["SCHEDULES", "lr_factor", "build_scheduler", "schedule_lrs", "warmup_steps"]
 
 
 def warmup_steps(cfg, total_steps: int, default_fraction: float) -> int:

@@ -1,0 +1,258 @@
+"""The shape of the package: every module imports on its own in any order, the import graph of our own
+modules has no cycle, no private name crosses a package boundary, every ``--help`` renders with each
+default stated once, and ``cast-llm --help`` starts fast without the heavy libraries."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cast_llm
+from cast_llm.cli import build_parser, main
+
+SRC = Path(cast_llm.__file__).parent
+PACKAGE = SRC.name
+
+
+# ------------------------------------------------------------------------------------------- the modules
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """``{dotted name: (file, is_package)}`` of every module of the package (``__main__`` files excluded:
+    importing one runs the command line)."""
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__main__":
+            continue
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        out[".".join(parts)] = (path, is_package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The module of ours that ``name`` (a module or a module + attribute) denotes, or None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> list[tuple[str, int, bool, list[str]]]:
+    """``(imported module of ours, line, inside a function, names imported from it)`` for every import
+    statement of ``module``, at module level and inside functions alike."""
+    path, is_package = MODULES[module]
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == PACKAGE:
+                        found.append((_owner(alias.name), child.lineno, nested, []))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    source = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    source = child.module or ""
+                if source.split(".")[0] == PACKAGE:
+                    for alias in child.names:  # `from pkg import submodule` imports the submodule
+                        target = f"{source}.{alias.name}"
+                        found.append((target if target in MODULES else _owner(source), child.lineno, nested,
+                                      [alias.name]))
+            visit(child, nested)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return found
+
+
+def import_graph() -> dict[str, dict[str, tuple[int, bool]]]:
+    """``{module: {module it needs: (line, lazily)}}``. Importing ``a.b.c`` also runs the packages ``a`` and
+    ``a.b``, so a module depends on the packages above what it imports (but not on its own packages, which
+    are already running when it is imported)."""
+    graph: dict[str, dict[str, tuple[int, bool]]] = {m: {} for m in MODULES}
+    for module in MODULES:
+        for target, line, lazily, _ in _imports(module):
+            if target is None or target == module:
+                continue
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                needed = ".".join(parts[:i])
+                if needed != module and not module.startswith(needed + ".") and needed in MODULES:
+                    graph[module].setdefault(needed, (line, lazily))
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, tuple[int, bool]]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_module_imports_in_a_fresh_interpreter_in_any_order(seed):
+    names = sorted(MODULES)
+    random.Random(seed).shuffle(names)
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"import order (seed {seed}): {names}\n{proc.stderr[-3000:]}"
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 50 and "cast_llm.targets" in graph["cast_llm.nn.scaled_linear"]  # the check sees edges
+    cycle = find_cycle(graph)
+    if cycle:
+        steps = [f"{a} (line {graph[a][b][0]}{', inside a function' if graph[a][b][1] else ''}) -> {b}"
+                 for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("import cycle:\n  " + "\n  ".join(steps))
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b": (1, False)}, "b": {"c": (2, True)}, "c": {"a": (3, False)}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": (1, False)}, "b": {}}) is None
+
+
+def _unit(module: str) -> str:
+    """What may share private names: a sub-package (``cast_llm.train`` with all below it) or a top module."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_private_name_is_imported_from_another_package():
+    crossings = []
+    for module in MODULES:
+        for target, line, _, names in _imports(module):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if target and (private or target.rpartition(".")[2].startswith("_")) and _unit(target) != _unit(module):
+                crossings.append(f"{module}:{line} imports {private or target} from {target}")
+    assert not crossings, "\n".join(crossings)
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+COMMANDS = [path for path, _ in _parsers(build_parser())]
+
+
+def test_every_command_is_checked():
+    assert {("train",), ("finetune",), ("prune",), ("eval", "ppl"), ("eval", "zeroshot"), ("export",),
+            ("quantize",), ("bench-inference",), ("report",), ("scaling-law", "fit"),
+            ("scaling-law", "sweep")} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "cast-llm")
+def test_help_renders_with_choices_and_each_default_once(path, capsys):
+    assert main([*path, "--help"]) == 0
+    rendered = capsys.readouterr().out
+    assert "usage: cast-llm" in rendered
+    assert "(default: None)" not in rendered and "``" not in rendered and "{'" not in rendered
+    parser = dict(_parsers(build_parser()))[path]
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS) or isinstance(action, argparse._SubParsersAction):
+            continue
+        text = " ".join(action.help.split())
+        flag = "/".join(action.option_strings) or action.dest
+        assert len(re.findall(r"\bdefault", text, re.IGNORECASE)) <= 1, f"{flag}: {text}"
+        assert not ("(required)" in text and "(default:" in text), f"{flag}: {text}"
+        assert not re.search(r"\bNone\b", text), f"{flag}: {text}"  # a Python value, not what the user types
+        if action.choices:  # enumerated: argparse lists the choices itself
+            assert "{" in parser.format_usage() + text, flag
+    for chunk in re.split(r"\n  -", rendered):
+        assert not re.search(r"default:[^\n]*\n?[^\n]*default:", chunk), chunk
+
+
+def test_options_with_choices_list_them_in_help():
+    """Flags built from config fields with ``choices`` (not argparse choices) name them in their help."""
+    parsers = dict(_parsers(build_parser()))
+    expected = {("train",): ["--method", "--init-mask", "--lr-schedule", "--device", "--precision",
+                             "--mask-learner", "--final-prune", "--resume", "--preset"],
+                ("finetune",): ["--mode", "--task"], ("prune",): ["--method"], ("export",): ["--format", "--dtype"],
+                ("quantize",): ["--method", "--bits", "--dtype"], ("eval", "zeroshot"): ["--dtype"],
+                ("scaling-law", "fit"): ["--metric"]}
+    for path, flags in expected.items():
+        helps = {s: a.help for a in parsers[path]._actions for s in a.option_strings}
+        for flag in flags:
+            assert re.search(r"\{[^{}]+, [^{}]+\}", helps[flag]), f"{' '.join(path)} {flag}: {helps[flag]}"
+
+
+def test_cli_copies_of_library_constants_agree():
+    """The command modules keep a few lists of names so that ``--help`` imports no torch; they must match."""
+    from cast_llm import quant, scaling_law
+    from cast_llm.cli import eval_zeroshot, prune, quantize
+    from cast_llm.cli import scaling_law as scaling_law_cli
+    from cast_llm.eval import zeroshot
+    from cast_llm.finetune import MODES
+    from cast_llm.finetune.config import MODES as MODE_NAMES
+    from cast_llm.prune import METHODS as PRUNE_METHODS
+    from cast_llm.train.config import METHODS
+    from cast_llm.train.methods import REGISTRY
+
+    assert prune.METHODS == PRUNE_METHODS and set(quantize.METHODS) == set(quant.METHODS)
+    assert tuple(eval_zeroshot.DEFAULT_TASKS.split(",")) == zeroshot.DEFAULT_TASKS
+    assert scaling_law_cli.METRICS == scaling_law.METRICS
+    assert scaling_law_cli.CHINCHILLA_BETA == scaling_law.CHINCHILLA_BETA
+    assert tuple(REGISTRY) == METHODS and tuple(MODES) == MODE_NAMES
+
+
+HEAVY = ("torch", "transformers", "numpy", "peft", "accelerate", "datasets", "lm_eval", "matplotlib")
+
+
+def test_the_command_line_starts_without_heavy_libraries():
+    code = ("import sys\nfrom cast_llm.cli import build_parser\nbuild_parser()\n"
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"imported at start-up: {proc.stdout.strip()}"
+
+
+def test_cast_llm_help_takes_under_half_a_second():
+    script = shutil.which("cast-llm", path=str(Path(sys.executable).parent))
+    cmd = [script, "--help"] if script else [sys.executable, "-m", "cast_llm.cli", "--help"]
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        times.append(time.perf_counter() - t0)
+        assert proc.returncode == 0 and "usage: cast-llm" in proc.stdout, proc.stderr
+    assert min(times) < 0.5, f"cast-llm --help took {min(times):.2f} s at best of 3 ({times})"
