@@ -17,7 +17,8 @@ calibration activations. On a CUDA device with the model on the CPU, only the mo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,34 @@ def decoder_blocks(model: nn.Module, target_fqns: list[str]) -> tuple[str, nn.Mo
             "block-by-block calibration cannot reach them"
         )
     return found
+
+
+def targets_by_block(prefix: str, targets) -> dict[int, list]:
+    """``targets`` grouped by the index of the decoder block that holds them (``prefix``: the block list's
+    fqn, from :func:`decoder_blocks`)."""
+    by_block: dict[int, list] = {}
+    for t in targets:
+        by_block.setdefault(int(t.fqn[len(prefix) + 1:].split(".", 1)[0]), []).append(t)
+    return by_block
+
+
+@contextlib.contextmanager
+def block_walk(model: nn.Module, blocks: nn.ModuleList, *, desc: str, progress: bool) -> Iterator[Callable[[], None]]:
+    """Around a walk over the decoder blocks: the model in eval mode (its train mode is restored at the end)
+    and, with ``progress``, a bar of one tick per block; yields the function that ticks it."""
+    was_training = model.training
+    model.eval()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(blocks), desc=desc, unit="block")
+    try:
+        yield (lambda: bar.update(1)) if bar is not None else (lambda: None)
+    finally:
+        if bar is not None:
+            bar.close()
+        model.train(was_training)
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -204,25 +233,13 @@ def prune_blockwise(
     prefix, blocks = decoder_blocks(model, [t.fqn for t in targets])
     device = torch.device(device) if device is not None else _module_device(model)
     home = _module_device(model)  # where the model lives; everything goes back there at the end
-    by_block: dict[int, list] = {}
-    for t in targets:
-        index = int(t.fqn[len(prefix) + 1 :].split(".", 1)[0])
-        by_block.setdefault(index, []).append(t)
-
-    was_training = model.training
-    model.eval()
-    _move_outside_blocks(model, blocks, device)
-    try:
-        inputs = capture_block_inputs(model, blocks, calib_ids, batch_size=batch_size, device=device)
-    finally:
-        _move_outside_blocks(model, blocks, home)
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(blocks), desc=desc, unit="block")
-    try:
+    by_block = targets_by_block(prefix, targets)
+    with block_walk(model, blocks, desc=desc, progress=progress) as tick:
+        _move_outside_blocks(model, blocks, device)
+        try:
+            inputs = capture_block_inputs(model, blocks, calib_ids, batch_size=batch_size, device=device)
+        finally:
+            _move_outside_blocks(model, blocks, home)
         for index, block in enumerate(blocks):
             block_home = _module_device(block)
             block.to(device)
@@ -231,9 +248,4 @@ def prune_blockwise(
                                       need_outputs=index + 1 < len(blocks))
             finally:
                 block.to(block_home)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-        model.train(was_training)
+            tick()

@@ -23,7 +23,13 @@ import logging
 import torch
 
 from cast_llm.errors import CastError
-from cast_llm.prune.blockwise import capture_block_inputs, decoder_blocks, run_block
+from cast_llm.prune.blockwise import (
+    block_walk,
+    capture_block_inputs,
+    decoder_blocks,
+    run_block,
+    targets_by_block,
+)
 from cast_llm.quant.awq import (
     SUPPORTED_MODEL_TYPES,
     ScaleGroup,
@@ -77,22 +83,13 @@ def awq_quantize_(model, targets, calib_ids: torch.Tensor, *, bits: int, group_s
         raise CastError(f"AWQ needs calibration ids of shape (samples, seq_len), got {tuple(calib_ids.shape)}")
     prefix, blocks = decoder_blocks(model, [t.fqn for t in targets])
     device = next(model.parameters()).device
-    by_block: dict[int, list] = {}
-    for t in targets:
-        by_block.setdefault(int(t.fqn[len(prefix) + 1:].split(".", 1)[0]), []).append(t)
-    was_training = model.training
-    model.eval()
-    inputs = capture_block_inputs(model, blocks, calib_ids, batch_size=batch_size, device=device)
-    per_batch = max(1, -(-search_tokens // len(inputs)))  # ceil: rows kept per calibration batch
-    gen = torch.Generator().manual_seed(seed)
+    by_block = targets_by_block(prefix, targets)
     quantized: dict[str, QuantizedWeight] = {}
     report: list[dict] = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(blocks), desc=f"awq w{bits}", unit="block")
-    try:
+    with block_walk(model, blocks, desc=f"awq w{bits}", progress=progress) as tick:
+        inputs = capture_block_inputs(model, blocks, calib_ids, batch_size=batch_size, device=device)
+        per_batch = max(1, -(-search_tokens // len(inputs)))  # ceil: rows kept per calibration batch
+        gen = torch.Generator().manual_seed(seed)
         for index, block in enumerate(blocks):
             groups = scale_groups(block, model_type) if model_type in SUPPORTED_MODEL_TYPES else []
             recorders = [_InputRecorder(per_batch, gen) for _ in groups]
@@ -110,12 +107,7 @@ def awq_quantize_(model, targets, calib_ids: torch.Tensor, *, bits: int, group_s
                 _check_function_preserved(block, inputs[0], outputs[0], index)
             quantized.update(rtn_quantize_(by_block.get(index, []), bits=bits, group_size=group_size))
             inputs = [type(inp)(out, inp.args, inp.kwargs) for inp, out in zip(inputs, outputs)]
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-        model.train(was_training)
+            tick()
     return quantized, report
 
 
