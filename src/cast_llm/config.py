@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_text
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None,
@@ -242,7 +243,7 @@ def to_dict(cfg) -> dict[str, Any]:
 
 
 def dump_yaml(cfg, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def cli_layer(args: argparse.Namespace, cls) -> dict[str, Any]:

@@ -20,6 +20,7 @@ trains one run per token budget (:func:`run_sweep`, :func:`sweep`). Not to be co
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import shlex
@@ -594,12 +595,12 @@ def run_sweep(
 
 def write_points_csv(points: list[Point], path: Path) -> Path:
     """The points as ``tokens,ppl,run`` rows (what :func:`read_points_csv` reads back)."""
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["tokens", "ppl", "run"])
-        for p in points:
-            w.writerow([round(p.tokens_billions * 1e9), repr(p.ppl), p.source])
-    return path
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["tokens", "ppl", "run"])
+    for p in points:
+        w.writerow([round(p.tokens_billions * 1e9), repr(p.ppl), p.source])
+    return atomic_write_text(path, buf.getvalue())
 
 
 def sweep(budgets: list[int], output_dir: Path, train_args: list[str], *, metric: str = "wikitext2",

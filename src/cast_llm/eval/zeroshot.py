@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_text
 
 DEFAULT_TASKS = ("hellaswag", "race", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 HEADLINE_METRICS = ("acc", "acc_norm")
@@ -68,17 +69,13 @@ class ZeroShotResult:
         return d
 
     def write_json(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def to_markdown(self) -> str:
         return _markdown(self)
 
     def write_markdown(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.write_text(self.to_markdown())
-        return p
+        return atomic_write_text(path, self.to_markdown())
 
     def __str__(self) -> str:
         return self.to_markdown()

@@ -13,7 +13,6 @@ message naming the file.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_dir, fsync_path, sha256_file
+from cast_llm.io import atomic_dir, fsync_path, publish_dir, sha256_file
 from cast_llm.train.state_io import StateFormatError, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
@@ -172,10 +171,7 @@ def save_sharded_checkpoint(
                             "--fsdp checkpoints need an --output-dir every process can see")
         _write_meta(tmp, meta, step, {"sharded": {"world_size": world_size}})
         fsync_path(tmp / "meta.json")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_path(root)
+        publish_dir(tmp, final, replace=True)
         _rotate(run_dir, keep)
     barrier()
     return final
