@@ -31,9 +31,11 @@ import torch
 __all__ = ["DecayForecast", "LayerDecay", "decay_state", "forecast_decay", "forecast_from_layers",
            "simulate_pruned"]
 
-# entry-steps per simulation: the sample shrinks for long runs so one forecast stays around a second
+# entry-steps per simulation: the sample shrinks for long runs so one forecast stays around a second; at most
+# _SAMPLE entries in all (the spread of one pruned weight's end is wide, the sum over many is not)
 _BUDGET = 6_000_000
-_MIN_PER_LAYER, _MAX_PER_LAYER = 2, 256
+_SAMPLE = 32_768
+_MIN_PER_LAYER = 2
 
 
 @dataclass
@@ -232,8 +234,8 @@ def decay_state(optimizer, *, remaining_steps: int, names: dict[int, str] | None
     gen = torch.Generator().manual_seed(seed)
     sparse = [(gi, i, p, g) for gi, g in enumerate(optimizer.param_groups) if g.get("sparse")
               for i, p in enumerate(g["params"])]
-    per_layer = _BUDGET // max(1, remaining_steps * max(1, len(sparse)))
-    per_layer = max(_MIN_PER_LAYER, min(_MAX_PER_LAYER, per_layer))
+    total = min(_SAMPLE, _BUDGET // max(1, remaining_steps))
+    per_layer = max(_MIN_PER_LAYER, total // max(1, len(sparse)))
     layers = []
     for gi, i, p, group in sparse:
         beta1 = group["betas"][0]
