@@ -43,13 +43,13 @@ def row(run: Path) -> str:
 def reference(model_name: str, data: Path, batch_size: int = 8) -> str:
     import torch
 
-    from cast_llm.finetune.data import _instruction_examples, read_records
+    from cast_llm.finetune.data import instruction_examples, read_records
     from cast_llm.finetune.evaluate import evaluate, exact_match
     from cast_llm.models import load_model, load_tokenizer
 
     tok = load_tokenizer(model_name)
     model = load_model(model_name)
-    examples, _, _ = _instruction_examples(read_records(data), tok, 64, str(data))
+    examples, _, _ = instruction_examples(read_records(data), tok, 64, str(data))
     with torch.no_grad():
         loss = evaluate(model, examples, task="causal-lm", batch_size=batch_size, pad_id=tok.pad_token_id, device="cpu")
         em = exact_match(model, tok, examples, max_new_tokens=32, batch_size=batch_size, device="cpu")

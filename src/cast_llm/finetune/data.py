@@ -130,7 +130,9 @@ def encode_instruction(prompt: str, completion: str, tokenizer, seq_len: int) ->
     return Example(ids, labels, prompt, completion), len(p) + len(c) > seq_len
 
 
-def _instruction_examples(records, tokenizer, seq_len, where: str) -> tuple[list[Example], int, int]:
+def instruction_examples(records, tokenizer, seq_len, where: str) -> tuple[list[Example], int, int]:
+    """Prompt/completion records as examples, with how many were truncated and dropped (``where`` names the
+    source in errors)."""
     out, truncated, dropped = [], 0, 0
     for i, r in enumerate(records, 1):
         if not isinstance(r.get("prompt"), str) or not isinstance(r.get("completion"), str):
@@ -154,8 +156,8 @@ def load_causal(cfg, tokenizer) -> TaskData:
                 raise CastError(f"--eval-data {cfg.eval_data}: not a {'/'.join(RECORD_SUFFIXES)} file")
         else:
             train_r, val_r = split_records(records, cfg.val_fraction, cfg.seed)
-        train, t1, d1 = _instruction_examples(train_r, tokenizer, cfg.seq_len, cfg.data)
-        val, t2, d2 = _instruction_examples(val_r, tokenizer, cfg.seq_len, cfg.eval_data or cfg.data)
+        train, t1, d1 = instruction_examples(train_r, tokenizer, cfg.seq_len, cfg.data)
+        val, t2, d2 = instruction_examples(val_r, tokenizer, cfg.seq_len, cfg.eval_data or cfg.data)
         if not train:
             raise CastError(f"--data {cfg.data}: no prompt fits in --seq-len {cfg.seq_len}; raise --seq-len")
         return TaskData("instruction", train, val, truncated=t1 + t2, dropped=d1 + d2)
