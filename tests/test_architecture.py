@@ -149,6 +149,30 @@ def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b": (1, False)}, "b": {}}) is None
 
 
+# the layers of docs/library.md: a module may import from its own layer and the ones below
+LAYERS = {
+    0: ("errors", "io", "config", "sparsity", "layers", "targets"),  # core
+    1: ("nn", "optim", "distill", "data", "models", "prune", "quant", "deploy", "export", "eval", "analysis"),
+    2: ("train", "finetune", "integrations", "scaling_law", "report"),  # training, and what runs or reads it
+    3: ("cli",),
+}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return -1  # the package itself: its names load lazily
+    found = [level for level, names in LAYERS.items() if parts[1] in names]
+    assert found, f"{module} belongs to no layer: add it to LAYERS (and docs/library.md)"
+    return found[0]
+
+
+def test_imports_point_down_the_layers():
+    upward = [f"{a} (line {line}) -> {b}" for a, needs in import_graph().items() for b, (line, _) in needs.items()
+              if _layer(b) > _layer(a)]
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
 def _unit(module: str) -> str:
     """What may share private names: a sub-package (``cast_llm.train`` with all below it) or a top module."""
     return ".".join(module.split(".")[:2])
