@@ -5,6 +5,7 @@ import torch
 
 # 2 cores here: one intra-op thread per test process is faster than two fighting over a busy core
 torch.set_num_threads(int(os.environ.get("CAST_TEST_THREADS", "1")))
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("CAST_TEST_THREADS", "1"))  # the trainer then keeps it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -215,6 +215,8 @@ class TrainConfig(RunConfig, CastSettings):
     eval_seq_len: int | None = option(None, "WikiText-2 window length (default: --seq-len)", min=2, section=EVAL)
     wikitext_file: str | None = option(None, "WikiText-2 raw test text (default: $CAST_WIKITEXT2, else the copy "
                                              "packaged with cast-llm)", section=EVAL)
+    report: bool = option(True, "write the run's HTML report (plots of loss, S_t, flip rates, perplexities) into "
+                                "RUN/report at the end", section=EVAL)
     # --- mask-learning dynamics (method.md §7; what each quantity means: docs/analysis.md)
     layer_stats: bool = option(True, "per-layer flip rate, initial flip rate and sparse-weight ratio on every "
                                      "log step, written to layers.jsonl", section=ANALYSIS)
