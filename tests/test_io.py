@@ -1,0 +1,90 @@
+"""cast_llm.io: the one set of helpers every writer of the package goes through."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from cast_llm.io import (
+    append_jsonl,
+    atomic_dir,
+    atomic_write,
+    atomic_write_text,
+    move_into,
+    publish_dir,
+    read_json,
+    read_jsonl,
+    staging_dir,
+    truncate_jsonl,
+)
+
+
+def test_atomic_write_leaves_the_old_file_when_the_writer_fails(tmp_path):
+    f = tmp_path / "a.json"
+    atomic_write_text(f, "old")
+
+    def failing(fh):
+        fh.write(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(f, failing)
+    assert f.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["a.json"]
+    assert stat.S_IMODE(f.stat().st_mode) == 0o644
+
+
+def test_jsonl_truncate_keeps_through_a_step_and_skips_a_torn_line(tmp_path):
+    f = tmp_path / "m.jsonl"
+    for step in (1, 2, 3, 4):
+        append_jsonl(f, {"step": step, "loss": step / 10})
+    with f.open("a") as fh:
+        fh.write('{"step": 5, "lo')  # a writer killed mid-line
+    assert [r["step"] for r in read_jsonl(f)] == [1, 2, 3, 4]
+    truncate_jsonl(f, keep_through=2)
+    assert f.read_text() == "".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in (1, 2))
+    truncate_jsonl(tmp_path / "missing.jsonl", 3)  # nothing to do
+    assert read_json(tmp_path / "missing.json") == {} and read_json(tmp_path / "missing.json", []) == []
+
+
+def test_atomic_dir_and_publish_dir(tmp_path):
+    final = tmp_path / "ck"
+    with atomic_dir(final) as tmp:
+        (tmp / "a").write_text("1")
+    assert (final / "a").read_text() == "1" and not (tmp_path / "ck.tmp").exists()
+    with pytest.raises(FileExistsError), atomic_dir(final) as tmp:
+        (tmp / "a").write_text("2")
+    assert (final / "a").read_text() == "1" and not (tmp_path / "ck.tmp").exists()
+    with atomic_dir(final, replace=True) as tmp:
+        (tmp / "b").write_text("3")
+    assert sorted(p.name for p in final.iterdir()) == ["b"] and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(FileExistsError):
+        publish_dir(other, final)
+    assert other.is_dir() and (final / "b").is_file()
+
+
+def test_staging_dir_then_move_into_puts_the_marker_last_and_cleans_up(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("mine")
+    (out / "done.json").write_text("stale")  # the marker of an earlier export
+    moved = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (moved.append(os.path.basename(b)), real_replace(a, b)))
+    with staging_dir(out, prefix=".export-") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".export-")
+        for name in ("model.safetensors", "config.json", "done.json"):
+            (tmp / name).write_text(name)
+        os.chmod(tmp / "config.json", 0o600)
+        names = move_into(tmp, out, last="done.json")
+    assert names == ["config.json", "model.safetensors", "done.json"] and moved[-1] == "done.json"
+    assert (out / "metrics.jsonl").read_text() == "mine" and (out / "done.json").read_text() == "done.json"
+    assert stat.S_IMODE((out / "config.json").stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the staging folder is gone
+    with pytest.raises(RuntimeError), staging_dir(out, prefix=".export-"):
+        raise RuntimeError("export failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
