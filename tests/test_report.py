@@ -128,8 +128,17 @@ def test_report_on_a_run_in_progress(run_dir, tmp_path):
     (partial / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "lo')  # torn last line
     assert main(["report", str(partial)]) == 0
     md = (partial / "report" / "report.md").read_text()
-    assert "in progress (step 4)" in md and "No `results.json`" in md
+    assert "stopped at step 4, no checkpoint (it cannot be resumed)" in md and "No `results.json`" in md
     assert "No ratio histograms recorded" in md and "loss.png" in _images(md)
+    from cast_llm.train.rundir import RunLock
+
+    with RunLock(partial):  # a job holds the folder: the run is still going
+        assert main(["report", str(partial)]) == 0
+    assert "running (step 4)" in (partial / "report" / "report.md").read_text()
+    (partial / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (partial / "checkpoints" / "step-00000004" / "meta.json").write_text("{}")
+    assert main(["report", str(partial)]) == 0
+    assert "stopped at step 4; `--resume` continues from step-00000004" in (partial / "report" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("make, message", [

@@ -16,6 +16,9 @@ from cast_llm.errors import CastError
 from cast_llm.report import plots
 from cast_llm.report.document import Block, Heading, Image, Para, Table, to_html, to_markdown
 from cast_llm.report.runs import Run, load_runs
+from cast_llm.train.checkpoint import list_checkpoints
+from cast_llm.train.rundir import RunLock
+from cast_llm.train.summary import reading
 
 PAPER_TABLE2 = "paper (Table 2): CAST 0.142 / 0.106 / 16.9 %; SR-STE 0.095 / 0.006 / 46.6 %"
 
@@ -79,7 +82,7 @@ class _Builder:
             finished = bool((res.get("perplexity") or {}).get("heldout", {}).get("sparse") is not None
                             or res.get("tokens_trained"))
             last = r.metrics[-1]["step"] if r.metrics else 0
-            status = "finished" if finished else f"in progress (step {last})"
+            status = "finished" if finished else _unfinished_status(r.path, last)
             kd = c.get("kd")
             kd_txt = "—" if kd is None and "eta" not in c else ("off" if kd is False else f"η={c.get('eta', 0):.2f}")
             rows.append([r.label, str(c.get("model", res.get("model", "—"))), res.get("pattern") or
@@ -101,14 +104,19 @@ class _Builder:
             for r in with_res:
                 ppl = r.results["perplexity"]
                 h, w = ppl.get("heldout") or {}, ppl.get("wikitext2") or {}
-                rows.append([r.label] + [_num(d.get(k)) for d in (h, w) for k in ("dense", "magnitude", "sparse")])
-            self.add(Table(["run", "held-out dense", "held-out one-shot magnitude", "held-out trained sparse",
-                            "WikiText-2 dense", "WikiText-2 one-shot magnitude", "WikiText-2 trained sparse"], rows))
+                one = "oneshot" if h.get("oneshot") is not None or w.get("oneshot") is not None else "magnitude"
+                rows.append([r.label] + [_num(d.get(k)) for d in (h, w) for k in ("dense", one, "sparse")])
+            self.add(Table(["run", "held-out dense", "held-out one-shot (start)", "held-out trained sparse",
+                            "WikiText-2 dense", "WikiText-2 one-shot (start)", "WikiText-2 trained sparse"], rows))
             notes = [f"{r.label}: held-out {r.results.get('heldout_sequences', '?')} sequences of "
                      f"{r.results.get('seq_len', '?')} tokens; WikiText-2 window {r.results.get('eval_seq_len', '?')}, "
                      f"{r.results.get('wikitext_windows', '?')} windows" for r in with_res]
             self.add(Para("Perplexity = exp(mean token NLL), lower is better; the sparse model is the exported one "
                           "(pruned, scales folded). " + "; ".join(notes) + "."))
+            readings = [f"**{r.label}** — {line.removeprefix('reading: ')}" for r in with_res
+                        if (line := reading(r.results))]
+            if readings:
+                self.add(Heading(3, "Reading"), *[Para(x) for x in readings])
         self.zeroshot()
 
     def zeroshot(self) -> None:
@@ -150,7 +158,8 @@ class _Builder:
                       "The paper's Fig. 4: CAST keeps both close and the dense model healthy; SR-STE's dense model "
                       "degrades. In-between points need `--eval-every`."))
         self.figure(plots.plot_validation(self.runs), "validation", "validation perplexity",
-                    "No validation perplexities recorded.")
+                    "No validation perplexities during training (the run had no `--eval-every N`); its start and "
+                    "end are in the evaluation table above.")
 
     def dynamics(self) -> None:
         self.add(Heading(2, "Mask-learning dynamics"),
@@ -198,6 +207,20 @@ class _Builder:
                             "progress at last flip", "sample flipped ≥ once", "sample", "final i_t", "final S_t"], rows),
                      Para(f"Weight tracking on a fixed random sample of target weights; {PAPER_TABLE2} (kept / at last "
                           "flip / progress). Final i_t is the total flipped mask ratio (paper: 3.4–16 %)."))
+
+
+def _unfinished_status(path: Path, last_step: int) -> str:
+    """A run without final results: still running (its lock is held), or stopped (resumable or not)."""
+    lock = RunLock(path)
+    try:
+        lock.acquire()
+    except Exception:
+        return f"running (step {last_step})"
+    lock.release()
+    found = list_checkpoints(path)
+    if found:
+        return f"stopped at step {last_step}; `--resume` continues from {found[-1].name}"
+    return f"stopped at step {last_step}, no checkpoint (it cannot be resumed)"
 
 
 def _p(v):

@@ -90,6 +90,8 @@ def plot_validation(runs: list[Run]):
     start (dense model, one-shot magnitude mask) and the end (the exported sparse model) from results.json."""
     fig, axes = _figure(1)
     ax = axes[0][0]
+    if not any(run.has("val_ppl_dense") or run.has("val_ppl_masked") for run in runs):
+        return None  # only the start and the end: the evaluation table says them better than two dots
     drawn = False
     for i, run in enumerate(runs):
         ppl = (run.results.get("perplexity") or {}).get("heldout") or {}
@@ -243,9 +245,11 @@ def plot_layer_heatmap(run: Run):
     positive = fr[fr > 0]
     norm = LogNorm(vmin=max(positive.min(), 1e-6), vmax=max(positive.max(), 2e-6)) if positive.size else None
     ifr = lay["initial_flip_rate"].T
-    linear = Normalize(vmin=0.0, vmax=max(float(np.nanmax(ifr)), 1e-3))  # from 0: a fixed mask reads as 0
+    moved = ifr[ifr > 0]  # i_t spans decades too (1e-6 … 0.1): a linear scale shows all but one layer black
+    inorm = (LogNorm(vmin=max(moved.min(), 1e-6), vmax=max(moved.max(), 2e-6)) if moved.size
+             else Normalize(vmin=0.0, vmax=1e-3))
     panels = ((axes[0][0], np.where(fr > 0, fr, np.nan), norm, "flip rate r_t per layer (log colour)"),
-              (axes[0][1], ifr, linear, "initial flip rate i_t per layer"))
+              (axes[0][1], np.where(ifr > 0, ifr, np.nan), inorm, "initial flip rate i_t per layer (log colour)"))
     ticks, labels, ylabel = _layer_ticks(names)
     for ax, data, nrm, title in panels:
         im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, norm=nrm, cmap="magma")

@@ -1,0 +1,108 @@
+"""The end of a training run in words: the summary printed on the last screen, and its one-line reading.
+
+Pure functions of a run's ``results.json`` (and config), shared by the trainer and ``cast-llm report``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["options_used", "summary_table", "reading"]
+
+
+def options_used(cfg) -> str:
+    """The method and the options that made this run what it is, in one line (for the summary and README)."""
+    if cfg.method != "cast":
+        return f"--method {cfg.method}" + (" with KD" if cfg.use_kd else "") + (" and weight scaling" if cfg.use_scaling else "")
+    if cfg.mask_learner != "adams":
+        return f"CAST with the {cfg.mask_learner} mask learner (ablation)"
+    parts = ["AdamS", "weight scaling" if cfg.use_scaling else "no weight scaling",
+             f"KD η {cfg.eta:.2f}" if cfg.use_kd else "no KD", f"{cfg.lr_schedule} lr {cfg.lr:g}"]
+    if cfg.paper_exact:
+        return "CAST as the paper defines it (" + ", ".join(parts) + ")"
+    extra = []
+    if cfg.use_warm_start:
+        extra.append(f"warm start from one-shot {cfg.init_mask}")
+    if cfg.effective_repair_fraction:
+        extra.append(f"masked repair for the last {cfg.effective_repair_fraction:.0%} of the steps")
+    extra.append(f"{cfg.effective_final_prune} final prune")
+    return "CAST (" + ", ".join(parts) + ") + " + ", ".join(extra)
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    """The last screen of a run: how good the sparse model is against what, is it exactly N:M, where it is,
+    where the report is, and what to do next."""
+    ppl = results["perplexity"]
+    pattern = results.get("pattern", "")
+    oneshot = {"sparsegpt": "SparseGPT", "wanda": "Wanda"}.get(results.get("oneshot_method"),
+                                                                 results.get("oneshot_method"))
+    rows = [("dense", "dense (the original)", "the quality to approach"),
+            ("oneshot", f"one-shot {oneshot} {pattern}", "pruning without training (the start)"),
+            ("magnitude", f"one-shot magnitude {pattern}", "pruning without training"),
+            ("sparse", f"{results.get('method', '')} {pattern} (this run)", "the exported model")]
+    head = f"{'model':<34} {'held-out ppl':>13} {'WikiText-2 ppl':>15}"
+    lines = ["", head, "-" * len(head)]
+    for key, label, what in rows:
+        h, w = ppl["heldout"].get(key), ppl["wikitext2"].get(key)
+        if h is None and w is None:
+            continue
+        lines.append(f"{label:<34} {_num(h):>13} {_num(w):>15}   {what}")
+    wl = results.get("eval_seq_len")
+    nwin, total = results.get("wikitext_windows"), results.get("wikitext_windows_total")
+    scope = f"{nwin} of {total} windows" if nwin != total else f"all {total} windows"
+    lines.append(f"(held-out: {results.get('heldout_sequences')} sequences × {results.get('seq_len')} tokens of the "
+                 f"training corpus; WikiText-2: {scope} × {wl} tokens = {(nwin or 0) * (wl or 0):,} tokens; "
+                 f"{results.get('tokens_trained'):,} training tokens, {results.get('wall_time_s')} s)")
+    line = reading(results)
+    if line:
+        lines.append(line)
+    nm = results.get("nm_check")
+    if nm:
+        lines.append(f"{nm['pattern']} check: all {nm['targets']} target layers exactly {nm['pattern']} "
+                     "(verified before the model was written)")
+    pruned = results.get("decay", {}).get("final_prune")
+    if pruned:
+        lines.append(f"decay: sparse-weight ratio S_t {pruned['sparse_weight_ratio']:.4f} at the final prune "
+                     f"(step {pruned['step']}, {pruned['how']}): it removed {pruned['removed_fraction']:.2%} of the "
+                     "target weights' L1 mass")
+    if results.get("options"):
+        lines.append(f"options: {results['options']}")
+    out = results.get("output_dir")
+    lines.append(f"model:   {out}   (transformers: AutoModelForCausalLM.from_pretrained('{out}'))")
+    if results.get("report"):
+        lines.append(f"report:  {results['report']}")
+    lines += [f"next:    cast-llm eval ppl --model {out}   # WikiText-2, every window (the full protocol)",
+              f"         cast-llm export {out} --format compressed --dtype fp16 --output-dir {out}-c",
+              f"         cast-llm quantize {out} --method awq --bits 4 --output-dir {out}-w4",
+              f"         cast-llm finetune {out} --mode lora --data train.jsonl --output-dir {out}-ft"]
+    return "\n".join(lines)
+
+
+def reading(results: dict[str, Any]) -> str | None:
+    """One line that says what the figures mean."""
+    ppl = results["perplexity"]["wikitext2"]
+    split = "WikiText-2"
+    if ppl.get("sparse") is None:
+        ppl, split = results["perplexity"]["heldout"], "held-out"
+    sparse, dense = ppl.get("sparse"), ppl.get("dense")
+    base_key = "oneshot" if ppl.get("oneshot") is not None else "magnitude"
+    base = ppl.get(base_key)
+    if sparse is None:
+        return None
+    parts = []
+    if base is not None:
+        name = "the one-shot start" if base_key == "oneshot" else "one-shot magnitude pruning"
+        parts.append(f"{base / sparse:.1f}× lower {split} perplexity than {name}" if sparse < base
+                     else f"not better than {name} ({sparse:.1f} vs {base:.1f})")
+    if dense is not None:
+        parts.append(f"{sparse / dense:.2f}× the dense model's perplexity")
+    pruned = results.get("decay", {}).get("final_prune")
+    if pruned and pruned["removed_fraction"] > 0.01:
+        parts.append(f"the decay had not finished (S_t {pruned['sparse_weight_ratio']:.3f}): a longer run, or "
+                     "the short-budget options, would lose less at the final prune")
+    return "reading: the sparse model has " + "; ".join(parts) + (
+        " (a longer run closes more of the gap: docs/training.md, 'Budgets')" if dense is not None else "")
+
+
+def _num(v) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
