@@ -185,7 +185,7 @@ def test_every_stage_dry_run_on_cpu(tmp_path):
     assert len(files) <= kit.MAX_OUT_FILES and {"versions.json", "summary.md", "compare.md"} <= set(files)
     versions = json.loads((out / "versions.json").read_text())
     assert versions["packages"]["torch"] and versions["command"] and versions["machine"]["cpus"]
-    # a training row cut at a call's end resumes from its checkpoint: --resume instead of --overwrite
+    # a training row cut at a call's end resumes from its checkpoint (compare_methods passes --resume auto)
     ctx = kit.Ctx(kit=kitdir, out=tmp_path / "o3", device="cpu", calls_root=gpu, budget_s=60,
                   state={"quality": {"cast_best": []}})
     _, comp, _ = kit.make_comparison(ctx, res["quality"]["budget"], 20)
@@ -193,7 +193,10 @@ def test_every_stage_dry_run_on_cpu(tmp_path):
     (run / "checkpoints" / "step-00000020").mkdir(parents=True)
     (run / "checkpoints" / "step-00000020" / "meta.json").write_text("{}")
     argv = comp.train_argv(256, ["--method", "naive"], run)
-    assert "--resume" in argv and "--overwrite" not in argv and argv[-2:] == ["--save-every", "20"]
+    i = argv.index("--resume")
+    assert argv[i + 1] == "auto" and "--overwrite" not in argv
+    j = argv.index("--save-every")
+    assert argv[j + 1] == "20"
     # a second call finds everything done and reruns only the cheap bookkeeping
     rc = kit.main(["run", "all", "--device", "cpu", "--inprocess", "--model", str(model), "--kit-dir",
                    str(kitdir), "--out", str(tmp_path / "out2"), "--calls-root", str(gpu)])

@@ -119,13 +119,13 @@ TARGETS = {
     "linear24_max_rel_err": ("2:4 linear outputs vs dense: max |Δ| / max |y| (bf16)", "<=", 0.01),
     "cast_sparse_weight_ratio": ("S_t at the end of the GPU-tier CAST rows (decay finished)", ">=", 0.99),
 }
-# CAST's best configuration for the GPU tier's "cast-best" row. Provisional: issue 12 decides it (the options
-# exist in `cast-llm train`); override with `run quality --cast-best "FLAGS"` (kept in the state once chosen).
-CAST_BEST_FLAGS = ["--warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0.1", "--final-prune",
-                   "compensated"]
+# The GPU tier's "cast-best" row takes compare_methods.CAST_BEST (the configuration the CPU-tier comparison chose;
+# docs/results/compare-smollm2-135m-cpu-notes.md); `run quality --cast-best "FLAGS"` overrides it (kept in the
+# state once chosen). Read lazily: compare_methods imports cast_llm, which the kit's first stage installs.
+CAST_BEST_FLAGS: list[str] | None = None
 # the GPU tier's rows, in the order they run (the training rows first: they are the answer; the cheap
 # references after them). The table keeps compare_methods' order.
-QUALITY_ROWS = ["dense", "naive", "srste", "cast", "cast-best", "sparsegpt", "magnitude"]
+QUALITY_ROWS = ["dense", "naive", "naive-sgpt", "srste", "cast", "cast-best", "sparsegpt", "magnitude"]
 STAGES = ("setup", "correctness", "speed", "quality")
 STAGE_ALIASES = {"0": "setup", "1": "correctness", "2": "speed", "3": "quality"}
 JSON_MARK = "KIT-JSON: "
@@ -595,7 +595,7 @@ class Ctx:
     session_left_s: float | None = None
     tokens: int | None = None
     rows: list[str] | None = None
-    cast_best: list[str] = field(default_factory=lambda: list(CAST_BEST_FLAGS))
+    cast_best: list[str] | None = None  # None: compare_methods.CAST_BEST
     redo: bool = False
     retry_failed: bool = False
     only: set[str] | None = None
@@ -1184,31 +1184,21 @@ def _tier(ctx: Ctx) -> str:
 
 
 def make_comparison(ctx: Ctx, budget: int, save_every: int):
-    """compare_methods' Comparison for the kit: the tier's rows plus CAST's paper-exact and best rows, each
-    training run resumable (``--save-every``, then ``--resume`` where a checkpoint exists) and stopped at the
-    call's deadline (resumed by the next call)."""
-    cm = _compare_module()
+    """compare_methods' Comparison for the kit: its rows (CAST paper-exact and best configuration included),
+    each training run checkpointed every ``save_every`` steps and resumed from there by the next call
+    (compare_methods passes ``--resume auto``), and stopped at the call's deadline."""
     import dataclasses
 
-    from cast_llm.train.checkpoint import list_checkpoints
-
+    cm = _compare_module()
     opts = cm.parse_args(["--tier", _tier(ctx), "--tokens", str(budget), "--runs-dir", str(ctx.kit / "quality" / "runs"),
-                          "--docs-dir", str(ctx.kit / "quality" / "docs")])
-    entries = {e.key: e for e in cm.CORE + cm.MASKLLM + cm.ABLATIONS}
-    entries["cast"] = dataclasses.replace(entries["cast"], label="CAST (paper-exact)",
-                                          args=[*entries["cast"].args, "--paper-exact"])
-    entries["cast-best"] = cm.Entry("cast-best", "CAST (best configuration)", "train",
-                                    ["--method", "cast", *ctx.state["quality"]["cast_best"]], kd=True, adams=True,
-                                    weight_update="AdamS", mask="learned")
+                          "--docs-dir", str(ctx.kit / "quality" / "docs"), "--save-every", str(save_every)])
+    entries = {e.key: e for e in cm.ALL_ENTRIES}
+    best = ctx.state.get("quality", {}).get("cast_best")
+    if best:  # an override of the configuration compare_methods calls best
+        entries["cast-best"] = dataclasses.replace(entries["cast-best"], args=["--method", "cast", *best])
 
     class KitComparison(cm.Comparison):
         last_rc = 0
-
-        def train_argv(self, tokens, extra, out):
-            argv = super().train_argv(tokens, extra, out)
-            if list_checkpoints(Path(out)):
-                argv = [a for a in argv if a != "--overwrite"] + ["--resume"]
-            return argv + ["--save-every", str(save_every)] if save_every else argv
 
         def _run_cli(self, argv, log):
             if self.inprocess:
@@ -1228,7 +1218,8 @@ def quality_probe(ctx: Ctx) -> dict:
     """Measure training tokens/s (CAST with KD, the slowest row) and the fixed cost of a run, then choose the
     budget for the time that is left; kept in the state so every later call uses the same budget."""
     q = ctx.state.setdefault("quality", {})
-    q.setdefault("cast_best", list(ctx.cast_best))
+    if ctx.cast_best:
+        q.setdefault("cast_best", list(ctx.cast_best))
     if q.get("budget") and not ctx.redo:
         ctx.set_ready("budget", True)
         return {"budget": q["budget"], "note": "chosen by an earlier call"}
@@ -1247,7 +1238,9 @@ def quality_probe(ctx: Ctx) -> dict:
     i = argv.index("--tokens")
     argv = argv[:i] + argv[i + 2:] + ["--max-steps", str(steps), "--log-every", str(max(1, steps // 6)),
                                       "--val-sequences", "1", "--wikitext-windows", "1", "--overwrite"]
-    argv = [a for a in argv if a != "--resume"]
+    if "--resume" in argv:  # the probe always starts afresh
+        j = argv.index("--resume")
+        argv = argv[:j] + argv[j + 2:]
     t = time.monotonic()
     rc = comp._run_cli(argv, ctx.kit / "quality" / "probe.log")
     wall = time.monotonic() - t
@@ -1721,7 +1714,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-left-s", type=float, help="device seconds left to the session (sizes the comparison)")
     p.add_argument("--tokens", type=int, help="the comparison's budget instead of the probe's choice")
     p.add_argument("--rows", help=f"comparison rows, comma-separated (default {','.join(QUALITY_ROWS)})")
-    p.add_argument("--cast-best", help=f"flags of the cast-best row (default: {' '.join(CAST_BEST_FLAGS)})")
+    p.add_argument("--cast-best", help="flags of the cast-best row (default: compare_methods.CAST_BEST, the "
+                                       "configuration the CPU-tier comparison chose)")
     p.add_argument("--redo", action="store_true", help="run finished steps again")
     p.add_argument("--retry-failed", action="store_true", help="run failed steps again")
     p.add_argument("--steps", help="only these steps (names as in summary.md, comma-separated)")
