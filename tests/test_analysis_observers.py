@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tiny
 import torch
 from torch import nn
 
@@ -176,3 +177,19 @@ def test_analysis_observers_follow_the_config(tmp_path):
     _script(analysis_observers(off), tmp_path, steps=range(1, 3))
     assert not (tmp_path / LAYERS_FILE).exists() and not (tmp_path / RATIO_FILE).exists()
     assert json.loads((tmp_path / DYNAMICS_FILE).read_text()) == {"x": 1}
+
+
+def test_ratio_histograms_read_the_orientation_of_wrapped_conv1d_layers():
+    """GPT-2 Conv1D weights are (in, out) even inside a training method's wrapper (naive, SR-STE, AST, MaskLLM),
+    whatever their output width: the groups of m run along dim 0."""
+    from cast_llm.analysis.observers import RatioHistograms
+    from cast_llm.nn.sparse_forward import wrap_sparse_forward_
+    from cast_llm.sparsity.mask import magnitude_mask
+    from cast_llm.targets import find_targets
+
+    model = tiny.model("gpt2")  # every width a multiple of 4: the shape alone cannot tell
+    targets = find_targets(model)
+    masks = {t.fqn: magnitude_mask(t.weight, t.transposed, 2, 4) for t in targets}
+    wrap_sparse_forward_(model, masks, ste=False)
+    ob = RatioHistograms("1.0", 4)
+    assert all(ob._is_transposed(model, t.fqn, masks[t.fqn]) for t in targets)

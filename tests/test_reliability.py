@@ -256,7 +256,8 @@ def test_keep_last_removes_old_checkpoints_only_after_a_new_one_is_complete(work
     assert main(_args(workdir, out, "--max-steps", "8", "--save-every", "2", "--keep-last", "1",
                       "--keep-checkpoints-after")) == 0
     assert seen[1] == ["step-00000002", "step-00000004"]  # the new one is complete before the old goes
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000006"]
+    # steps 2, 4, 6, then the last step (saved before the export when checkpoints are on): only the newest stays
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000008"]
 
 
 # ------------------------------------------------------------------------------------------------ safe loading

@@ -185,7 +185,10 @@ class RatioHistograms(Observer):
     def _is_transposed(self, model, fqn: str, mask: torch.Tensor) -> bool:
         if fqn not in self._transposed:
             try:
-                self._transposed[fqn] = linear_features(model.get_submodule(fqn))[2]
+                module = model.get_submodule(fqn)
+                while hasattr(module, "base_layer"):  # a training method's wrapper: the layer it holds decides
+                    module = module.base_layer
+                self._transposed[fqn] = linear_features(module)[2]
             except (AttributeError, TypeError):  # not a linear we know: the groups run along a dim m divides
                 self._transposed[fqn] = mask.shape[-1] % self.m != 0
         return self._transposed[fqn]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_text
 from cast_llm.report import plots
 from cast_llm.report.document import Block, Heading, Image, Para, Table, to_html, to_markdown
 from cast_llm.report.runs import Run, load_runs
@@ -248,9 +249,9 @@ def build_report(run_dirs: list[str | Path], output: str | Path | None = None, *
     b.curves()
     b.dynamics()
     md = folder / "report.md"
-    md.write_text(to_markdown(b.blocks))
+    atomic_write_text(md, to_markdown(b.blocks))
     out = ReportFiles(folder=folder, markdown=md, images=b.images)
     if html:
         out.html = folder / "report.html"
-        out.html.write_text(to_html(b.blocks, folder, title))
+        atomic_write_text(out.html, to_html(b.blocks, folder, title))
     return out
