@@ -84,7 +84,9 @@ def train_config(**overrides):
     """The trainer's config with the defaults a CAST run uses (masks fixed: see ``refresh_masks``)."""
     from cast_llm.train.config import TrainConfig
 
-    kw = dict(method="cast", mask_interval=0, progress=False)
+    # the paper's algorithm: what a CAST step costs (a warm start or a masked repair changes the start and
+    # the end of a run, not the step)
+    kw = dict(method="cast", mask_interval=0, progress=False, paper_exact=True)
     kw.update(overrides)
     return TrainConfig(**kw)
 

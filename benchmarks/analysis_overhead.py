@@ -22,7 +22,6 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -57,6 +56,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cast_llm.analysis.observers import LayerMaskStats, RatioHistograms, WeightTracking
+    from cast_llm.train.config import TrainConfig
     from cast_llm.train.methods.cast import CastMethod
     from cast_llm.train.observers import MaskStats, StepContext
 
@@ -65,10 +65,8 @@ def main() -> None:
                             num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                             max_position_embeddings=2048, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg_model)
-    tcfg = SimpleNamespace(n=2, m=4, skip_incompatible=False, scaling=True, use_scaling=True, scale_groups=2,
-                           lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, l1_decay=1e-6, weight_decay=0.0,
-                           mask_interval=10, effective_mask_interval=10, fixed_mask=False, mask_learner="adams",
-                           track_every=0, seed=0, init_mask="magnitude")
+    tcfg = TrainConfig(output_dir="unused", max_steps=args.total_steps, lr=1e-4, l1_decay=1e-6, mask_interval=10,
+                       paper_exact=True, progress=False)
     method = CastMethod()
     method.prepare_model(model, tcfg)
     opt = method.build_optimizer(model, tcfg, args.total_steps)

@@ -32,7 +32,7 @@ def _train(d, out, *extra):
     argv = ["train", "--model", str(d / "llama"), "--data", str(d / "corpus.jsonl"), "--output-dir", str(out),
             "--wikitext-file", str(d / "eval.txt"), "--batch-size", "2", "--seq-len", "32", "--val-sequences", "2",
             "--no-progress", "--lr", "3e-3", "--l1-decay", "1e-4", "--mask-interval", "2", "--log-every", "2",
-            "--max-steps", "8", "--track-weights", "500", *extra]
+            "--max-steps", "8", "--track-weights", "500", "--paper-exact", *extra]
     assert main(argv) == 0
 
 

@@ -25,6 +25,8 @@ MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner 
 LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none; train/schedule.py)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
 RESUME = ("latest", "auto")
+# the last fraction of a CAST run trained as the sparse model it exports (the masked repair), by default
+DEFAULT_REPAIR_FRACTION = 0.2
 # Defaults of --kd / --scaling when not given: what each method is in the paper (method.md §6). Naive
 # retraining, SR-STE and MaskLLM train without a teacher; AST and CAST distil; only CAST scales weights.
 KD_BY_DEFAULT = ("cast", "ast")
@@ -165,10 +167,11 @@ class TrainConfig(RunConfig, CastSettings):
     kd: bool | None = option(None, "distil from the frozen dense model (Eq. 13); default: on for cast and ast, "
                                    "off for naive, srste, maskllm", section=CAST)
     fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0)", section=CAST)
-    init_mask: str = option("magnitude", "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
+    init_mask: str | None = option(None, "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
                                          "--calib-samples training sequences (naive and --warm-start also keep "
-                                         "SparseGPT's reconstructed weights; otherwise only the mask is taken)",
-                            choices=INIT_MASKS, section=CAST)
+                                         "SparseGPT's reconstructed weights; otherwise only the mask is taken); "
+                                         "default: sparsegpt for a warm-started run, else magnitude",
+                                   choices=INIT_MASKS, section=CAST)
     calib_samples: int = option(128, "training sequences that calibrate Wanda / SparseGPT / the compensated prune "
                                      "(paper 128)", min=1, section=CAST)
     fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
@@ -238,15 +241,17 @@ class TrainConfig(RunConfig, CastSettings):
             raise CastError(f"--mask-learner is a CAST ablation; --method {self.method} has its own mask learner")
         beyond = {"--warm-start": self.warm_start, "--repair-fraction": self.repair_fraction,
                   "--final-prune": self.final_prune}
+        if self.paper_exact and self.init_mask not in (None, "magnitude"):
+            raise CastError(f"--paper-exact starts from Eq. 6's magnitude mask; it excludes --init-mask {self.init_mask}")
         given = [flag for flag, v in beyond.items() if v not in (None, False, 0, 0.0, "hard")]
         if self.paper_exact and given:
             raise CastError(f"--paper-exact runs CAST as the paper does; it excludes {', '.join(given)}")
         if given and (self.method != "cast" or self.mask_learner != "adams"):
             raise CastError(f"{', '.join(given)} apply to --method cast with AdamS only (got --method {self.method}"
                             f"{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''})")
-        if self.fsdp and (self.effective_repair_fraction > 0 or self.effective_final_prune != "hard"):
-            raise CastError("--repair-fraction and --final-prune compensated are not supported with --fsdp yet; "
-                            "pass --repair-fraction 0 --final-prune hard (or --paper-exact)")
+        if self.fsdp and self.effective_final_prune != "hard":
+            raise CastError("--final-prune compensated is not supported with --fsdp yet (its calibration walks "
+                            "whole blocks); use --final-prune hard")
         if self.method == "maskllm":
             if self.use_scaling:
                 raise CastError("--method maskllm learns masks only (weights frozen): --scaling does not apply")
@@ -275,14 +280,29 @@ class TrainConfig(RunConfig, CastSettings):
     def use_scaling(self) -> bool:
         return self.scaling if self.scaling is not None else self.method in SCALING_BY_DEFAULT
 
-    # the beyond-the-paper options: None = the default (none of them with --paper-exact)
+    # The beyond-the-paper options: None = the default, which for CAST with AdamS is the best configuration the
+    # CPU-tier comparison measured (docs/results/compare-smollm2-135m-cpu-notes.md), and with --paper-exact the
+    # paper's algorithm (dense start, no repair, hard prune).
+    @property
+    def beyond_paper(self) -> bool:
+        """Whether the short-budget defaults apply (CAST with AdamS, not --paper-exact)."""
+        return self.method == "cast" and self.mask_learner == "adams" and not self.paper_exact
+
     @property
     def use_warm_start(self) -> bool:
-        return bool(self.warm_start) if self.warm_start is not None else False
+        return bool(self.warm_start) if self.warm_start is not None else self.beyond_paper
+
+    @property
+    def effective_init_mask(self) -> str:
+        if self.init_mask is not None:
+            return self.init_mask
+        return "sparsegpt" if self.use_warm_start else "magnitude"
 
     @property
     def effective_repair_fraction(self) -> float:
-        return float(self.repair_fraction) if self.repair_fraction is not None else 0.0
+        if self.repair_fraction is not None:
+            return float(self.repair_fraction)
+        return DEFAULT_REPAIR_FRACTION if self.beyond_paper else 0.0
 
     @property
     def effective_final_prune(self) -> str:

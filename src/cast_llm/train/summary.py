@@ -22,7 +22,7 @@ def options_used(cfg) -> str:
         return "CAST as the paper defines it (" + ", ".join(parts) + ")"
     extra = []
     if cfg.use_warm_start:
-        extra.append(f"warm start from one-shot {cfg.init_mask}")
+        extra.append(f"warm start from one-shot {cfg.effective_init_mask}")
     if cfg.effective_repair_fraction:
         extra.append(f"masked repair for the last {cfg.effective_repair_fraction:.0%} of the steps")
     extra.append(f"{cfg.effective_final_prune} final prune")

@@ -178,11 +178,11 @@ class PretrainJob(Job):
         if resuming or not cfg.baseline_eval or not cfg.use_warm_start or not ctx.is_main:
             return
         model.to(ctx.device)
-        name = {"sparsegpt": "SparseGPT", "wanda": "Wanda"}.get(cfg.init_mask, cfg.init_mask)
+        name = {"sparsegpt": "SparseGPT", "wanda": "Wanda"}.get(cfg.effective_init_mask, cfg.effective_init_mask)
         start = self.evaluator.both(model, f"one-shot {name} {cfg.n}:{cfg.m} (the warm start)")
         for split in ("heldout", "wikitext2"):
             results["perplexity"][split]["oneshot"] = start[split]
-        results["oneshot_method"] = cfg.init_mask
+        results["oneshot_method"] = cfg.effective_init_mask
         model.train()
 
     def batch(self, step: int, micro: int) -> torch.Tensor:

@@ -33,7 +33,6 @@ from cast_llm.nn import fold_scaling_, wrap_scaling_
 from cast_llm.optim import AdamS
 from cast_llm.optim.forecast import forecast_decay
 from cast_llm.prune.compensate import compensated_prune_
-from cast_llm.sparsity.stats import sparse_weight_ratio
 from cast_llm.targets import find_targets, param_groups
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.masks import initial_masks
@@ -63,7 +62,7 @@ class CastMethod(TrainingMethod):
             self._srste = SRSTEMethod()
             return self._srste.prepare_model(model, cfg, data=data, device=device)
         self.cfg, self._device = cfg, device
-        if cfg.use_warm_start or cfg.init_mask != "magnitude":
+        if cfg.use_warm_start or cfg.effective_init_mask != "magnitude":
             # Eq. 6 is what AdamS computes by itself at its first step; a warm start prunes the model too
             self._init_masks = initial_masks(model, cfg, data=data, device=device, apply=cfg.use_warm_start)
         if cfg.effective_final_prune == "compensated":
@@ -126,9 +125,19 @@ class CastMethod(TrainingMethod):
         """The final prune with the current masks: hard (``θ ← θ ⊙ m``) or compensated (OBS update of the
         kept weights on calibration data); records the L1 mass it removed in ``prune_report``."""
         masks = optimizer.masks()
-        weights = list(masks)
-        ratio = sparse_weight_ratio(weights, [masks[w] for w in weights])
-        removed = float(sum(w.detach()[~mk].abs().double().sum() for w, mk in masks.items()))
+        # L1 mass kept and in all, over this rank's rows (FSDP2: masks are local) and then over the ranks
+        sums = torch.zeros(2, dtype=torch.float64)
+        for w, mk in masks.items():
+            mag = (w.to_local() if hasattr(w, "to_local") else w).detach().abs().double()
+            sums += torch.stack([mag[mk.to(mag.device)].sum().cpu(), mag.sum().cpu()])
+        if any(hasattr(w, "to_local") for w in masks) and torch.distributed.is_initialized():
+            device = next(iter(masks)).device
+            sums = sums.to(device)
+            torch.distributed.all_reduce(sums)
+            sums = sums.cpu()
+        kept, total = sums.tolist()
+        ratio = kept / total if total > 0 else 1.0
+        removed = total - kept
         how = self.cfg.effective_final_prune
         if how == "compensated":
             by_fqn = {self._names[id(p)]: mk for p, mk in masks.items()}

@@ -23,14 +23,14 @@ __all__ = ["initial_masks", "mask_keys", "refresh_due"]
 
 
 def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool = False) -> dict[str, torch.Tensor]:
-    """``{target fqn: bool mask in the weight's layout}`` from the one-shot method ``cfg.init_mask``.
+    """``{target fqn: bool mask in the weight's layout}`` from the one-shot method ``cfg.effective_init_mask``.
 
     ``apply=True`` prunes ``model`` itself with it (naive retraining starts from the one-shot *model*:
     pruned weights zeroed, and SparseGPT's reconstructed kept weights); ``apply=False`` leaves the weights
     untouched (the mask learners start from the dense weights and take only the mask).
     """
     targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
-    if cfg.init_mask == "magnitude":
+    if cfg.effective_init_mask == "magnitude":
         masks = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets}
         if apply:
             with torch.no_grad():
@@ -38,13 +38,13 @@ def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool 
                     t.weight.masked_fill_(~masks[t.fqn], 0.0)
         return masks
     if data is None:
-        raise CastError(f"--init-mask {cfg.init_mask} needs calibration data; pass the run's data to prepare_model")
+        raise CastError(f"--init-mask {cfg.effective_init_mask} needs calibration data; pass the run's data to prepare_model")
     samples = min(cfg.calib_samples, data.train.shape[0])
     calib = calibration_samples(data, samples, seed=cfg.seed)
     subject = model if apply else copy.deepcopy(model)  # a copy: the one-shot pruner edits weights in place
     sub_targets = targets if apply else find_targets(subject, n=cfg.n, m=cfg.m,
                                                      skip_incompatible=cfg.skip_incompatible)
-    result = prune_model(subject, cfg.init_mask, calib, n=cfg.n, m=cfg.m, device=device, targets=sub_targets)
+    result = prune_model(subject, cfg.effective_init_mask, calib, n=cfg.n, m=cfg.m, device=device, targets=sub_targets)
     by_fqn = {t.fqn: t for t in targets}
     # prune_model's masks are (out, in); Conv1D weights are stored (in, out)
     return {fqn: (mask.t().contiguous() if by_fqn[fqn].transposed else mask).to(by_fqn[fqn].weight.device)
