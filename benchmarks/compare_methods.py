@@ -41,31 +41,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_report import ORDER_CHECK, write_chart, write_report  # noqa: E402
 
 # Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib), except
-# "adams": lr/λ overrides for the runs whose pruned weights AdamS must decay to ~0 during training (CAST and its
-# AdamS ablations); empty = the same lr as every other training run. AdamS moves a weight by ~lr per step, so
-# CAST needs lr·T/2 above the typical |pruned weight| (SmolLM2-135M: median 0.060) — but AdamS's second moment
-# is built from the momentum, not from g², so on noisy small batches every weight moves by ~lr per step and a
-# large lr destroys the model (measured: docs/results/compare-smollm2-135m-48k.md). Both lrs are in every row.
+# "adams" (lr/λ overrides for every row whose pruned weights AdamS decays) and "row_lr" (a row's own settings:
+# the best of the lrs measured for it, docs/results/compare-smollm2-135m-cpu-notes.md). Every row states its lr.
 TIERS: dict[str, dict] = {
     # a tiny random LLaMA built locally; seconds in all, so that the test suite runs it
     "quick": dict(tokens=256, seq_len=32, batch_size=2, grad_accum=1, lr=3e-3, l1_decay=1e-4, eta=1 / 3,
                   log_every=2, mask_interval=2, val_sequences=1, wikitext_windows=1, eval_seq_len=32,
                   calib_samples=4, device="cpu", precision="fp32", adams={}),
-    # SmolLM2-135M on the embedded corpus, sized for ~1 h on 2 free CPU cores (100-150 training tok/s).
-    # Short sequences (128) buy more optimizer steps for the same tokens: ~94 steps without KD, ~71 with.
-    # Every training run at lr 5e-4 (a usual fine-tuning lr). An earlier run gave CAST lr 2e-3 (for lr·T/2 ≈
-    # 0.07): its CE rose from 2.9 to 18.7 within 10 steps and the final 2:4 model scored 6,742 held-out ppl.
+    # SmolLM2-135M on the embedded corpus (100-150 training tok/s on 2 idle cores). Short sequences (128) buy
+    # more optimizer steps for the same tokens: 94 steps without KD, 71 with at 48k. Evaluation: 64 held-out
+    # sequences, 64 WikiText-2 windows of 512. lr: 5e-4 for the runs that start from the one-shot magnitude
+    # model (it needs large steps to repair) and for paper-exact CAST (its decay needs travel); 1e-4 for the
+    # runs that start from SparseGPT (near a good model: 5e-4 lost ground, measured) — CAST's AdamS builds its
+    # second moment from the momentum, so noise moves every weight ~lr per step and 5e-4 damages a warm start.
     "cpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=48_000, seq_len=128, batch_size=4,
-                grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=1 / 3, log_every=10, mask_interval=10,
-                val_sequences=32, wikitext_windows=8, eval_seq_len=512, calib_samples=128, device="cpu",
-                precision="fp32", adams={}),
+                grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=0.5, lr_schedule="constant", log_every=10,
+                mask_interval=10, val_sequences=64, wikitext_windows=64, eval_seq_len=512, calib_samples=128,
+                device="cpu", precision="fp32", adams={},
+                row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
-    # 8k-token steps (4 × 2048): 4,883 steps without KD, 3,662 with, so that AdamS's lr·T/2 ≈ 0.18 at the
-    # baselines' lr 1e-4 covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
+    # 8k-token steps (4 × 2048): 4,883 steps without KD, 3,662 with, so that AdamS's lr·T/2 ≈ 0.18 at lr 1e-4
+    # covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
     "gpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=40_000_000, seq_len=2048, batch_size=4,
-                grad_accum=1, lr=1e-4, l1_decay=2e-5, eta=1 / 3, log_every=10, mask_interval=10,
-                val_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128, device="cuda",
-                precision="bf16", adams={}),
+                grad_accum=1, lr=1e-4, l1_decay=2e-5, eta=0.5, lr_schedule="constant", log_every=10,
+                mask_interval=10, val_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128,
+                device="cuda", precision="bf16", adams={}),
 }
 SHARED_KEYS = ("model", "data", "seq_len", "seed")  # what the one-shot runs share with the training runs
 
@@ -295,9 +295,11 @@ class Comparison:
 
     def run_entry(self, e: Entry) -> dict:
         """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
-        if not (e.seeded and len(self.seeds) > 1):
+        if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
         runs = [self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in self.seeds]
+        if len(runs) == 1:
+            return runs[0]
         ok = [r for r in runs if r.get("status") == "ok"]
         row = dict(runs[0])
         row["seeds"] = runs

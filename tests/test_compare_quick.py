@@ -32,9 +32,9 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     tokens = {r["key"]: r["tokens"] for r in rows}
     assert tokens["cast"] == tokens["ast"] == 3 * tokens["naive"] // 4 == 3 * tokens["srste"] // 4  # equal compute
     # finished runs are reused, and --only adds rows to the same table
-    before = (tmp_path / "runs" / "tiny-llama-256" / "cast" / "compare_row.json").stat().st_mtime
+    before = (tmp_path / "runs" / "tiny-llama-256" / "cast" / "seed-0" / "compare_row.json").stat().st_mtime
     compare_methods.main(["--tier", "quick", "--runs-dir", str(tmp_path / "runs"), "--docs-dir", str(docs),
                           "--only", "cast,cast-no-kd"])
-    assert (tmp_path / "runs" / "tiny-llama-256" / "cast" / "compare_row.json").stat().st_mtime == before
+    assert (tmp_path / "runs" / "tiny-llama-256" / "cast" / "seed-0" / "compare_row.json").stat().st_mtime == before
     text = md.read_text()
     assert "| CAST w/o KD |" in text and "| Wanda |" in text
