@@ -1274,7 +1274,8 @@ def quality_rows(ctx: Ctx) -> dict:
     overhead = q.get("overhead_s", 30.0)
     for key in order:
         e = entries[key]
-        done = comp.runs / key / "compare_row.json"
+        row_dir = comp.runs / key / (f"seed-{comp.seeds[0]}" if e.seeded else "")
+        done = row_dir / "compare_row.json"
         if done.is_file():
             results[key] = json.loads(done.read_text())
             continue
@@ -1289,11 +1290,8 @@ def quality_rows(ctx: Ctx) -> dict:
         row = comp.run_entry(e)
         if row.get("status") != "ok" and comp.last_rc == 124:
             row.update(status="pending", note="cut at the call's end: resumes from its checkpoint")
-        if row.get("status") == "ok" and e.kind == "train":
-            rep = _run_dir_report(comp.runs / key / "model")
-            row.update(sparse_weight_ratio=rep.get("sparse_weight_ratio"), tokens_per_s=rep.get("tokens_per_s"))
-            done.write_text(json.dumps(row, indent=2))
-            shutil.rmtree(comp.runs / key / "model" / "checkpoints", ignore_errors=True)
+        if row.get("status") == "ok" and e.kind == "train":  # (compare_methods recorded S_T and tokens/s)
+            shutil.rmtree(row_dir / "model" / "checkpoints", ignore_errors=True)
         if row.get("status") == "failed":
             q.setdefault("failed_rows", {})[key] = row
         results[key] = row
