@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cast-llm-installed
-# The main job writes here; `make run` refuses nothing: it overwrites its own previous run.
+# The main job writes here. `make run` continues its own run after a Ctrl-C (--resume auto: from the last
+# checkpoint) and starts a completed one afresh; it never touches files it did not write.
 RUN_DIR ?= runs/smollm2-cpu
 
 .PHONY: run test install lint clean
@@ -27,7 +28,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/cast-llm train --preset smollm2-cpu --output-dir $(RUN_DIR) --overwrite
+	$(VENV)/bin/cast-llm train --preset smollm2-cpu --output-dir $(RUN_DIR) --resume auto
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

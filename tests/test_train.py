@@ -152,13 +152,14 @@ def test_yaml_and_cli_precedence(tmp_path):
     from cast_llm.cli.train import build_config
 
     y = tmp_path / "c.yaml"
-    y.write_text(yaml.safe_dump({"lr": 1e-3, "seq-len": 64, "eta": 0.5, "max_steps": 7}))
+    y.write_text(yaml.safe_dump({"lr": 1e-3, "seq-len": 64, "eta": 0.4, "max_steps": 7}))
     p = build_parser()
     cfg = build_config(p.parse_args(["train", "--preset", "smollm2-cpu", "--config", str(y), "--lr", "2e-4",
                                      "--output-dir", "x"]))
     assert cfg.lr == 2e-4  # CLI beats YAML
-    assert cfg.seq_len == 64 and cfg.eta == 0.5 and cfg.max_steps == 7  # YAML beats preset
-    assert cfg.batch_size == 2 and cfg.warmup_steps == 5 and cfg.model == "smollm2-135m"  # preset beats defaults
+    assert cfg.seq_len == 64 and cfg.eta == 0.4 and cfg.max_steps == 7  # YAML beats preset
+    assert cfg.tokens is None  # the file's budget (steps) replaces the preset's (tokens)
+    assert cfg.batch_size == 4 and cfg.warmup_steps == 2 and cfg.model == "smollm2-135m"  # preset beats defaults
     cfg = build_config(p.parse_args(["train", "--preset", "smollm2-cpu", "--tokens", "20M", "--output-dir", "x"]))
     assert cfg.tokens == 20_000_000 and cfg.max_steps is None  # a typed budget replaces the preset's
     y.write_text("lrr: 3\n")

@@ -255,11 +255,13 @@ def cli_layer(args: argparse.Namespace, cls) -> dict[str, Any]:
 def run_config_layer(cli: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """With ``--resume``: the run's own ``config.yaml`` as the lowest layer (so ``--resume`` alone continues
     a run with every setting it had; flags typed with it override it, and the checkpoint's fingerprint
-    then refuses a change that would alter the run). Without it, or before the run wrote one: nothing."""
+    then refuses a change that would alter the run). Without it, or when there is nothing to continue (no
+    complete checkpoint: ``--resume auto`` then starts afresh from the other layers): nothing."""
     if not cli.get("resume") or not cli.get("output_dir"):
         return []
-    path = Path(cli["output_dir"]) / "config.yaml"
-    if not path.is_file():
+    folder = Path(cli["output_dir"])
+    path = folder / "config.yaml"
+    if not path.is_file() or not any(folder.glob("checkpoints/step-*/meta.json")):
         return []
     data = load_yaml(path)
     for key in ("resume", "overwrite"):  # how this invocation treats the folder is its own business

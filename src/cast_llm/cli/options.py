@@ -51,8 +51,9 @@ def resolve_options(cls, args: argparse.Namespace, *, presets: Mapping[str, dict
     """``cls`` from, lowest first: its defaults < (``run_folder`` and ``--resume``: the run's ``config.yaml``)
     < ``--preset`` < ``--config`` file < the flags typed (and MODEL).
 
-    ``one_of``: fields that are alternatives of each other (a budget in tokens or in steps): when the command
-    line gives one of them, the lower layers' values of all of them are dropped.
+    ``one_of``: fields that are alternatives of each other (a budget in tokens or in steps): a layer that
+    gives one of them drops the lower layers' values of all of them (a budget in the YAML file replaces the
+    preset's, a budget typed replaces both).
     """
     cli = cli_layer(args, cls)
     layers = run_config_layer(cli) if run_folder else []
@@ -63,7 +64,10 @@ def resolve_options(cls, args: argparse.Namespace, *, presets: Mapping[str, dict
         layers.append((f"preset {preset}", presets[preset]))
     if getattr(args, "config", None):
         layers.append((args.config, load_yaml(args.config)))
-    if any(name in cli for name in one_of):
-        layers = [(src, {k: v for k, v in d.items() if k.replace("-", "_") not in one_of}) for src, d in layers]
     layers.append(("command line", cli))
+    if one_of:
+        for i, (_, d) in enumerate(layers):
+            if any(k.replace("-", "_") in one_of for k in d):
+                layers[:i] = [(src, {k: v for k, v in low.items() if k.replace("-", "_") not in one_of})
+                              for src, low in layers[:i]]
     return resolve(cls, *layers)
