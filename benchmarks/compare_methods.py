@@ -55,7 +55,7 @@ TIERS: dict[str, dict] = {
     # runs that start from SparseGPT (near a good model: 5e-4 lost ground, measured) — CAST's AdamS builds its
     # second moment from the momentum, so noise moves every weight ~lr per step and 5e-4 damages a warm start.
     "cpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=48_000, seq_len=128, batch_size=4,
-                grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=0.5, lr_schedule="constant", log_every=10,
+                grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=0.5, lr_schedule="cosine", log_every=10,
                 mask_interval=10, val_sequences=64, wikitext_windows=64, eval_seq_len=512, calib_samples=128,
                 device="cpu", precision="fp32", adams={},
                 row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}}),
@@ -63,7 +63,7 @@ TIERS: dict[str, dict] = {
     # 8k-token steps (4 × 2048): 4,883 steps without KD, 3,662 with, so that AdamS's lr·T/2 ≈ 0.18 at lr 1e-4
     # covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
     "gpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=40_000_000, seq_len=2048, batch_size=4,
-                grad_accum=1, lr=1e-4, l1_decay=2e-5, eta=0.5, lr_schedule="constant", log_every=10,
+                grad_accum=1, lr=1e-4, l1_decay=2e-5, eta=0.5, lr_schedule="cosine", log_every=10,
                 mask_interval=10, val_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128,
                 device="cuda", precision="bf16", adams={}),
 }
@@ -88,8 +88,7 @@ class Entry:
 # CAST's best configuration for short budgets (docs/results/compare-smollm2-135m-cpu-notes.md says how it was
 # chosen): the same flags are `cast-llm train`'s defaults, so `--method cast` alone gives it; they are spelled
 # out here so that the table's command says what the row is.
-CAST_BEST = ["--warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0.2", "--final-prune", "hard",
-             "--lr-schedule", "constant"]
+CAST_BEST = ["--warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0.2", "--final-prune", "hard"]
 
 CORE = [
     Entry("dense", "Dense", "dense"),

@@ -102,8 +102,9 @@ class RunConfig(PatternSettings):
     warmup_steps: int | None = option(None, "linear warm-up steps (default: 2% of the steps for train, 3% for "
                                             "finetune; at least 1)", min=0, section=OPTIM)
     lr_schedule: str = option("cosine", "lr after the warm-up: cosine or linear decay to lr × --min-lr-ratio, or "
-                                        "constant (the paper gives none; docs/training.md)", choices=LR_SCHEDULES,
-                              section=OPTIM)
+                                        "constant (the paper gives none; cosine measured best for CAST on short "
+                                        "budgets although constant lets the decay travel further: docs/training.md)",
+                              choices=LR_SCHEDULES, section=OPTIM)
     min_lr_ratio: float = option(0.0, "the cosine / linear schedules decay to lr × this", min=0, max=1, section=OPTIM)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)", min=0, section=OPTIM)
     log_every: int = option(10, "steps between metrics.jsonl / TensorBoard records", min=1, section=CKPT)
@@ -324,10 +325,10 @@ PRESETS: dict[str, dict] = {
     "llama": dict(lr=2e-5, l1_decay=4e-7, seq_len=4096, batch_size=8, grad_accum=32, max_steps=7_500, eta=1 / 3),
     # CPU-sized (`make run`): the embedded SmolLM2-135M on the embedded corpus in ~10 minutes on 2 idle cores,
     # with CAST's short-budget defaults (warm start from SparseGPT, masked repair) at the settings the CPU-tier
-    # comparison measured best (lr 1e-4, constant schedule, η 1/2: docs/results/compare-smollm2-135m-cpu-notes.md).
+    # comparison measured best (lr 1e-4, η 1/2: docs/results/compare-smollm2-135m-cpu-notes.md).
     "smollm2-cpu": dict(
         model="smollm2-135m", data="wiki-summaries", seq_len=128, batch_size=4, grad_accum=1, tokens=36_000,
-        lr=1e-4, l1_decay=1e-4, eta=0.5, lr_schedule="constant", warmup_steps=2, log_every=10, val_sequences=32,
+        lr=1e-4, l1_decay=1e-4, eta=0.5, warmup_steps=2, log_every=10, val_sequences=32,
         eval_seq_len=512, save_every=20, calib_samples=128,
     ),
 }
