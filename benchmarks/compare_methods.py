@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_report import ORDER_CHECK, write_chart, write_report  # noqa: E402
+from compare_report import ORDER_CHECK, portable, wikitext2_description, write_chart, write_report  # noqa: E402
 
 # Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib), except
 # "adams" (lr/λ overrides for every row whose pruned weights AdamS decays) and "row_lr" (a row's own settings:
@@ -178,11 +178,8 @@ class Comparison:
         self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
         if opts.tier == "quick":
             self._build_quick_model(root)
-        elif "wikitext_file" not in self.tier:
-            from cast_llm.eval.ppl import wikitext2_file
-
-            # explicit in every command, so each run evaluates the same file ($CAST_WIKITEXT2 or the packaged copy)
-            self.tier["wikitext_file"] = str(wikitext2_file().resolve())
+        # Other tiers: every run resolves WikiText-2 the same way ($CAST_WIKITEXT2, else the copy packaged with
+        # cast-llm); the report names the source once.
         self.model_name = Path(self.tier["model"]).name if opts.tier == "quick" else self.tier["model"]
         self.runs = root / f"{self.model_name}-{budget_name(self.budget)}"
         self.runs.mkdir(parents=True, exist_ok=True)
@@ -388,7 +385,7 @@ class Comparison:
         meta = {"tier": self.opts.tier, "model": self.tier["model"], "data": self.tier["data"],
                 "budget": self.budget, "settings": self.tier, "total_wall_s": round(time.perf_counter() - t0, 1),
                 "command": "python benchmarks/compare_methods.py " + shlex.join(sys.argv[1:]),
-                "runs_dir": str(self.runs)}
+                "runs_dir": portable(str(self.runs)), "wikitext2": wikitext2_description(self.tier)}
         png = write_chart(rows, meta, docs / f"{stem}.png")
         md = write_report(rows, meta, docs / f"{stem}.md", png)
         (self.runs / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

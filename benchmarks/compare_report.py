@@ -4,7 +4,10 @@ of the paper's ordering (method.md §8) and the bar chart."""
 from __future__ import annotations
 
 import datetime
+import shlex
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The ordering method.md §8 asks to reproduce: CAST < SR-STE ≲ naive ≪ SparseGPT < Wanda < magnitude.
 # (a, b, slack): ppl(a) < ppl(b) · slack; "≲" is read as "at most 5 % worse".
@@ -20,6 +23,28 @@ COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": 
 
 def _num(v, fmt="{:.2f}") -> str:
     return "—" if v is None else fmt.format(v)
+
+
+def portable(text: str) -> str:
+    """``text`` with this checkout's absolute path removed (commands and folders read from the repository root),
+    and an explicit ``--wikitext-file`` of the packaged WikiText-2 copy (what earlier versions passed) dropped:
+    every run resolves that same copy by itself."""
+    from cast_llm.eval.ppl import wikitext2_source
+
+    text = text.replace(str(REPO) + "/", "")
+    try:
+        packaged = str(wikitext2_source().path)
+    except Exception:
+        return text
+    return text.replace(f" --wikitext-file {packaged}", "").replace(f" --wikitext-file {shlex.quote(packaged)}", "")
+
+
+def wikitext2_description(tier: dict) -> str:
+    from cast_llm.eval.ppl import wikitext2_source
+
+    if tier.get("wikitext_file"):
+        return portable(tier["wikitext_file"])
+    return wikitext2_source().description
 
 
 def _ppl(r: dict, split: str) -> str:
@@ -87,7 +112,8 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"steps, device {s['device']}, precision {s['precision']}. **Equal compute**: runs without a teacher get "
         f"{meta['budget']:,} tokens, runs with KD get 3/4 of that (KD costs ~4/3, method.md §4). One-shot "
         f"methods calibrate on {s['calib_samples']} training sequences of {s['seq_len']} tokens. Perplexity: "
-        f"held-out = {s['val_sequences']} held-out sequences of the training data; WikiText-2 = raw test split, "
+        f"held-out = {s['val_sequences']} held-out sequences of the training data; WikiText-2 = raw test split "
+        f"({meta.get('wikitext2', 'the packaged copy')}), "
         f"windows of {s['eval_seq_len']}, {s['wikitext_windows'] or 'all'} windows. Lower is better.",
         "",
         "Rows with several seeds show the mean and, below it, the range. S_T: the sparse-weight ratio just "
@@ -127,7 +153,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     if failed:
         lines += ["", "## Failed runs", ""] + [f"- {r['label']}: {r.get('error', '')}" for r in failed]
     lines += ["", "## Commands", "", "Every row, as run (from the repository root):", ""]
-    lines += [f"- {r['label']}: `{r.get('command', '')}`" for r in rows]
+    lines += [f"- {r['label']}: `{portable(r.get('command', ''))}`" for r in rows]
     # hand-written discussion below the marker survives a regeneration (e.g. --only adding rows)
     old = path.read_text() if path.is_file() else ""
     notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
