@@ -153,6 +153,30 @@ def test_srste_decay_is_added_to_pruned_gradients_then_plain_adamw():
         SRSTEAdamW([a], {a: mask}, srste_decay=-1.0)
 
 
+def test_srste_reads_the_mask_buffers_the_model_holds_after_a_move():
+    """accelerate moves the model after the optimizer is built: a move replaces every buffer, so SR-STE must
+    read the wrappers' current mask, not a tensor captured at construction (it was on the CPU while the
+    weights were on the GPU, and its in-place mask updates were never seen)."""
+    model = tiny.model("llama")
+    method = get_method("srste")
+    cfg = _cfg(method="srste", srste_decay=0.5)
+    method.prepare_model(model, cfg)
+    opt = method.build_optimizer(model, cfg, 4)
+    before = {fqn: w.mask for fqn, w in method.wrappers.items()}
+    model._apply(lambda t: t.clone())  # what .to(device) does: new buffers, parameters keep their identity
+    fqn, w = next(iter(method.wrappers.items()))
+    assert w.mask is not before[fqn]
+    new_mask = ~w.mask  # the other two of each group: still 2:4, and a different mask
+    assert not torch.equal(new_mask, w.mask)
+    w.mask.copy_(new_mask)  # an in-place mask update on the moved buffer
+    for p in (x for g in opt.param_groups for x in g["params"]):
+        p.grad = torch.zeros_like(p)
+    opt.add_srste_decay_()
+    expected = torch.where(new_mask, 0.0, w.weight.detach()) * 0.5
+    torch.testing.assert_close(w.weight.grad, expected, rtol=0, atol=0)
+    assert torch.equal(opt.masks()[w.weight], new_mask)
+
+
 def test_srste_recomputes_masks_from_weights_every_interval():
     model = tiny.model("llama")
     method = get_method("srste")

@@ -91,6 +91,11 @@ class Distribution:
 class Replicated(Distribution):
     """One process, or DDP: every rank holds the whole model."""
 
+    def shard(self, model, teacher, cfg, say) -> None:
+        # on the device BEFORE the optimizer is built: a move replaces every buffer, and an optimizer built on
+        # the CPU model would keep the old ones (SR-STE's masks, masks copied into AdamS's state)
+        model.to(self.device)
+
     def wrap(self, model, optimizer, teacher):
         model, optimizer = self.accelerator.prepare(model, optimizer)
         if teacher is not None:

@@ -22,7 +22,8 @@ class SRSTEMethod(SparseForwardMethod):
     ste = True
 
     def build_optimizer(self, model, cfg, total_steps: int):
-        masks = {w.weight: w.mask for w in self.wrappers.values()}  # shared with the forward
+        # the live buffers, read at every step: accelerate moves the model after the optimizer is built
+        masks = {w.weight: (lambda w=w: w.mask) for w in self.wrappers.values()}
         return SRSTEAdamW(self.weight_groups(model, cfg), masks, srste_decay=cfg.srste_decay, lr=cfg.lr,
                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
