@@ -155,3 +155,24 @@ def test_the_packaged_copy_needs_no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
     assert os.path.getsize(wikitext2_file()) == 1_296_370
+
+
+def test_no_file_of_the_project_points_outside_the_repository():
+    """The product is self-contained: no code, doc, --help text or script names a path beside the checkout
+    (the development machine keeps reference material in a folder next to it; users do not have it)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    pattern = re.compile(r"\.\./shared|/shared/(docs|data)|work/shared")
+    offenders = []
+    for rel in files:
+        path = ROOT / rel
+        if rel.startswith("tests/") or not path.is_file() or path.suffix in (".png", ".gz", ".safetensors"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        offenders += [f"{rel}:{n}" for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert not offenders, "paths outside the repository: " + ", ".join(offenders[:20])
