@@ -94,7 +94,8 @@ class AdamS(Optimizer):
         maximize: ascend the objective (the L1 decay still pulls towards 0).
         foreach: ``None``/``True`` = fast path, ``False`` = the single-tensor reference path.
         fused: ``None`` (default): on CUDA, sparse groups use the one-pass Triton kernel
-            (:mod:`cast_llm.optim.triton_adams`) when Triton is importable, else the foreach path; dense
+            (:mod:`cast_llm.optim.triton_adams`) when Triton is importable, else the single-tensor reference
+            path (the block-wise fast path disagreed with the reference on an H100; it stays CPU-only); dense
             groups use torch's fused Adam kernel (CPU and CUDA; equal to ``AdamW(fused=True)``).
             ``True``: the same, but a CUDA sparse parameter that cannot use the Triton kernel (Triton
             missing, float64, odd strides) raises instead of falling back. ``False``: no fused kernel for
