@@ -73,10 +73,14 @@ def best_check(rows: list[dict]) -> list[str]:
 
 def _lr_note(s: dict) -> str:
     adams = s.get("adams", {}).get("lr")
-    if adams is None or adams == s["lr"]:
-        return f"{s['lr']:g} for every method"
-    return (f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to ~0 "
-            "during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")
+    own = {k: v["lr"] for k, v in s.get("row_lr", {}).items() if "lr" in v and v["lr"] != s["lr"]}
+    note = f"{s['lr']:g} for every method" if adams is None or adams == s["lr"] else (
+        f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to ~0 "
+        "during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")
+    if own:  # rows that start from a one-shot model have their own measured lr
+        note = note.replace(" for every method", " unless the row has its own") + "; " + ", ".join(
+            f"{k} {v:g}" for k, v in sorted(own.items())) + " (each row at its measured best lr)"
+    return note
 
 
 def ordering(rows: list[dict], split: str) -> list[tuple[str, str, bool | None, str]]:
