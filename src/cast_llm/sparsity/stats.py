@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "sparse_weight_ratio"]
+__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "l1_mass", "sparse_weight_ratio"]
 
 TensorOrSeq = Tensor | Sequence[Tensor]
 
@@ -78,10 +78,17 @@ def sparse_weight_ratio(weights: TensorOrSeq, masks: TensorOrSeq) -> float:
     Sums run in float64. If every weight is exactly zero the ratio is defined as 1.0 (no mass is
     outside the masks).
     """
+    kept, total = l1_mass(weights, masks)
+    return 1.0 if total == 0.0 else kept / total
+
+
+def l1_mass(weights: TensorOrSeq, masks: TensorOrSeq) -> tuple[float, float]:
+    """``(Σ‖W⊙M‖₁, Σ‖W‖₁)`` in float64: the two sums of ``S_t``, for callers that add them up across
+    processes (pass each rank's local shards) before dividing."""
     kept = 0.0
     total = 0.0
     for w, msk in _pairs(weights, masks, ("weights", "masks"), (False, True)):
         mag = w.detach().abs()
         total += float(mag.sum(dtype=torch.float64))
         kept += float(mag.masked_fill(~msk.to(w.device), 0).sum(dtype=torch.float64))
-    return 1.0 if total == 0.0 else kept / total
+    return kept, total

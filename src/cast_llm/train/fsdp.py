@@ -30,6 +30,7 @@ from cast_llm.errors import CastError
 from cast_llm.models import load_model
 from cast_llm.nn import wrap_scaling_
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
+from cast_llm.sparsity.stats import l1_mass
 from cast_llm.targets import find_block_list, find_targets
 from cast_llm.train.observers import target_weight
 
@@ -212,12 +213,10 @@ class ShardedMaskStats:
             for k, cur in ctx.masks.items():
                 prev = unpack_mask(self.prev[k], self.shapes[k]).to(cur.device)
                 init = unpack_mask(self.initial[k], self.shapes[k]).to(cur.device)
-                mag = local(target_weight(params, k)).detach().abs()
                 sums[0] += float((prev != cur).sum())
                 sums[1] += float((init != cur).sum())
                 sums[2] += cur.numel()
-                sums[3] += float(mag.masked_fill(~cur, 0).sum(dtype=torch.float64))
-                sums[4] += float(mag.sum(dtype=torch.float64))
+                sums[3:] += torch.tensor(l1_mass(local(target_weight(params, k)), cur), dtype=torch.float64)
         self.prev = {k: pack_mask(v) for k, v in ctx.masks.items()}
         sums = sums.to(self.device)
         dist.all_reduce(sums)

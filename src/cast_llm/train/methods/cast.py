@@ -33,6 +33,7 @@ from cast_llm.nn import fold_scaling_, wrap_scaling_
 from cast_llm.optim import AdamS
 from cast_llm.optim.forecast import forecast_decay
 from cast_llm.prune.compensate import compensated_prune_
+from cast_llm.sparsity.stats import l1_mass
 from cast_llm.targets import find_targets, param_groups
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.masks import initial_masks
@@ -126,10 +127,8 @@ class CastMethod(TrainingMethod):
         kept weights on calibration data); records the L1 mass it removed in ``prune_report``."""
         masks = optimizer.masks()
         # L1 mass kept and in all, over this rank's rows (FSDP2: masks are local) and then over the ranks
-        sums = torch.zeros(2, dtype=torch.float64)
-        for w, mk in masks.items():
-            mag = (w.to_local() if hasattr(w, "to_local") else w).detach().abs().double()
-            sums += torch.stack([mag[mk.to(mag.device)].sum().cpu(), mag.sum().cpu()])
+        sums = torch.tensor(l1_mass([w.to_local() if hasattr(w, "to_local") else w for w in masks],
+                                    list(masks.values())), dtype=torch.float64)
         if any(hasattr(w, "to_local") for w in masks) and torch.distributed.is_initialized():
             device = next(iter(masks)).device
             sums = sums.to(device)
