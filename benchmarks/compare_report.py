@@ -74,12 +74,13 @@ def best_check(rows: list[dict]) -> list[str]:
 def _lr_note(s: dict) -> str:
     adams = s.get("adams", {}).get("lr")
     own = {k: v["lr"] for k, v in s.get("row_lr", {}).items() if "lr" in v and v["lr"] != s["lr"]}
-    note = f"{s['lr']:g} for every method" if adams is None or adams == s["lr"] else (
-        f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to ~0 "
-        "during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")
+    if adams is not None and adams != s["lr"]:
+        note = (f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to "
+                "~0 during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")
+    else:
+        note = f"{s['lr']:g} " + ("unless the row has its own" if own else "for every method")
     if own:  # rows that start from a one-shot model have their own measured lr
-        note = note.replace(" for every method", " unless the row has its own") + "; " + ", ".join(
-            f"{k} {v:g}" for k, v in sorted(own.items())) + " (each row at its measured best lr)"
+        note += "; " + ", ".join(f"{k} {v:g}" for k, v in sorted(own.items())) + " (each row at its measured best lr)"
     return note
 
 
