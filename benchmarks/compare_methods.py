@@ -20,7 +20,8 @@ Finished runs are reused when the script is started again (``--fresh`` redoes th
 stopped (Ctrl-C, SIGTERM, a crash after a checkpoint) resumes from its newest checkpoint (``--resume auto``;
 ``--save-every`` sets how often they are written); a failed run is reported in the table and does not stop
 the others. ``--seeds 0,1`` runs the rows marked seeded (CAST, naive retraining and its SparseGPT start) once
-per seed and reports the mean and the range.
+per seed and reports the mean and the range; the report keeps every seed that finished (also of rows run with
+fewer seeds) and says how many each row has.
 """
 
 from __future__ import annotations
@@ -289,16 +290,27 @@ class Comparison:
         with torch.no_grad():
             return self.evaluator().both(model)
 
-    def run_entry(self, e: Entry) -> dict:
+    def run_entry(self, e: Entry, seeds: list[int] | None = None) -> dict:
         """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
         if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
-        runs = [self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in self.seeds]
+        return self.aggregate([self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in seeds or self.seeds])
+
+    def finished_seeds(self, e: Entry) -> list[int]:
+        """The seeds of entry ``e`` whose run finished, whatever ``--seeds`` says (the report keeps them all)."""
+        found = [p.name.removeprefix("seed-") for p in (self.runs / e.key).glob("seed-*")
+                 if (p / "compare_row.json").is_file()]
+        return sorted(int(x) for x in found if x.isdigit())
+
+    @staticmethod
+    def aggregate(runs: list[dict]) -> dict:
+        """One table row from the runs of a seeded entry: the mean over the seeds and the range."""
         if len(runs) == 1:
-            return runs[0]
+            return {**runs[0], "n_seeds": 1}
         ok = [r for r in runs if r.get("status") == "ok"]
         row = dict(runs[0])
         row["seeds"] = runs
+        row["n_seeds"] = len(runs)
         if len(ok) < len(runs):
             row.update(status="failed", error="; ".join(r.get("error", "") for r in runs if r.get("status") != "ok"))
             return row
@@ -309,7 +321,7 @@ class Comparison:
         for key in ("sparse_weight_ratio", "tokens_per_s", "wall_s"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = sum(vals) / len(vals) if vals else None
-        row["command"] = ok[0]["command"] + f"  (and with --seed {', '.join(map(str, self.seeds[1:]))})"
+        row["command"] = ok[0]["command"] + f"  (and with --seed {', '.join(str(r['seed']) for r in ok[1:])})"
         return row
 
     def _run_one(self, e: Entry, out: Path, seed: int | None) -> dict:
@@ -369,9 +381,8 @@ class Comparison:
                 done = self.runs / e.key / "compare_row.json"
                 if done.is_file():
                     rows.append(json.loads(done.read_text()))
-                elif e.seeded and all((self.runs / e.key / f"seed-{x}" / "compare_row.json").is_file()
-                                      for x in self.seeds):
-                    rows.append(self.run_entry(e))  # every seed finished: aggregates without running
+                elif e.seeded and (seeds := self.finished_seeds(e)):
+                    rows.append(self.run_entry(e, seeds))  # the seeds that finished, aggregated without running
                 continue
             print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} ...", flush=True)
             rows.append(self.run_entry(e))

@@ -38,3 +38,31 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     assert (tmp_path / "runs" / "tiny-llama-256" / "cast" / "seed-0" / "compare_row.json").stat().st_mtime == before
     text = md.read_text()
     assert "| CAST w/o KD |" in text and "| Wanda |" in text
+
+
+def test_report_keeps_the_seeds_that_finished(tmp_path):
+    """A seeded row run with fewer seeds than ``--seeds`` stays in the table, with its seed count."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+        from compare_report import _ppl
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cmp = compare_methods.Comparison(compare_methods.parse_args(
+        ["--tier", "cpu", "--tokens", "1k", "--seeds", "0,1", "--runs-dir", str(tmp_path)]))
+    entry = {e.key: e for e in compare_methods.ALL_ENTRIES}
+    for key, seed, ppl in (("naive", 0, (40.0, 140.0)), ("naive", 1, (44.0, 150.0)), ("cast", 0, (200.0, 400.0))):
+        out = cmp.runs / key / f"seed-{seed}"
+        out.mkdir(parents=True)
+        (out / "compare_row.json").write_text(json.dumps(
+            {"key": key, "seed": seed, "status": "ok", "heldout": ppl[0], "wikitext2": ppl[1], "wall_s": 10.0,
+             "command": f"cast-llm train --seed {seed}", "sparse_weight_ratio": 0.9, "tokens_per_s": 100.0}))
+    (cmp.runs / "cast" / "seed-x").mkdir()  # not a seed directory: ignored
+    assert cmp.finished_seeds(entry["naive"]) == [0, 1] and cmp.finished_seeds(entry["cast"]) == [0]
+    assert cmp.finished_seeds(entry["cast-best"]) == []
+    naive = cmp.run_entry(entry["naive"], cmp.finished_seeds(entry["naive"]))
+    assert naive["heldout"] == 42.0 and naive["wikitext2_range"] == [140.0, 150.0] and naive["n_seeds"] == 2
+    assert naive["command"].endswith("(and with --seed 1)")
+    assert _ppl(naive, "heldout") == "42.00<br>(40.00–44.00, 2 seeds)"
+    cast = cmp.run_entry(entry["cast"], cmp.finished_seeds(entry["cast"]))
+    assert cast["n_seeds"] == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
