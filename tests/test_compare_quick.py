@@ -38,6 +38,9 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     assert (tmp_path / "runs" / "tiny-llama-256" / "cast" / "seed-0" / "compare_row.json").stat().st_mtime == before
     text = md.read_text()
     assert "| CAST w/o KD |" in text and "| Wanda |" in text
+    # the table grew by --only; its top gives the one command that runs all its rows
+    assert "The one command that runs every row of this table from scratch: `python benchmarks/compare_methods.py " \
+           "--tier quick --runs-dir" in text and ",cast-no-kd`" in text and "--seeds 0 --only dense," in text
 
 
 def test_report_keeps_the_seeds_that_finished(tmp_path):
@@ -66,3 +69,6 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     assert _ppl(naive, "heldout") == "42.00<br>(40.00–44.00, 2 seeds)"
     cast = cmp.run_entry(entry["cast"], cmp.finished_seeds(entry["cast"]))
     assert cast["n_seeds"] == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
+    argv = ["--tier", "cpu", "--tokens", "192k", "--only", "naive", "--seeds=0", "--fresh", "--threads", "2"]
+    assert compare_methods.regenerate_argv(argv, [naive, cast, {"key": "dense", "seed": None}]) == [
+        "--tier", "cpu", "--tokens", "192k", "--threads", "2", "--seeds", "0,1", "--only", "naive,cast,dense"]
