@@ -67,8 +67,20 @@ def best_check(rows: list[dict]) -> list[str]:
                 continue
             a, b = best[split], by[key][split]
             out.append(f"- {'✓' if a < b else '✗'} {name}: {best['label']} {a:.2f} vs {by[key]['label']} {b:.2f} "
-                       f"({(a / b - 1) * 100:+.1f} %)")
+                       f"({(a / b - 1) * 100:+.1f} %){_paired(best, by[key], split)}")
     return out
+
+
+def _paired(a: dict, b: dict, split: str) -> str:
+    """', seed by seed: 2/2 (...)' when both rows ran the same seeds (same data order: a paired comparison)."""
+    sa = {r["seed"]: r[split] for r in a.get("seeds", []) if r.get("status") == "ok"}
+    sb = {r["seed"]: r[split] for r in b.get("seeds", []) if r.get("status") == "ok"}
+    common = sorted(set(sa) & set(sb))
+    if len(common) < 2:
+        return ""
+    wins = sum(sa[x] < sb[x] for x in common)
+    pairs = ", ".join(f"seed {x}: {sa[x]:.2f} vs {sb[x]:.2f}" for x in common)
+    return f"; seed by seed {wins}/{len(common)} ({pairs})"
 
 
 def _lr_note(s: dict) -> str:
