@@ -200,14 +200,19 @@ def write_chart(rows: list[dict], meta: dict, path: Path) -> Path | None:
         vals = [r[split] for r in ok]
         y = range(len(ok))
         ax.barh(list(y), vals, color=colors)
+        for yi, r in zip(y, ok):  # rows with several seeds: their range as a whisker
+            if r.get(f"{split}_range"):
+                lo, hi = r[f"{split}_range"]
+                ax.errorbar(r[split], yi, xerr=[[r[split] - lo], [hi - r[split]]], color="black", capsize=3,
+                            linewidth=1)
         ax.set_xscale("log")
         plain = FuncFormatter(lambda v, _: f"{v:g}")  # 300, not 3×10²
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
         ax.tick_params(axis="x", which="minor", labelsize=8)
         ax.set_xlim(min(vals) / 1.3, max(vals) * 4)  # room on the right for the value labels
-        for yi, v in zip(y, vals):
-            ax.text(v * 1.06, yi, f"{v:.1f}", va="center", fontsize=9)
+        for yi, v, r in zip(y, vals, ok):
+            ax.text(max(v, r.get(f"{split}_range", [v, v])[1]) * 1.06, yi, f"{v:.1f}", va="center", fontsize=9)
         dense = next((r[split] for r in ok if r["kind"] == "dense"), None)
         if dense is not None:
             ax.axvline(dense, color=COLORS["dense"], linestyle="--", linewidth=1)
@@ -220,8 +225,10 @@ def write_chart(rows: list[dict], meta: dict, path: Path) -> Path | None:
                                                                   ("train", "retraining baselines"),
                                                                   ("cast", "CAST and its ablations"))]
     fig.legend(handles=legend, loc="lower center", ncol=4, frameon=False, fontsize=9)
+    seeded = any(r.get("heldout_range") for r in ok)
     fig.suptitle(f"2:4 sparse {Path(meta['model']).name}: {meta['budget']:,} training tokens "
-                 f"(KD runs 3/4 of it), {meta['tier']} tier", fontsize=11)
+                 f"(KD runs 3/4 of it), {meta['tier']} tier"
+                 + ("; bars: mean over seeds, whiskers: their range" if seeded else ""), fontsize=11)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
