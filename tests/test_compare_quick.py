@@ -48,7 +48,7 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import compare_methods
-        from compare_report import _paired, _ppl
+        from compare_report import _paired, _ppl, write_chart
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     cmp = compare_methods.Comparison(compare_methods.parse_args(
@@ -74,3 +74,7 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     argv = ["--tier", "cpu", "--tokens", "192k", "--only", "naive", "--seeds=0", "--fresh", "--threads", "2"]
     assert compare_methods.regenerate_argv(argv, [naive, cast, {"key": "dense", "seed": None}]) == [
         "--tier", "cpu", "--tokens", "192k", "--threads", "2", "--seeds", "0,1", "--only", "naive,cast,dense"]
+    for r, kind, label in ((naive, "train", "Naive"), (cast, "train", "CAST")):
+        r.update(kind=kind, label=label)
+    png = write_chart([naive, cast], {"model": "m", "budget": 1000, "tier": "cpu"}, tmp_path / "c.png")
+    assert png.is_file() and png.stat().st_size > 10_000  # whiskers for the 2-seed row, none for the other
