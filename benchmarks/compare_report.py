@@ -72,7 +72,7 @@ def best_check(rows: list[dict]) -> list[str]:
 
 
 def _paired(a: dict, b: dict, split: str) -> str:
-    """', seed by seed: 2/2 (...)' when both rows ran the same seeds (same data order: a paired comparison)."""
+    """'; seed by seed 2/2 (...)' when both rows ran the same two or more seeds (same data order: paired)."""
     sa = {r["seed"]: r[split] for r in a.get("seeds", []) if r.get("status") == "ok"}
     sb = {r["seed"]: r[split] for r in b.get("seeds", []) if r.get("status") == "ok"}
     common = sorted(set(sa) & set(sb))
