@@ -306,11 +306,10 @@ class Comparison:
     def aggregate(runs: list[dict]) -> dict:
         """One table row from the runs of a seeded entry: the mean over the seeds and the range."""
         if len(runs) == 1:
-            return {**runs[0], "n_seeds": 1}
+            return {**runs[0], "seeds": runs}
         ok = [r for r in runs if r.get("status") == "ok"]
         row = dict(runs[0])
         row["seeds"] = runs
-        row["n_seeds"] = len(runs)
         if len(ok) < len(runs):
             row.update(status="failed", error="; ".join(r.get("error", "") for r in runs if r.get("status") != "ok"))
             return row
@@ -460,7 +459,7 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[str]:
             skip = True
         elif not a.startswith(("--only=", "--seeds=")) and a != "--fresh":
             out.append(a)
-    seeds = sorted({x["seed"] for r in rows if r.get("n_seeds") for x in r.get("seeds", [r])})
+    seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", [])})
     return out + ["--seeds", ",".join(map(str, seeds or [0])), "--only", ",".join(r["key"] for r in rows)]
 
 

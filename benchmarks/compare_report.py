@@ -50,8 +50,8 @@ def wikitext2_description(tier: dict) -> str:
 def _ppl(r: dict, split: str) -> str:
     rng = r.get(f"{split}_range")
     if not rng:
-        return _num(r.get(split)) + ("<br>(1 seed)" if r.get("n_seeds") == 1 else "")
-    return f"{r[split]:.2f}<br>({rng[0]:.2f}–{rng[1]:.2f}, {r.get('n_seeds', len(r.get('seeds', [])))} seeds)"
+        return _num(r.get(split)) + ("<br>(1 seed)" if len(r.get("seeds", [])) == 1 else "")
+    return f"{r[split]:.2f}<br>({rng[0]:.2f}–{rng[1]:.2f}, {len(r['seeds'])} seeds)"
 
 
 def best_check(rows: list[dict]) -> list[str]:

@@ -64,13 +64,13 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     assert cmp.finished_seeds(entry["naive"]) == [0, 1] and cmp.finished_seeds(entry["cast"]) == [0]
     assert cmp.finished_seeds(entry["cast-best"]) == []
     naive = cmp.run_entry(entry["naive"], cmp.finished_seeds(entry["naive"]))
-    assert naive["heldout"] == 42.0 and naive["wikitext2_range"] == [140.0, 150.0] and naive["n_seeds"] == 2
+    assert naive["heldout"] == 42.0 and naive["wikitext2_range"] == [140.0, 150.0] and len(naive["seeds"]) == 2
     assert naive["command"].endswith("(and with --seed 1)")
     assert _ppl(naive, "heldout") == "42.00<br>(40.00–44.00, 2 seeds)"
     other = {**naive, "seeds": [{**x, "heldout": x["heldout"] + d} for x, d in zip(naive["seeds"], (1.0, -1.0))]}
     assert _paired(naive, other, "heldout") == "; seed by seed 1/2 (seed 0: 40.00 vs 41.00, seed 1: 44.00 vs 43.00)"
     cast = cmp.run_entry(entry["cast"], cmp.finished_seeds(entry["cast"]))
-    assert cast["n_seeds"] == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
+    assert len(cast["seeds"]) == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
     argv = ["--tier", "cpu", "--tokens", "192k", "--only", "naive", "--seeds=0", "--fresh", "--threads", "2"]
     assert compare_methods.regenerate_argv(argv, [naive, cast, {"key": "dense", "seed": None}]) == [
         "--tier", "cpu", "--tokens", "192k", "--threads", "2", "--seeds", "0,1", "--only", "naive,cast,dense"]
