@@ -59,7 +59,9 @@ TIERS: dict[str, dict] = {
                 grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=0.5, lr_schedule="cosine", log_every=10,
                 mask_interval=10, val_sequences=64, wikitext_windows=64, eval_seq_len=512, calib_samples=128,
                 device="cpu", precision="fp32", adams={},
-                row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}}),
+                row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}, "naive-kd-sgpt": {"lr": 1e-4},
+                        "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
+                        "cast-best-no-kd": {"lr": 1e-4}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
     # 8k-token steps (4 × 2048): 4,883 steps without KD, 3,662 with, so that AdamS's lr·T/2 ≈ 0.18 at lr 1e-4
     # covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
@@ -132,7 +134,22 @@ ABLATIONS = [
           ["--method", "cast", "--paper-exact", "--fixed-mask"], kd=True, adams=True, weight_update="AdamS",
           mask="fixed"),
 ]
-ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + ABLATIONS
+# What each part of CAST's default buys (issue: Table-6 ablations under the final protocol): the default
+# configuration with one component taken out, and the strongest cheap recipe it must beat.
+DEFAULT_ABLATIONS = [
+    Entry("naive-kd-sgpt", "Naive + KD from SparseGPT (fixed mask)", "train",
+          ["--method", "naive", "--kd", "--init-mask", "sparsegpt"], kd=True, weight_update="AdamW",
+          mask="fixed (SparseGPT)", seeded=True),
+    Entry("naive-kd-scaling-sgpt", "Naive + KD + scaling from SparseGPT (= default w/o AdamS decay, mask updates)",
+          "train", ["--method", "naive", "--kd", "--scaling", "--init-mask", "sparsegpt"], kd=True,
+          weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
+    Entry("cast-best-no-scaling", "CAST default w/o weight scaling", "train",
+          ["--method", "cast", *CAST_BEST, "--no-scaling"], kd=True, adams=True, weight_update="AdamS",
+          mask="learned (SparseGPT start)", seeded=True),
+    Entry("cast-best-no-kd", "CAST default w/o KD", "train", ["--method", "cast", *CAST_BEST, "--no-kd"],
+          adams=True, weight_update="AdamS", mask="learned (SparseGPT start)", seeded=True),
+]
+ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + ABLATIONS + DEFAULT_ABLATIONS
 
 
 def budget_name(tokens: int) -> str:
