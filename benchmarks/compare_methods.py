@@ -61,7 +61,9 @@ TIERS: dict[str, dict] = {
                 device="cpu", precision="fp32", adams={},
                 row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}, "naive-kd-sgpt": {"lr": 1e-4},
                         "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
-                        "cast-best-no-kd": {"lr": 1e-4}}),
+                        "cast-best-no-kd": {"lr": 1e-4}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
+                        "cast-mix100": {"lr": 1e-4}, "cast-regrow10": {"lr": 1e-4},
+                        "cast-regrow30": {"lr": 1e-4}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
     # 8k-token steps (4 × 2048): 4,883 steps without KD, 3,662 with, so that AdamS's lr·T/2 ≈ 0.18 at lr 1e-4
     # covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
@@ -149,7 +151,20 @@ DEFAULT_ABLATIONS = [
     Entry("cast-best-no-kd", "CAST default w/o KD", "train", ["--method", "cast", *CAST_BEST, "--no-kd"],
           adams=True, weight_update="AdamS", mask="learned (SparseGPT start)", seeded=True),
 ]
-ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + ABLATIONS + DEFAULT_ABLATIONS
+# Candidates for learned masks that beat the best fixed mask (the default's masks never move: its warm start
+# leaves the pruned weights at exactly 0, too far below the kept ones to win a place at lr 1e-4):
+MASK_CANDIDATES = [
+    Entry(f"cast-mix{int(100 * f)}", f"CAST, warm start mixed {f:g}·dense (pruned entries start at {f:g}·dense)",
+          "train", ["--method", "cast", *CAST_BEST, "--warm-start-mix", f"{f:g}"], kd=True, adams=True,
+          weight_update="AdamS", mask=f"learned (SparseGPT mask, {f:g}·dense start)", seeded=True)
+    for f in (0.25, 0.5, 1.0)
+] + [
+    Entry(f"cast-regrow{k}", f"CAST, regrow ×{k} for the first half", "train",
+          ["--method", "cast", *CAST_BEST, "--regrow-factor", str(k), "--regrow-fraction", "0.5"], kd=True,
+          adams=True, weight_update="AdamS", mask="learned (SparseGPT start, regrow)", seeded=True)
+    for k in (10, 30)
+]
+ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + ABLATIONS + DEFAULT_ABLATIONS + MASK_CANDIDATES
 
 
 def budget_name(tokens: int) -> str:
@@ -433,7 +448,27 @@ def run_statistics(run: Path, results: dict) -> dict:
         last = [r["sparse_weight_ratio"] for r in records if r.get("sparse_weight_ratio") is not None]
         swr = last[-1] if last else None
     speeds = sorted(r["tokens_per_s"] for r in records if r.get("tokens_per_s"))
-    return {"sparse_weight_ratio": swr, "tokens_per_s": speeds[len(speeds) // 2] if speeds else None}
+    return {"sparse_weight_ratio": swr, "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+            **mask_movement(run, records)}
+
+
+def mask_movement(run: Path, records: list[dict]) -> dict:
+    """Whether the masks moved: the final initial-flip rate i_T (entries that differ from the first mask), the
+    share of N:M groups whose kept set changed, the mean per-record flip rate, and the share of the tracked
+    weight sample that flipped at least once (method.md §7). None where the run did not log it."""
+    def last(key):
+        vals = [r[key] for r in records if r.get(key) is not None]
+        return vals[-1] if vals else None
+
+    flips = [r["flip_rate"] for r in records if r.get("flip_rate") is not None]
+    out = {"initial_flip_rate": last("initial_flip_rate"), "changed_groups": last("changed_groups"),
+           "flip_rate_mean": sum(flips) / len(flips) if flips else None, "flipped_fraction": None}
+    dyn = run / "dynamics.json"
+    if dyn.is_file():
+        tracking = json.loads(dyn.read_text()).get("weight_tracking") or {}
+        summary = tracking.get("summary", tracking)
+        out["flipped_fraction"] = summary.get("flipped_fraction")
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -487,7 +522,7 @@ def main(argv=None) -> int:
 
 __all__ = ["ORDER_CHECK", "main", "parse_args", "regenerate_argv", "TIERS", "budget_name", "CORE", "SRSTE_SWEEP",
            "MASKLLM", "ABLATIONS",
-           "ALL_ENTRIES", "CAST_BEST", "Entry", "Comparison", "run_statistics"]
+           "ALL_ENTRIES", "CAST_BEST", "DEFAULT_ABLATIONS", "MASK_CANDIDATES", "mask_movement", "Entry", "Comparison", "run_statistics"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,3 +74,19 @@ def test_errors():
         sparse_weight_ratio(torch.ones(2, 4), torch.ones(2, 4))
     with pytest.raises(ValueError, match="no mask entries"):
         flip_rate([], [])
+
+
+def test_changed_groups_counts_a_group_once_however_many_entries_swapped():
+    from cast_llm.sparsity.stats import changed_group_rate, changed_groups
+
+    init = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 0], [0, 0, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    cur = init.clone()
+    cur[0, :4] = torch.tensor([0, 0, 1, 1])  # all four entries of a group changed: one group
+    cur[1, 4:] = torch.tensor([1, 0, 1, 0])  # one swap (two entries): one group
+    assert changed_groups(init, cur, 4) == (2, 4)
+    assert changed_group_rate([init, init], [cur, init], 4) == 2 / 8
+    # transposed (Conv1D): the groups run along dim 0
+    assert changed_groups(init.t().contiguous(), cur.t().contiguous(), 4, transposed=True) == (2, 4)
+    assert changed_groups(init, init, 4) == (0, 4)
+    with pytest.raises(ValueError, match="no groups of 4"):
+        changed_groups(init[:, :6], cur[:, :6], 4)

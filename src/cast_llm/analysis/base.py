@@ -57,6 +57,19 @@ class Observer:
         pass
 
 
+def groups_transposed(model, fqn: str, mask: torch.Tensor, m: int) -> bool:
+    """Whether target ``fqn``'s N:M groups run along dim 0 (GPT-2 ``Conv1D`` stores ``(in, out)``)."""
+    from cast_llm.layers import linear_features
+
+    try:
+        module = model.get_submodule(fqn)
+        while hasattr(module, "base_layer"):  # a training method's wrapper: the layer it holds decides
+            module = module.base_layer
+        return bool(linear_features(module)[2])
+    except (AttributeError, TypeError):  # not a linear we know: the groups run along a dim m divides
+        return mask.shape[-1] % m != 0
+
+
 def target_weight(params: dict[str, torch.nn.Parameter], fqn: str) -> torch.nn.Parameter:
     """The weight Parameter of target ``fqn`` (plain or wrapped in a ``base_layer``)."""
     for key in (f"{fqn}.weight", f"{fqn}.base_layer.weight"):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cast_llm.analysis.base import Observer, StepContext, target_weight
+from cast_llm.analysis.base import Observer, StepContext, groups_transposed, target_weight
 from cast_llm.analysis.files import (
     DYNAMICS_FILE,
     LAYER_METRICS,
@@ -27,7 +27,6 @@ from cast_llm.analysis.layers import layer_counts
 from cast_llm.analysis.ratios import RatioHistogram, group_ratios, resolve_hist_steps
 from cast_llm.analysis.tracking import TrackerState, sample_positions
 from cast_llm.io import append_jsonl, truncate_jsonl
-from cast_llm.layers import linear_features
 from cast_llm.sparsity.mask import pack_mask
 
 __all__ = ["LayerMaskStats", "WeightTracking", "RatioHistograms", "analysis_observers"]
@@ -184,13 +183,7 @@ class RatioHistograms(Observer):
 
     def _is_transposed(self, model, fqn: str, mask: torch.Tensor) -> bool:
         if fqn not in self._transposed:
-            try:
-                module = model.get_submodule(fqn)
-                while hasattr(module, "base_layer"):  # a training method's wrapper: the layer it holds decides
-                    module = module.base_layer
-                self._transposed[fqn] = linear_features(module)[2]
-            except (AttributeError, TypeError):  # not a linear we know: the groups run along a dim m divides
-                self._transposed[fqn] = mask.shape[-1] % self.m != 0
+            self._transposed[fqn] = groups_transposed(model, fqn, mask, self.m)
         return self._transposed[fqn]
 
     def on_step(self, ctx: StepContext):

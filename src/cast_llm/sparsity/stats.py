@@ -2,6 +2,7 @@
 
     flip rate            r_t = Σ_k ‖M_t^k − M_{t−1}^k‖₀ / Σ_k R_k·C_k
     initial flip rate    i_t = Σ_k ‖M_t^k − M_0^k‖₀   / Σ_k R_k·C_k
+    changed groups       g_t = share of all N:M groups whose kept set differs from M_0's    (ours)
     sparse-weight ratio  S_t = Σ_k ‖W_t^k ⊙ M_t^k‖₁ / Σ_k ‖W_t^k‖₁      (→ 1 when pruned weights vanish)
 
 Every function takes one tensor or a sequence of tensors (one per layer, any shapes) and returns a
@@ -19,7 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "l1_mass", "sparse_weight_ratio"]
+__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "changed_groups", "changed_group_rate", "l1_mass",
+           "sparse_weight_ratio"]
 
 TensorOrSeq = Tensor | Sequence[Tensor]
 
@@ -69,6 +71,37 @@ def flip_rate(prev: TensorOrSeq, cur: TensorOrSeq) -> float:
 def initial_flip_rate(initial: TensorOrSeq, cur: TensorOrSeq) -> float:
     """``i_t`` (§7): fraction of all mask entries that differ from the initial masks ``M_0``."""
     return _rate(initial, cur, ("initial", "cur"))
+
+
+def changed_groups(initial: TensorOrSeq, cur: TensorOrSeq, m: int,
+                   transposed: bool | Sequence[bool] = False) -> tuple[int, int]:
+    """``(changed, total)``: how many N:M groups of ``m`` keep a different set of entries in ``cur`` than in
+    ``initial``, out of all groups. Groups run along the last dim (dim 0 where ``transposed``, per layer).
+
+    Unlike ``i_t``, a group counts once whether one of its kept entries was swapped or all of them: this is
+    the share of the model whose sparsity pattern the training actually moved."""
+    pairs = _pairs(initial, cur, ("initial", "cur"), (True, True))
+    flags = [transposed] * len(pairs) if isinstance(transposed, bool) else list(transposed)
+    if len(flags) != len(pairs):
+        raise ValueError(f"transposed has {len(flags)} entries for {len(pairs)} layers")
+    changed = total = 0
+    for (a, b), t in zip(pairs, flags):
+        a, b = (a.t(), b.t()) if t else (a, b)
+        if a.shape[-1] % m:
+            raise ValueError(f"a mask of shape {tuple(a.shape)} has no groups of {m} along its N:M dim")
+        diff = torch.ne(a.to(b.device), b).reshape(*a.shape[:-1], a.shape[-1] // m, m).any(-1)
+        changed += int(diff.sum())
+        total += diff.numel()
+    return changed, total
+
+
+def changed_group_rate(initial: TensorOrSeq, cur: TensorOrSeq, m: int,
+                       transposed: bool | Sequence[bool] = False) -> float:
+    """``g_t``: the share of N:M groups whose kept set differs from ``initial`` (see :func:`changed_groups`)."""
+    changed, total = changed_groups(initial, cur, m, transposed)
+    if total == 0:
+        raise ValueError("no mask entries: pass at least one non-empty mask")
+    return changed / total
 
 
 @torch.no_grad()

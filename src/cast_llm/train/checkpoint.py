@@ -36,6 +36,7 @@ FINGERPRINT_KEYS = (
     "m", "scaling", "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "max_documents",
     "fixed_mask", "init_mask", "calib_samples", "mask_learner", "srste_decay", "maskllm_tau", "maskllm_kappa",
     "maskllm_prior", "maskllm_lr", "paper_exact", "warm_start", "repair_fraction", "final_prune",
+    "warm_start_mix", "regrow_factor", "regrow_fraction",
 )
 # files a checkpoint of ours never holds: pickle-based formats can run code when loaded
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")

@@ -191,6 +191,17 @@ class TrainConfig(RunConfig, CastSettings):
     final_prune: str | None = option(None, "hard (W ← W⊙M) or compensated (SparseGPT's OBS update of the kept "
                                            "weights with the learned masks, on --calib-samples sequences)",
                                      choices=FINAL_PRUNES, section=BEYOND)
+    warm_start_mix: float | None = option(None, "with a warm start: begin from (1-f)·one-shot + f·dense weights, so "
+                                                "the pruned entries start at f of their dense value (decayed by "
+                                                "AdamS, free to win their place back at a mask refresh); 0 = the "
+                                                "one-shot model, 1 = the dense model with the one-shot mask",
+                                          min=0, max=1, section=BEYOND)
+    regrow_factor: float | None = option(None, "multiply the updates of the pruned entries by this during the first "
+                                               "--regrow-fraction of the steps, so that a pruned weight the gradient "
+                                               "wants back can overtake a kept one while α_t is small (1 = off)",
+                                         min=1, section=BEYOND)
+    regrow_fraction: float | None = option(None, "the first fraction of the steps in which --regrow-factor applies",
+                                           min=0, max=1, section=BEYOND)
     forecast_target: float = option(0.99, "warn when the forecast final sparse-weight ratio S_T is below this",
                                     min=0, min_exclusive=True, max=1, section=BEYOND)
     # --- baselines and ablations (method.md §6)
@@ -242,7 +253,9 @@ class TrainConfig(RunConfig, CastSettings):
         if self.mask_learner != "adams" and self.method != "cast":
             raise CastError(f"--mask-learner is a CAST ablation; --method {self.method} has its own mask learner")
         beyond = {"--warm-start": self.warm_start, "--repair-fraction": self.repair_fraction,
-                  "--final-prune": self.final_prune}
+                  "--final-prune": self.final_prune, "--warm-start-mix": self.warm_start_mix,
+                  "--regrow-factor": None if self.regrow_factor == 1 else self.regrow_factor,
+                  "--regrow-fraction": self.regrow_fraction}
         if self.paper_exact and self.init_mask not in (None, "magnitude"):
             raise CastError(f"--paper-exact starts from Eq. 6's magnitude mask; it excludes --init-mask {self.init_mask}")
         given = [flag for flag, v in beyond.items() if v not in (None, False, 0, 0.0, "hard")]
@@ -251,6 +264,12 @@ class TrainConfig(RunConfig, CastSettings):
         if given and (self.method != "cast" or self.mask_learner != "adams"):
             raise CastError(f"{', '.join(given)} apply to --method cast with AdamS only (got --method {self.method}"
                             f"{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''})")
+        if self.warm_start_mix is not None and not self.use_warm_start:
+            raise CastError("--warm-start-mix mixes the one-shot model of a warm start with the dense one; it needs "
+                            "--warm-start (the default of --method cast)")
+        if (self.regrow_factor not in (None, 1)) != bool(self.regrow_fraction):
+            raise CastError("--regrow-factor and --regrow-fraction go together: the factor (> 1) applies during the "
+                            "first fraction (> 0) of the steps")
         if self.fsdp and self.effective_final_prune != "hard":
             raise CastError("--final-prune compensated is not supported with --fsdp yet (its calibration walks "
                             "whole blocks); use --final-prune hard")
@@ -309,6 +328,15 @@ class TrainConfig(RunConfig, CastSettings):
     @property
     def effective_final_prune(self) -> str:
         return self.final_prune if self.final_prune is not None else "hard"
+
+    @property
+    def effective_warm_start_mix(self) -> float:
+        return float(self.warm_start_mix or 0.0)
+
+    @property
+    def regrow_steps_fraction(self) -> float:
+        """The fraction of the steps whose pruned-entry updates are scaled by ``regrow_factor`` (0 = none)."""
+        return float(self.regrow_fraction or 0.0) if (self.regrow_factor or 1) > 1 else 0.0
 
     @property
     def effective_mask_interval(self) -> int:

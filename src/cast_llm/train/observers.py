@@ -9,16 +9,17 @@ from __future__ import annotations
 import torch
 
 from cast_llm.analysis import analysis_observers
-from cast_llm.analysis.base import Observer, StepContext, target_weight, with_masks_applied
+from cast_llm.analysis.base import Observer, StepContext, groups_transposed, target_weight, with_masks_applied
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
-from cast_llm.sparsity.stats import flip_rate, initial_flip_rate, sparse_weight_ratio
+from cast_llm.sparsity.stats import changed_group_rate, flip_rate, initial_flip_rate, sparse_weight_ratio
 
 __all__ = ["Observer", "StepContext", "target_weight", "with_masks_applied", "MaskStats", "ValidationPerplexity",
            "default_observers"]
 
 
 class MaskStats(Observer):
-    """Flip rate, initial flip rate and sparse-weight ratio (method.md §7) on every log step.
+    """Flip rate, initial flip rate, the share of N:M groups changed since the start, and the sparse-weight
+    ratio (method.md §7) on every log step.
 
     The flip rate of a record counts the mask changes since the previous record (so with the default
     ``log_every == mask_interval`` it is the paper's per-update ``r_t``). Snapshots are kept bit-packed.
@@ -45,9 +46,12 @@ class MaskStats(Observer):
         params = dict(ctx.model.named_parameters())
         weights = [target_weight(params, k).detach() for k in names]
         self.prev = {k: pack_mask(ctx.masks[k]) for k in names}
+        m = int(getattr(ctx.cfg, "m", 4))
+        transposed = [groups_transposed(ctx.model, k, c, m) for k, c in zip(names, cur)]
         return {
             "flip_rate": flip_rate(prev, cur),
             "initial_flip_rate": initial_flip_rate(init, cur),
+            "changed_groups": changed_group_rate(init, cur, m, transposed),
             "sparse_weight_ratio": sparse_weight_ratio(weights, cur),
         }
 

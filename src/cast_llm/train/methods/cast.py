@@ -41,6 +41,12 @@ from cast_llm.train.methods.srste import SRSTEMethod
 from cast_llm.train.schedule import schedule_lrs
 
 
+def _target_weights(model, cfg, *, clone: bool = False) -> dict[str, torch.Tensor]:
+    """``{fqn: weight}`` of every N:M target (detached copies with ``clone=True``)."""
+    targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
+    return {t.fqn: (t.weight.detach().clone() if clone else t.weight) for t in targets}
+
+
 def optimizer_step_count(optimizer) -> int:
     """Steps an optimizer has taken (the largest per-parameter ``step`` in its state)."""
     steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
@@ -64,8 +70,15 @@ class CastMethod(TrainingMethod):
             return self._srste.prepare_model(model, cfg, data=data, device=device)
         self.cfg, self._device = cfg, device
         if cfg.use_warm_start or cfg.effective_init_mask != "magnitude":
+            mix = cfg.effective_warm_start_mix if cfg.use_warm_start else 0.0
+            dense = _target_weights(model, cfg, clone=True) if mix > 0 else None
             # Eq. 6 is what AdamS computes by itself at its first step; a warm start prunes the model too
             self._init_masks = initial_masks(model, cfg, data=data, device=device, apply=cfg.use_warm_start)
+            if dense is not None:  # θ_0 = (1-f)·one-shot + f·dense: pruned entries start at f of their dense value
+                with torch.no_grad():
+                    for fqn, w in _target_weights(model, cfg).items():
+                        w.mul_(1 - mix).add_(dense[fqn], alpha=mix)
+                del dense
         if cfg.effective_final_prune == "compensated":
             if data is None:
                 raise CastError("--final-prune compensated needs calibration data; pass the run's data")
@@ -98,6 +111,8 @@ class CastMethod(TrainingMethod):
                 opt.set_mask(t.weight, self._init_masks[t.fqn])
         self.total_steps = total_steps
         self._lrs = schedule_lrs(cfg, total_steps, cfg.lr, default_warmup=0.02)
+        self.regrow_steps = round(cfg.regrow_steps_fraction * total_steps)
+        self._before_step = None  # the sparse weights before the optimizer step (regrow phase only)
         fraction = cfg.effective_repair_fraction
         repair_steps = round(fraction * total_steps)
         self.repair_start = total_steps - repair_steps if repair_steps > 0 else None
@@ -117,7 +132,21 @@ class CastMethod(TrainingMethod):
             if step == self.repair_start:
                 self.prune(model, optimizer, step=step)
 
+    def in_regrow(self, step: int) -> bool:
+        """Whether optimizer step ``step + 1`` scales the pruned entries' updates (``--regrow-factor``)."""
+        return self._srste is None and step < getattr(self, "regrow_steps", 0) and not self.in_repair(step)
+
     def end_step(self, model, optimizer, step: int) -> None:
+        if self._before_step is not None:
+            # θ ← θ_before + k·(θ − θ_before) on the entries the step's mask prunes: their update scaled by k
+            factor = self.cfg.regrow_factor
+            with torch.no_grad():
+                for p, mask in optimizer.masks().items():
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    before = self._before_step[p]
+                    delta = (local - before).mul_(factor - 1).masked_fill_(mask, 0.0)
+                    local.add_(delta)
+            self._before_step = None
         if self._srste is None and self.in_repair(step):
             optimizer.prune_()  # the pruned entries stay exactly 0: the dense forward is the sparse one
 
@@ -156,6 +185,9 @@ class CastMethod(TrainingMethod):
         return forecast_decay(optimizer, self._lrs, target=self.cfg.forecast_target, suggest=suggest)
 
     def before_update(self, model, optimizer, step: int, ctx, results: dict) -> None:
+        if self.in_regrow(step):  # the weights the step starts from (the step's mask is known only after it)
+            self._before_step = {p: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                                 for p in optimizer.masks()}
         if self._srste is not None or step != 0 or self.cfg.fsdp:
             return
         fc = self._forecast(optimizer, suggest=True)  # the first gradient is known: its noise sets σ
@@ -200,7 +232,10 @@ class CastMethod(TrainingMethod):
         meta = super().export_metadata(cfg)
         meta["training"]["mask_learner"] = cfg.mask_learner
         meta["training"].update(warm_start=cfg.use_warm_start, repair_fraction=cfg.effective_repair_fraction,
-                                final_prune=cfg.effective_final_prune, paper_exact=cfg.paper_exact)
+                                final_prune=cfg.effective_final_prune, paper_exact=cfg.paper_exact,
+                                warm_start_mix=cfg.effective_warm_start_mix if cfg.use_warm_start else None,
+                                regrow_factor=cfg.regrow_factor if cfg.regrow_steps_fraction else None,
+                                regrow_fraction=cfg.regrow_steps_fraction or None)
         if cfg.mask_learner == "srste":
             meta["training"]["srste_decay"] = cfg.srste_decay
         return meta
