@@ -39,7 +39,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_report import ORDER_CHECK, portable, wikitext2_description, write_chart, write_report  # noqa: E402
+from compare_report import (  # noqa: E402
+    ORDER_CHECK,
+    portable,
+    wikitext2_description,
+    write_chart,
+    write_json,
+    write_report,
+)
+
+from cast_llm.train.summary import mask_movement  # noqa: E402
 
 # Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib), except
 # "adams" (lr/λ overrides for every row whose pruned weights AdamS decays) and "row_lr" (a row's own settings:
@@ -349,7 +358,7 @@ class Comparison:
             vals = [r[split] for r in ok]
             row[split] = sum(vals) / len(vals)
             row[f"{split}_range"] = [min(vals), max(vals)]
-        for key in ("sparse_weight_ratio", "tokens_per_s", "wall_s"):
+        for key in ("sparse_weight_ratio", "tokens_per_s", "wall_s", *MOVEMENT_KEYS):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = sum(vals) / len(vals) if vals else None
         row["command"] = ok[0]["command"] + f"  (and with --seed {', '.join(str(r['seed']) for r in ok[1:])})"
@@ -374,11 +383,7 @@ class Comparison:
             ppl = self.evaluate_checkpoint(str(out / "model"))
             row["calib_tokens"] = self.tier["calib_samples"] * self.tier["seq_len"]
         else:
-            tokens = self.budget * 3 // 4 if e.kd else self.budget  # equal compute: KD costs 4/3 (§4)
-            hp = {**{k: self.tier[k] for k in ("lr", "l1_decay")}, **(self.tier["adams"] if e.adams else {})}
-            hp.update(self.tier.get("row_lr", {}).get(e.key, {}))  # a row's own best lr (docs: the sweep)
-            argv = self.train_argv(tokens, e.args + [x for k, v in hp.items() for x in _flag(k, v)],
-                                   out / "model", seed)
+            argv, hp = self.entry_train_argv(e, out, seed)
             row["lr"] = hp["lr"]
             row["command"] = "cast-llm " + shlex.join(argv)
             if self._run_cli(argv, out / "log.txt") != 0:
@@ -393,6 +398,53 @@ class Comparison:
         done.write_text(json.dumps(row, indent=2))
         return row
 
+    def entry_train_argv(self, e: Entry, out: Path, seed: int | None) -> tuple[list[str], dict]:
+        """The `cast-llm train` argv of training row ``e`` (and its lr/λ): equal compute, the row's own lr."""
+        tokens = self.budget * 3 // 4 if e.kd else self.budget  # equal compute: KD costs 4/3 (§4)
+        hp = {**{k: self.tier[k] for k in ("lr", "l1_decay")}, **(self.tier["adams"] if e.adams else {})}
+        hp.update(self.tier.get("row_lr", {}).get(e.key, {}))  # a row's own best lr (docs: the sweep)
+        argv = self.train_argv(tokens, e.args + [x for k, v in hp.items() for x in _flag(k, v)], out / "model", seed)
+        return argv, hp
+
+    def expected_command(self, e: Entry, seed: int | None) -> str | None:
+        """The command row ``e`` (seed ``seed``) runs with today's settings, without its output folder (the
+        recorded-row check); None for the dense row (an evaluation)."""
+        out = self.runs / e.key / (f"seed-{seed}" if e.seeded else "")
+        if e.kind == "train":
+            argv = self.entry_train_argv(e, out, seed)[0]
+        elif e.kind == "oneshot":
+            argv = self.prune_argv(e.args, out / "model")
+        else:
+            return None
+        return _without_output_dir("cast-llm " + shlex.join(argv))
+
+    def reuse_recorded(self, path: Path) -> list[str]:
+        """Put the runs recorded in ``path`` (a committed ``compare-*.json``) into the runs folder where it has
+        none, when today's settings would run exactly the recorded command; returns what was taken.
+
+        The runs folder is a cache (not in the repository); the JSON next to the table is the record. So a
+        fresh checkout regenerates the table from it and runs only what is new or changed (``--fresh``:
+        nothing recorded is reused)."""
+        if self.opts.fresh or not path.is_file():
+            return []
+        entries = {e.key: e for e in ALL_ENTRIES}
+        taken = []
+        for row in json.loads(path.read_text()).get("rows", []):
+            e = entries.get(row.get("name"))
+            if e is None:
+                continue
+            for run in row.get("seeds", []):
+                out = self.runs / e.key / (f"seed-{run.get('seed')}" if e.seeded else "")
+                want = self.expected_command(e, run.get("seed"))
+                if (out / "compare_row.json").is_file() or run.get("status") != "ok" or (
+                        want is not None and _without_output_dir(run.get("command", "")) != want):
+                    continue
+                out.mkdir(parents=True, exist_ok=True)
+                run.setdefault("recorded_in", portable(str(path)))
+                (out / "compare_row.json").write_text(json.dumps(run, indent=2))
+                taken.append(f"{e.key}{'' if run.get('seed') is None else ' seed ' + str(run['seed'])}")
+        return taken
+
     def _failed(self, row: dict, out: Path) -> dict:
         log = out / "log.txt"
         tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["(in-process run failed)"]
@@ -406,9 +458,19 @@ class Comparison:
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)  # the in-process runs and the evaluations
         t0 = time.perf_counter()
+        docs = Path(self.opts.docs_dir) if self.opts.docs_dir else REPO / "docs" / "results"
+        stem = f"compare-{self.model_name}-{budget_name(self.budget)}"
+        taken = self.reuse_recorded(docs / f"{stem}.json")
+        if taken:
+            print(f"reused {len(taken)} recorded run(s) of {portable(str(docs / (stem + '.json')))}: "
+                  f"{', '.join(taken)}", flush=True)
+        # every row that already finished stays in the table, whichever invocation ran it
+        finished = {e.key for e in ALL_ENTRIES
+                    if (self.runs / e.key / "compare_row.json").is_file() or (e.seeded and self.finished_seeds(e))}
+        entries = [e for e in ALL_ENTRIES if e in self.entries or e.key in finished]
         rows = []
-        for e in self.entries:
-            if self.only and e.key not in self.only:
+        for e in entries:
+            if (self.only and e.key not in self.only) or e not in self.entries:  # reused, never run here
                 done = self.runs / e.key / "compare_row.json"
                 if done.is_file():
                     rows.append(json.loads(done.read_text()))
@@ -421,9 +483,7 @@ class Comparison:
             if r["status"] == "ok":
                 print(f"          held-out {r['heldout']}  WikiText-2 {r['wikitext2']}  ({r['wall_s']:.0f} s)",
                       flush=True)
-        docs = Path(self.opts.docs_dir) if self.opts.docs_dir else REPO / "docs" / "results"
         docs.mkdir(parents=True, exist_ok=True)
-        stem = f"compare-{self.model_name}-{budget_name(self.budget)}"
         meta = {"tier": self.opts.tier, "model": self.tier["model"], "data": self.tier["data"],
                 "budget": self.budget, "settings": self.tier, "total_wall_s": round(time.perf_counter() - t0, 1),
                 "command": "python benchmarks/compare_methods.py " + shlex.join(self.opts.argv),
@@ -431,9 +491,28 @@ class Comparison:
                 "runs_dir": portable(str(self.runs)), "wikitext2": wikitext2_description(self.tier)}
         png = write_chart(rows, meta, docs / f"{stem}.png")
         md = write_report(rows, meta, docs / f"{stem}.md", png)
+        js = write_json(rows, meta, docs / f"{stem}.json")
         (self.runs / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {md} and {png} ({meta['total_wall_s']:.0f} s in all)")
+        print(f"wrote {md}, {js} and {png} ({meta['total_wall_s']:.0f} s in all)")
         return md, png
+
+
+MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
+
+
+def _without_output_dir(cmd: str) -> str:
+    """A row's command without its ``--output-dir`` (where the run went is not what it ran)."""
+    parts = shlex.split(portable(cmd))
+    out = []
+    skip = False
+    for a in parts:
+        if skip:
+            skip = False
+        elif a == "--output-dir":
+            skip = True
+        else:
+            out.append(a)
+    return shlex.join(out)
 
 
 def run_statistics(run: Path, results: dict) -> dict:
@@ -449,26 +528,7 @@ def run_statistics(run: Path, results: dict) -> dict:
         swr = last[-1] if last else None
     speeds = sorted(r["tokens_per_s"] for r in records if r.get("tokens_per_s"))
     return {"sparse_weight_ratio": swr, "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
-            **mask_movement(run, records)}
-
-
-def mask_movement(run: Path, records: list[dict]) -> dict:
-    """Whether the masks moved: the final initial-flip rate i_T (entries that differ from the first mask), the
-    share of N:M groups whose kept set changed, the mean per-record flip rate, and the share of the tracked
-    weight sample that flipped at least once (method.md §7). None where the run did not log it."""
-    def last(key):
-        vals = [r[key] for r in records if r.get(key) is not None]
-        return vals[-1] if vals else None
-
-    flips = [r["flip_rate"] for r in records if r.get("flip_rate") is not None]
-    out = {"initial_flip_rate": last("initial_flip_rate"), "changed_groups": last("changed_groups"),
-           "flip_rate_mean": sum(flips) / len(flips) if flips else None, "flipped_fraction": None}
-    dyn = run / "dynamics.json"
-    if dyn.is_file():
-        tracking = json.loads(dyn.read_text()).get("weight_tracking") or {}
-        summary = tracking.get("summary", tracking)
-        out["flipped_fraction"] = summary.get("flipped_fraction")
-    return out
+            **mask_movement(run)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -522,7 +582,7 @@ def main(argv=None) -> int:
 
 __all__ = ["ORDER_CHECK", "main", "parse_args", "regenerate_argv", "TIERS", "budget_name", "CORE", "SRSTE_SWEEP",
            "MASKLLM", "ABLATIONS",
-           "ALL_ENTRIES", "CAST_BEST", "DEFAULT_ABLATIONS", "MASK_CANDIDATES", "mask_movement", "Entry", "Comparison", "run_statistics"]
+           "ALL_ENTRIES", "CAST_BEST", "DEFAULT_ABLATIONS", "MASK_CANDIDATES", "Entry", "Comparison", "run_statistics"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,7 @@ of the paper's ordering (method.md §8) and the bar chart."""
 from __future__ import annotations
 
 import datetime
+import json
 import shlex
 from pathlib import Path
 
@@ -16,7 +17,10 @@ ORDER_CHECK = [("cast", "srste", 1.0), ("srste", "naive", 1.05), ("naive", "spar
                ("sparsegpt", "wanda", 1.0), ("wanda", "magnitude", 1.0)]
 EXTRA_CHECK = [("cast", "ast", 1.0)]  # the paper also has CAST ahead of its predecessor
 # What the best CAST configuration must beat at short budgets (a row each, both perplexities)
-BEST_CHECK = ["naive", "naive-sgpt", "sparsegpt", "cast"]
+BEST_CHECK = ["naive", "naive-sgpt", "naive-kd-sgpt", "sparsegpt", "cast"]
+# The strongest cheap recipe (SparseGPT + distillation, fixed mask): every CAST variant of the table is held
+# against it, seed by seed, to show what learning the mask adds
+FIXED_MASK_KD = "naive-kd-sgpt"
 NOTES_MARKER = "<!-- notes: kept when the report is regenerated -->"
 COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": "#c0392b"}
 
@@ -52,6 +56,71 @@ def _ppl(r: dict, split: str) -> str:
     if not rng:
         return _num(r.get(split)) + ("<br>(1 seed)" if len(r.get("seeds", [])) == 1 else "")
     return f"{r[split]:.2f}<br>({rng[0]:.2f}–{rng[1]:.2f}, {len(r['seeds'])} seeds)"
+
+
+def _pct(v, digits=2) -> str:
+    return "—" if v is None else f"{100 * v:.{digits}f} %"
+
+
+def movement(r: dict) -> str:
+    """'i_T / groups changed' of a row: whether its masks moved (— where the run did not record it)."""
+    if r.get("kind") != "train":
+        return "—"
+    i, g = r.get("initial_flip_rate"), r.get("changed_groups")
+    if i is None and g is None:
+        return "fixed" if str(r.get("mask", "")).startswith("fixed") else "—"
+    return f"{_pct(i, 3)} / {_pct(g, 2)}"
+
+
+def against_fixed_mask(rows: list[dict]) -> list[str]:
+    """Every CAST row against naive + KD from SparseGPT (fixed mask): Δ per split, seed by seed, and the
+    masks' movement, so that what the mask learning adds (or costs) is read off one list."""
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    base = by.get(FIXED_MASK_KD)
+    if base is None:
+        return []
+    out = []
+    for r in rows:
+        if r is base or r.get("status") != "ok" or not r["key"].startswith("cast"):
+            continue
+        parts = []
+        for split, name in (("heldout", "held-out"), ("wikitext2", "WikiText-2")):
+            a, b = r[split], base[split]
+            parts.append(f"{name} {'✓' if a < b else '✗'} {a:.2f} vs {b:.2f} ({(a / b - 1) * 100:+.1f} %)"
+                         f"{_paired(r, base, split)}")
+        out.append(f"- {r['label']}: " + "; ".join(parts) + f"; masks moved (i_T / groups changed): {movement(r)}")
+    return out
+
+
+def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
+    """The table as data: per row its name, label, every seed's run (held-out, WikiText-2, S_T, mask movement,
+    command) and the mean and range — what a script checks, and what a fresh checkout regenerates from."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return portable(x) if isinstance(x, str) and "/" in x else x
+
+    out_rows = []
+    for r in rows:
+        seeds = r.get("seeds") or [r]
+        row = {"name": r["key"], "label": r.get("label"), "status": r.get("status"), "kind": r.get("kind"),
+               "kd": r.get("kd"), "lr": r.get("lr"), "tokens": r.get("tokens"),
+               "seeds": [clean({k: v for k, v in x.items() if k != "seeds"}) for x in seeds]}
+        for split in ("heldout", "wikitext2"):
+            row[split] = r.get(split)
+            row[f"{split}_range"] = r.get(f"{split}_range")
+        for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",
+                    "flipped_fraction"):
+            row[key] = r.get(key)
+        out_rows.append(row)
+    doc = {"generated": datetime.date.today().isoformat(), "command": meta.get("command"),
+           "regenerate": meta.get("regenerate"), "tier": meta.get("tier"), "model": meta.get("model"),
+           "budget": meta.get("budget"), "settings": clean(meta.get("settings")), "wikitext2": meta.get("wikitext2"),
+           "rows": out_rows}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
 
 
 def best_check(rows: list[dict]) -> list[str]:
@@ -135,22 +204,36 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"windows of {s['eval_seq_len']}, {s['wikitext_windows'] or 'all'} windows. Lower is better.",
         "",
         "Rows with several seeds show the mean and, below it, the range. S_T: the sparse-weight ratio just "
-        "before the final prune (1 = nothing left to cut; method.md §7). tok/s: median training throughput.",
+        "before the final prune (1 = nothing left to cut; method.md §7). Masks moved: the final initial-flip "
+        "rate i_T (share of mask entries that differ from the run's first mask) / the share of 2:4 groups whose "
+        "kept pair changed. tok/s: median training throughput. The same rows as data: "
+        f"`{path.with_suffix('.json').name}`.",
         "",
         "| Method | Type | Weight update | Mask | KD | lr | Training tokens | Held-out ppl | WikiText-2 ppl "
-        "| S_T | tok/s | Wall time |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| S_T | Masks moved | tok/s | Wall time |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    earlier = set()
     for r in rows:
         kind = {"dense": "—", "oneshot": "one-shot", "train": "training"}[r["kind"]]
         tokens = f"{r['tokens']:,}" if r["kind"] == "train" and r.get("tokens") else "—"
         head = (f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
                 f"| {_num(r.get('lr'), '{:g}')} | {tokens} ")
         if r.get("status") != "ok":
-            lines.append(head + "| failed | failed | — | — | — |")
+            lines.append(head + "| failed | failed | — | — | — | — |")
             continue
-        lines.append(head + f"| {_ppl(r, 'heldout')} | {_ppl(r, 'wikitext2')} | {_num(r.get('sparse_weight_ratio'), '{:.3f}')} "
+        src = {x.get("recovered_from") or x.get("recorded_in") for x in (r.get("seeds") or [r])} - {None}
+        mark = ""
+        if src:
+            earlier |= src
+            mark = " †"
+        lines.append(head + f"| {_ppl(r, 'heldout')}{mark} | {_ppl(r, 'wikitext2')}{mark} "
+                     f"| {_num(r.get('sparse_weight_ratio'), '{:.3f}')} | {movement(r)} "
                      f"| {_num(r.get('tokens_per_s'), '{:.0f}')} | {r['wall_s']:.0f} s |")
+    if earlier:
+        lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
+                  + "; ".join(f"`{x}`" for x in sorted(earlier))
+                  + " (the same command with `--fresh` runs it again; runs are deterministic per seed)."]
     if png is not None:
         lines += ["", f"![perplexities]({png.name})"]
     lines += ["", "## The paper's ordering", "",
@@ -167,6 +250,10 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     checks = best_check(rows)
     if checks:
         lines += ["", "## The best CAST configuration against the strongest alternatives", ""] + checks
+    checks = against_fixed_mask(rows)
+    if checks:
+        lines += ["", "## What learning the mask adds: every CAST row against naive + KD from SparseGPT (fixed mask)",
+                  ""] + checks
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         lines += ["", "## Failed runs", ""] + [f"- {r['label']}: {r.get('error', '')}" for r in failed]

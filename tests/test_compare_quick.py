@@ -41,6 +41,26 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     # the table grew by --only; its top gives the one command that runs all its rows
     assert "The one command that runs every row of this table from scratch: `python benchmarks/compare_methods.py " \
            "--tier quick --runs-dir" in text and ",cast-no-kd`" in text and "--seeds 0 --only dense," in text
+    # the JSON beside the table: every row with its seeds, what a script checks
+    data = json.loads((docs / "compare-tiny-llama-256.json").read_text())
+    by = {r["name"]: r for r in data["rows"]}
+    assert set(by) == {r["key"] for r in json.loads((tmp_path / "runs" / "tiny-llama-256" / "rows.json")
+                                                     .read_text())["rows"]}
+    cast = by["cast-best"]
+    assert cast["seeds"][0]["seed"] == 0 and cast["heldout"] == cast["seeds"][0]["heldout"] > 1
+    assert cast["initial_flip_rate"] is not None and cast["changed_groups"] is not None  # masks moved, or not
+    assert by["naive"]["initial_flip_rate"] == 0.0  # a fixed mask never moves
+    # a fresh checkout has no runs folder: the recorded runs are reused, nothing is trained again
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs" / "tiny-llama-256")
+    compare_methods.main(["--tier", "quick", "--runs-dir", str(tmp_path / "runs"), "--docs-dir", str(docs),
+                          "--only", "dense"])
+    again = json.loads((docs / "compare-tiny-llama-256.json").read_text())
+    assert {r["name"]: r["heldout"] for r in again["rows"]} == {r["name"]: r["heldout"] for r in data["rows"]}
+    assert not (tmp_path / "runs" / "tiny-llama-256" / "cast" / "seed-0" / "model").exists()
+    text = md.read_text()
+    assert " †" in text and "taken from `" in text
 
 
 def test_report_keeps_the_seeds_that_finished(tmp_path):

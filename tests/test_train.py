@@ -89,8 +89,14 @@ def test_train_exports_exact_24_model_that_plain_transformers_loads(workdir, tmp
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [2, 4]
     for r in recs:
-        assert {"loss", "ce", "kd", "lr", "tokens", "flip_rate", "initial_flip_rate", "sparse_weight_ratio"} <= set(r)
+        assert {"loss", "ce", "kd", "lr", "tokens", "flip_rate", "initial_flip_rate", "changed_groups",
+                "sparse_weight_ratio"} <= set(r)
         assert 0 <= r["flip_rate"] <= 1 and 0 < r["sparse_weight_ratio"] <= 1
+        # a group changes when at least one of its entries does, and at most 4 of them do
+        assert r["initial_flip_rate"] <= r["changed_groups"] <= 4 * r["initial_flip_rate"]
+    masks = res["masks"]  # the run says whether its masks moved, from its own records
+    assert masks["initial_flip_rate"] == recs[-1]["initial_flip_rate"]
+    assert masks["changed_groups"] == recs[-1]["changed_groups"] and masks["flipped_fraction"] is not None
     AutoModelForCausalLM.from_pretrained(out)  # loads here too
 
 

@@ -5,9 +5,15 @@ Pure functions of a run's ``results.json`` (and config), shared by the trainer a
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-__all__ = ["options_used", "summary_table", "reading"]
+__all__ = ["options_used", "summary_table", "reading", "mask_movement", "movement_line"]
+
+# Below this share of changed N:M groups a run's mask is called "not moved": it is the starting mask trained
+# with (the paper's runs end with 3.4-16 % of the entries flipped, method.md §5)
+MOVED_GROUPS = 1e-3
 
 
 def options_used(cfg) -> str:
@@ -67,6 +73,9 @@ def summary_table(results: dict[str, Any]) -> str:
                      "target weights' L1 mass")
     if results.get("options"):
         lines.append(f"options: {results['options']}")
+    moved = movement_line(results)
+    if moved:
+        lines.append(moved)
     out = results.get("output_dir")
     lines.append(f"model:   {out}   (transformers: AutoModelForCausalLM.from_pretrained('{out}'))")
     if results.get("report"):
@@ -76,6 +85,54 @@ def summary_table(results: dict[str, Any]) -> str:
               f"         cast-llm quantize {out} --method awq --bits 4 --output-dir {out}-w4",
               f"         cast-llm finetune {out} --mode lora --data train.jsonl --output-dir {out}-ft"]
     return "\n".join(lines)
+
+
+def mask_movement(run_dir: str | Path) -> dict[str, float | None]:
+    """Whether a run's masks moved, from its own files: the final initial-flip rate i_T (entries that differ from
+    the first mask), the share of N:M groups whose kept set changed, the mean flip rate per log record, and the
+    share of the tracked weight sample that flipped at least once (method.md §7). None where not logged."""
+    run_dir = Path(run_dir)
+    records = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+
+    def last(key):
+        vals = [r[key] for r in records if r.get(key) is not None]
+        return vals[-1] if vals else None
+
+    flips = [r["flip_rate"] for r in records if r.get("flip_rate") is not None]
+    out = {"initial_flip_rate": last("initial_flip_rate"), "changed_groups": last("changed_groups"),
+           "flip_rate_mean": sum(flips) / len(flips) if flips else None, "flipped_fraction": None}
+    dyn = run_dir / "dynamics.json"
+    if dyn.is_file():
+        try:
+            tracking = json.loads(dyn.read_text()).get("weight_tracking") or {}
+        except json.JSONDecodeError:
+            tracking = {}
+        out["flipped_fraction"] = tracking.get("flipped_fraction")
+    return out
+
+
+def movement_line(results: dict[str, Any]) -> str | None:
+    """One line that says whether the masks moved, and so what the run actually was."""
+    m = results.get("masks") or {}
+    i_t, groups = m.get("initial_flip_rate"), m.get("changed_groups")
+    if i_t is None and groups is None:
+        return None
+    start = {"sparsegpt": "SparseGPT's", "wanda": "Wanda's"}.get(results.get("oneshot_method"),
+                                                                  "the first (Eq. 6) one")
+    facts = f"{100 * (i_t or 0):.4f} % of the mask entries differ from the first mask"
+    if groups is not None:
+        facts += f", {100 * groups:.3f} % of the {results.get('pattern', 'N:M')} groups changed"
+    if m.get("flipped_fraction") is not None:
+        facts += f", {100 * m['flipped_fraction']:.2f} % of the tracked weights flipped at least once"
+    if (groups if groups is not None else i_t) < MOVED_GROUPS:
+        verdict = (f"the mask stayed {start}: what this run learned is the weights under a fixed mask, "
+                   "not the mask")
+    else:
+        verdict = "the mask was learned during training"
+    return f"masks: {facts} — {verdict}"
 
 
 def reading(results: dict[str, Any]) -> str | None:

@@ -30,7 +30,7 @@ from cast_llm.train.config import TrainConfig
 from cast_llm.train.loop import Job, run
 from cast_llm.train.methods import get_method
 from cast_llm.train.observers import default_observers, with_masks_applied
-from cast_llm.train.summary import options_used, summary_table
+from cast_llm.train.summary import mask_movement, options_used, summary_table
 
 
 # ------------------------------------------------------------------------------------------------- the loss
@@ -227,6 +227,7 @@ class PretrainJob(Job):
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out),
             )
             results["options"] = options_used(cfg)
+            results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
             results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
             atomic_write_json(ctx.out / "results.json", results)  # the report reads it
             if cfg.report:
