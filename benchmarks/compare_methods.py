@@ -72,7 +72,7 @@ TIERS: dict[str, dict] = {
                         "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
                         "cast-best-no-kd": {"lr": 1e-4}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
                         "cast-mix100": {"lr": 1e-4}, "cast-regrow10": {"lr": 1e-4},
-                        "cast-regrow30": {"lr": 1e-4}}),
+                        "cast-regrow30": {"lr": 1e-4}, "ast-lr1e-4": {"lr": 1e-4}, "ast-lr1e-3": {"lr": 1e-3}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
     # 8k-token steps (4 × 2048): 4,883 steps without KD, 3,662 with, so that AdamS's lr·T/2 ≈ 0.18 at lr 1e-4
     # covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
@@ -115,7 +115,7 @@ CORE = [
           weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
     Entry("srste", "SR-STE", "train", ["--method", "srste"], weight_update="AdamW + STE", mask="learned"),
     Entry("ast", "AST", "train", ["--method", "ast"], kd=True, weight_update="AdamS-additive + STE",
-          mask="learned"),
+          mask="learned", seeded=True),
     Entry("cast", "CAST (paper-exact)", "train", ["--method", "cast", "--paper-exact"], kd=True, adams=True,
           weight_update="AdamS", mask="learned", seeded=True),
     Entry("cast-best", "CAST (best configuration)", "train", ["--method", "cast", *CAST_BEST], kd=True,
@@ -125,7 +125,13 @@ CORE = [
 SRSTE_SWEEP = [Entry(f"srste-{lw}", f"SR-STE, λ_W {lw}", "train", ["--method", "srste", "--srste-decay", lw],
                      weight_update="AdamW + STE", mask="learned") for lw in ("2e-3", "2e-2")]
 MASKLLM = [Entry("maskllm", "MaskLLM", "train", ["--method", "maskllm"], weight_update="frozen (logits 10× lr)",
-                 mask="learned")]
+                 mask="learned", seeded=True)]
+# The paper's other mask learners, each at its own lr (the issue: "each at its own tuned learning rate"): AST's
+# weight lr, and MaskLLM's logit lr (its weights are frozen) around the tier's
+LR_SWEEPS = [Entry(f"ast-lr{lr}", f"AST, lr {lr}", "train", ["--method", "ast"], kd=True,
+                   weight_update="AdamS-additive + STE", mask="learned", seeded=True) for lr in ("1e-4", "1e-3")] + [
+    Entry(f"maskllm-lr{lr}", f"MaskLLM, logit lr {lr}", "train", ["--method", "maskllm", "--maskllm-lr", lr],
+          weight_update="frozen", mask="learned", seeded=True) for lr in ("5e-4", "5e-2")]
 # The ablation rows mean what the paper's Table 6 means (method.md §6); CAST's own switches on paper-exact CAST.
 ABLATIONS = [
     Entry("naive-kd", "Naive + KD", "train", ["--method", "naive", "--kd"], kd=True, weight_update="AdamW",
@@ -173,7 +179,7 @@ MASK_CANDIDATES = [
           adams=True, weight_update="AdamS", mask="learned (SparseGPT start, regrow)", seeded=True)
     for k in (10, 30)
 ]
-ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + ABLATIONS + DEFAULT_ABLATIONS + MASK_CANDIDATES
+ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + LR_SWEEPS + ABLATIONS + DEFAULT_ABLATIONS + MASK_CANDIDATES
 
 
 def budget_name(tokens: int) -> str:
