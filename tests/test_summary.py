@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cast_llm.train.summary import mask_movement, movement_line, summary_table
+from cast_llm.train.summary import mask_movement, movement_line, reading, summary_table
 
 
 def _results(**masks):
@@ -39,3 +39,12 @@ def test_mask_movement_reads_the_runs_own_records(tmp_path):
                                        "flipped_fraction": 0.25}
     assert mask_movement(tmp_path / "none") == {"initial_flip_rate": None, "changed_groups": None,
                                                 "flip_rate_mean": None, "flipped_fraction": None}
+
+
+def test_reading_without_reference_points_still_reads():
+    res = {"perplexity": {"heldout": {"sparse": 30.0}, "wikitext2": {"sparse": 70.0}},
+           "decay": {"final_prune": {"removed_fraction": 0.058, "sparse_weight_ratio": 0.942}}}
+    assert reading(res) == ("reading: the decay had not finished (S_t 0.942): a longer run, or the short-budget "
+                            "options, would lose less at the final prune")
+    res["decay"] = {}
+    assert reading(res) is None

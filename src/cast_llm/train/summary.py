@@ -153,12 +153,15 @@ def reading(results: dict[str, Any]) -> str | None:
                      else f"not better than {name} ({sparse:.1f} vs {base:.1f})")
     if dense is not None:
         parts.append(f"{sparse / dense:.2f}× the dense model's perplexity")
+    sentences = []
+    if parts:
+        sentences.append("the sparse model has " + "; ".join(parts) + (
+            " (a longer run closes more of the gap: docs/training.md, 'Budgets')" if dense is not None else ""))
     pruned = results.get("decay", {}).get("final_prune")
     if pruned and pruned["removed_fraction"] > 0.01:
-        parts.append(f"the decay had not finished (S_t {pruned['sparse_weight_ratio']:.3f}): a longer run, or "
-                     "the short-budget options, would lose less at the final prune")
-    return "reading: the sparse model has " + "; ".join(parts) + (
-        " (a longer run closes more of the gap: docs/training.md, 'Budgets')" if dense is not None else "")
+        sentences.append(f"the decay had not finished (S_t {pruned['sparse_weight_ratio']:.3f}): a longer run, or "
+                         "the short-budget options, would lose less at the final prune")
+    return ("reading: " + "; ".join(sentences)) if sentences else None
 
 
 def _num(v) -> str:
