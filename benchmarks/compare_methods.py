@@ -481,7 +481,9 @@ class Comparison:
                 if done.is_file():
                     rows.append(json.loads(done.read_text()))
                 elif e.seeded and (seeds := self.finished_seeds(e)):
-                    rows.append(self.run_entry(e, seeds))  # the seeds that finished, aggregated without running
+                    # the seeds that finished, aggregated without running (--fresh redoes only the rows it runs)
+                    rows.append(self.aggregate([json.loads((self.runs / e.key / f"seed-{x}" / "compare_row.json")
+                                                           .read_text()) for x in seeds]))
                 continue
             print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} ...", flush=True)
             rows.append(self.run_entry(e))

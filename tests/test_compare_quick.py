@@ -98,3 +98,33 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
         r.update(kind=kind, label=label)
     png = write_chart([naive, cast], {"model": "m", "budget": 1000, "tier": "cpu"}, tmp_path / "c.png")
     assert png.is_file() and png.stat().st_size > 10_000  # whiskers for the 2-seed row, none for the other
+
+
+def test_fresh_redoes_only_the_rows_it_runs(tmp_path):
+    """``--fresh --only naive`` reruns naive; the other finished rows of the table are reused as they are."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cmp = compare_methods.Comparison(compare_methods.parse_args(
+        ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--fresh", "--only", "naive", "--runs-dir",
+         str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]))
+    for key, seed in (("naive", 0), ("cast", 0), ("cast", 1)):
+        out = cmp.runs / key / f"seed-{seed}"
+        out.mkdir(parents=True)
+        (out / "compare_row.json").write_text(json.dumps(
+            {"key": key, "label": key, "kind": "train", "kd": False, "weight_update": "-", "mask": "-", "tokens": 1,
+             "seed": seed, "status": "ok", "heldout": 40.0 + seed, "wikitext2": 140.0, "wall_s": 10.0,
+             "command": f"cast-llm train --seed {seed}"}))
+    ran = []
+
+    def fake(e, out, seed):
+        ran.append((e.key, seed))
+        return {**json.loads((out / "compare_row.json").read_text()), "heldout": 30.0}
+
+    cmp._run_one = fake
+    cmp.run()
+    assert ran == [("naive", 0)]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["rows"]}
+    assert rows["naive"]["heldout"] == 30.0 and rows["cast"]["heldout"] == 40.5 and len(rows["cast"]["seeds"]) == 2
