@@ -392,6 +392,8 @@ def test_record_merges_into_the_results_kept(tmp_path, monkeypatch):
     assert merged["targets_issue16"] == issue16["targets"] and merged["steps"]["setup/convert"] == \
         issue16["steps"]["setup/convert"] and merged["quality"]["budget"] == issue16["quality"]["budget"]
     assert merged["targets"]["cast_kd_over_plain"]["measured"] == 1.38 and len(merged["calls"]) == 1
+    old_err = next(t["measured"] for t in issue16["targets"] if t["key"] == "linear24_max_rel_err")
+    assert merged["checks"]["linear24_max_rel_err"]["measured"] == old_err  # issue 16's figure, not erased
     assert "| `cast_kd_over_plain` | 1.35 | 1.38 | `bash benchmarks/gpu/run.sh setup perf` |" in \
         (kept / "notes.md").read_text()
     assert (kept / "log-01-setup-perf.txt").read_text() == "an earlier session's log"  # never overwritten

@@ -98,6 +98,24 @@ def _merge_entry(old: dict | None, new: dict) -> dict:
     return {**new, "history": [*old.get("history", []), past][-20:]}
 
 
+def _issue16_checks(old: dict) -> dict:
+    """Issue 16's measurements of the two checks it shares with this kit (same definition and bound), as entries."""
+    out = {}
+    steps = old.get("steps") or {}
+    for t in old.get("targets_issue16", []):
+        key = t.get("key")
+        if key not in CHECKS or not isinstance(t.get("measured"), (int, float)):
+            continue
+        step = {"linear24_max_rel_err": "speed/linear-2to4", "cast_sparse_weight_ratio": "quality/rows"}[key]
+        c = CHECKS[key]
+        out[key] = {"label": c.label, "measured": t["measured"], "target": c.goal, "direction": c.op,
+                    "bound": c.bound, "pass": c.judge(t["measured"]), "status": "ok",
+                    "note": "issue 16's session (targets_issue16)", "step": step,
+                    "when": (steps.get(step) or {}).get("when"), "command": (steps.get(step) or {}).get("command"),
+                    "history": []}
+    return out
+
+
 def merge_results(old: dict | None, new: dict) -> dict:
     """``new`` (one call's results.json) merged into ``old`` (what docs/results/gpu holds): targets and checks
     per key (``_merge_entry``), steps per key (the later run wins), the call appended to ``calls``; issue 16's
@@ -106,6 +124,7 @@ def merge_results(old: dict | None, new: dict) -> dict:
     out = dict(old or {})
     if isinstance(out.get("targets"), list):
         out["targets_issue16"] = out.pop("targets")
+        out["checks"] = {**_issue16_checks(out), **(out.get("checks") or {})}
     for section in ("targets", "checks"):
         merged = dict(out.get(section) or {})
         for key, entry in (new.get(section) or {}).items():

@@ -88,7 +88,7 @@ def quality_probe(ctx: Ctx) -> dict:
     q = ctx.state.setdefault("quality", {})
     if ctx.cast_best:
         q.setdefault("cast_best", list(ctx.cast_best))
-    if q.get("budget") and not ctx.redo:
+    if q.get("budget") and not ctx.redoes("quality"):
         ctx.set_ready("budget", True)
         return {"budget": q["budget"], "note": "chosen by an earlier call"}
     cm = _compare_module()
@@ -147,7 +147,7 @@ def quality_rows(ctx: Ctx) -> dict:
         if done.is_file():
             results[key] = json.loads(done.read_text())
             continue
-        if key in q.get("failed_rows", {}) and not ctx.redo:  # failed in an earlier call: not again
+        if key in q.get("failed_rows", {}) and not ctx.redoes("quality"):  # failed earlier: not again
             results[key] = q["failed_rows"][key]
             continue
         need = overhead + 60 if e.kind == "train" else overhead
