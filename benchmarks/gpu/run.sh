@@ -3,13 +3,15 @@
 #
 #   bash benchmarks/gpu/run.sh STAGE [STAGE ...] [kit options]
 #
-# STAGE: setup (0), correctness (1), speed (2), quality (3), or all — in this order of value. setup runs at every
-# call: it copies what the call carried (.gpu/callK) into the kit folder on the machine's disk ($CAST_KIT_DIR,
-# default $HOME/cast-kit, kept while the machine stays warm), reassembles and verifies (sha256) the files,
-# installs the wheels with pip --no-index --target, checks the software and CUDA and converts the embedded model
-# once into the project's cache. Finished steps are not run again; what needs more time than the call has left
-# is deferred to the next call. At most 8 result files go to $OUT. Options: see
-# `python3 benchmarks/gpu/kit.py run --help` (e.g. --session-left-s N for quality). docs/gpu.md is the guide.
+# STAGE: setup, perf, correctness, speed, quality, or all — run in this order of value whatever order they are
+# named in. The first call of a lent session is `bash benchmarks/gpu/run.sh setup perf` (issue 21's targets, in
+# one call). setup runs at every call: it copies what the call carried (.gpu/callK) into the kit folder on the
+# machine's disk ($CAST_KIT_DIR, default $HOME/cast-kit, kept while the machine stays warm), reassembles and
+# verifies (sha256) the files, installs the wheels with pip --no-index --target, checks the software and CUDA and
+# converts the embedded model once into the project's cache. Finished steps are not run again; what needs more
+# time than the call has left is deferred to the next call. The result files (at most 8) go to $OUT, rewritten
+# after every step. Options: see `python3 benchmarks/gpu/kit.py run --help` (e.g. --session-left-s N for
+# quality, --redo perf to measure again). docs/gpu.md is the guide.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}  # the image's interpreter, which holds torch
