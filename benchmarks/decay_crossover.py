@@ -1,0 +1,247 @@
+"""Where the paper's own algorithm pays: the budget at which paper-exact CAST overtakes one-shot SparseGPT and
+SparseGPT + KD (fixed mask), predicted from the decay forecast (method.md §10) and checked against runs.
+
+Paper-exact CAST starts from the dense model and ends with a hard prune that removes whatever L1 mass the
+decay has not yet taken, a share ``1 − S_T``. The decay forecast (``cast_llm.optim.forecast``) predicts ``S_T``
+before a run, from the first gradient and the lr schedule, for any budget. The prediction of the perplexity
+is a two-parameter model fitted to the paper-exact runs already measured (the committed ``compare-*.json``)::
+
+    ln ppl_paper(B) = a + c · (1 − S_T(B))             (the prune's cost grows with the mass it removes)
+
+It assumes the run's cost is its prune: the training itself gains nothing beyond the measured budgets — the
+model is therefore late, not early, about the crossover (a longer run also trains the kept weights). The
+alternatives are fitted from their own runs: one-shot SparseGPT is a constant; SparseGPT + KD follows
+``ln ppl = A + B·D^−β`` (the token scaling law of method.md §7, β = 0.2849), fitted to its runs at the
+measured budgets. The crossover is the smallest budget of the grid at which the prediction is lower.
+
+    python benchmarks/decay_crossover.py                      # CPU tier settings, SmolLM2-135M
+    python benchmarks/decay_crossover.py --verify 384k        # after a paper-exact run at 384k: prediction vs run
+
+Writes ``docs/results/decay-crossover.md`` (+ ``.json``, ``.png``). The forecast needs one forward and backward
+of the model with its teacher (~20 s on 2 CPU cores); each budget's forecast ~1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare_methods import TIERS, budget_name  # noqa: E402
+
+GRID = ["48k", "96k", "192k", "384k", "768k", "1.5M", "3M", "6M", "12M", "24M", "48M"]
+SPLITS = (("heldout", "held-out"), ("wikitext2", "WikiText-2"))
+
+
+def forecast_curve(budgets: list[int], tier: dict, seed: int = 0) -> list[dict]:
+    """S_T forecast by AdamS for paper-exact CAST at each budget (KD runs get 3/4 of the tokens)."""
+    import torch
+
+    from cast_llm.data import prepare, steps_for_tokens
+    from cast_llm.models import load_model, load_tokenizer
+    from cast_llm.optim.forecast import decay_state, forecast_from_layers
+    from cast_llm.train.config import TrainConfig
+    from cast_llm.train.methods import get_method
+    from cast_llm.train.schedule import schedule_lrs
+    from cast_llm.train.trainer import lm_loss
+
+    cfg = TrainConfig(output_dir="unused", model=tier["model"], data=tier["data"], method="cast", paper_exact=True,
+                      tokens=budgets[0] * 3 // 4, seq_len=tier["seq_len"], batch_size=tier["batch_size"],
+                      grad_accum=tier["grad_accum"], lr=tier["lr"], l1_decay=tier["l1_decay"], eta=tier["eta"],
+                      lr_schedule=tier["lr_schedule"], mask_interval=tier["mask_interval"], seed=seed)
+    cfg.validate()
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, dtype=torch.float32)
+    data = prepare(cfg.data, tok, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction)
+    teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    method = get_method("cast")
+    method.prepare_model(model, cfg, data=data)
+    per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    first = steps_for_tokens(budgets[0] * 3 // 4, per_step)
+    opt = method.build_optimizer(model, cfg, first)
+    batch = data.train[: cfg.batch_size]  # the first gradient sets the noise level σ_g of every layer
+    with torch.no_grad():
+        t_logits = teacher(input_ids=batch).logits
+    loss = lm_loss(model(input_ids=batch).logits, t_logits, batch, cfg)[0]
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    group = next(g for g in opt.param_groups if g.get("sparse"))
+    out = []
+    for budget in budgets:
+        steps = steps_for_tokens(budget * 3 // 4, per_step)
+        lrs = schedule_lrs(cfg, steps, cfg.lr, default_warmup=0.02)
+        layers = decay_state(opt, remaining_steps=steps, seed=seed)
+        fc = forecast_from_layers(layers, lrs, step=0, total_steps=steps, l1_decay=float(group["l1_decay"]),
+                                  betas=tuple(group["betas"]), eps=float(group["eps"]), suggest=False, seed=seed)
+        out.append({"budget": budget, "steps": steps, "forecast_s_t": fc.sparse_weight_ratio})
+        print(f"  {budget_name(budget):>6}: {steps:>7} steps, forecast S_T {fc.sparse_weight_ratio:.4f}", flush=True)
+    return out
+
+
+def load_rows(docs: Path, model: str) -> dict[int, dict[str, dict]]:
+    """``{budget: {row name: row}}`` from the committed comparison tables (compare-<model>-<budget>.json)."""
+    found = {}
+    for path in sorted(docs.glob(f"compare-{model}-*.json")):
+        doc = json.loads(path.read_text())
+        found[int(doc["budget"])] = {r["name"]: r for r in doc["rows"] if r.get("status") == "ok"}
+    return found
+
+
+def fit_prune_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, c) of ln ppl = a + c·(1 − S_T), least squares over ``(S_T, ppl)`` points (exact with two)."""
+    xs = [1 - s for s, _ in points]
+    ys = [math.log(p) for _, p in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 2 or sxx == 0:
+        raise SystemExit("need paper-exact runs at two budgets with different S_T to fit the prune cost")
+    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - c * mx, c
+
+
+def fit_scaling(points: list[tuple[int, float]]):
+    """ln ppl = A + B·D^−β over (tokens, ppl) points (cast_llm.scaling_law, β fixed)."""
+    from cast_llm.scaling_law import fit_token_scaling
+
+    return fit_token_scaling([d / 1e9 for d, _ in points], [p for _, p in points])
+
+
+def main(argv=None) -> int:
+    from cast_llm.config import parse_count
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", default=",".join(GRID), help="budgets to forecast (tokens of runs without KD)")
+    p.add_argument("--verify", default="", help="budgets with a measured paper-exact run NOT used in the fit "
+                                                 "(prediction vs run), e.g. 384k")
+    p.add_argument("--docs-dir", default=str(REPO / "docs" / "results"))
+    p.add_argument("--threads", type=int, default=0)
+    opts = p.parse_args(argv)
+    import torch
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    tier = dict(TIERS["cpu"])
+    docs = Path(opts.docs_dir)
+    verify = {parse_count(x) for x in opts.verify.split(",") if x}
+    rows = load_rows(docs, tier["model"])
+    measured = sorted(b for b, r in rows.items() if "cast" in r)
+    grid = sorted({parse_count(x) for x in opts.budgets.split(",")} | set(measured) | verify)
+    t0 = time.perf_counter()
+    print(f"decay forecast of paper-exact CAST ({tier['model']}, lr {tier['lr']:g} {tier['lr_schedule']}, "
+          f"λ {tier['l1_decay']:g}):", flush=True)
+    curve = forecast_curve(grid, tier)
+    s_t = {c["budget"]: c["forecast_s_t"] for c in curve}
+    fit_budgets = [b for b in measured if b not in verify]
+    result = {"settings": {k: tier[k] for k in ("model", "lr", "lr_schedule", "l1_decay", "eta", "seq_len",
+                                                 "batch_size")},
+              "curve": curve, "fit_budgets": fit_budgets, "verify": [], "splits": {}}
+    for split, _ in SPLITS:
+        pts = [(s_t[b], rows[b]["cast"][split]) for b in fit_budgets]
+        a, c = fit_prune_cost(pts)
+        sgpt = next((r["sparsegpt"][split] for r in rows.values() if "sparsegpt" in r), None)
+        kd_pts = [(x["tokens"], x[split]) for b in sorted(rows) if "naive-kd-sgpt" in rows[b]
+                  for x in rows[b]["naive-kd-sgpt"]["seeds"]]  # (KD training tokens, ppl)
+        kd_fit = fit_scaling(kd_pts) if len({d for d, _ in kd_pts}) >= 2 and len(kd_pts) >= 3 else None
+        preds = []
+        for cv in curve:
+            b = cv["budget"]
+            pred = math.exp(a + c * (1 - cv["forecast_s_t"]))
+            kd = float(kd_fit.predict_ppl(b * 3 // 4 / 1e9)) if kd_fit else None  # a KD run gets 3/4 of b
+            preds.append({"budget": b, "paper_exact": pred, "sparsegpt": sgpt, "sparsegpt_kd": kd})
+        cross = {k: next((x["budget"] for x in preds if x[k] is not None and x["paper_exact"] < x[k]), None)
+                 for k in ("sparsegpt", "sparsegpt_kd")}
+        result["splits"][split] = {"a": a, "c": c, "floor": math.exp(a), "fit_points": pts, "predictions": preds,
+                                   "crossover": cross,
+                                   "sparsegpt_kd_fit": None if kd_fit is None else {"A": kd_fit.A, "B": kd_fit.B,
+                                                                                    "beta": kd_fit.beta}}
+        for b in sorted(verify):
+            if b in rows and "cast" in rows[b]:
+                got = rows[b]["cast"][split]
+                want = math.exp(a + c * (1 - s_t[b]))
+                result["verify"].append({"split": split, "budget": b, "predicted": want, "measured": got,
+                                         "forecast_s_t": s_t[b], "measured_s_t": rows[b]["cast"].get(
+                                             "sparse_weight_ratio")})
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_report(result, rows, docs, tier)
+    return 0
+
+
+def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
+    stem = docs / f"decay-crossover-{tier['model']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    md = [f"# Where paper-exact CAST pays: the crossover budget ({tier['model']}, CPU tier)", "",
+          "Generated by `python benchmarks/decay_crossover.py" + (" --verify " + ",".join(
+              budget_name(v["budget"]) for v in result["verify"][:1]) if result["verify"] else "") + "` "
+          f"({result['wall_s']:.0f} s). Paper-exact CAST: dense start, hard final prune, lr {tier['lr']:g} "
+          f"{tier['lr_schedule']}, λ {tier['l1_decay']:g}, KD η {tier['eta']:g} with 3/4 of the tokens. S_T: the "
+          "decay forecast made before the run (cast_llm.optim.forecast). Prediction: ln ppl = a + c·(1 − S_T), "
+          f"fitted to the paper-exact runs at {', '.join(budget_name(b) for b in result['fit_budgets'])} "
+          "(it gives the training no gain beyond the measured budgets: a late estimate of the crossover). "
+          "SparseGPT + KD: the token scaling law fitted to its runs.", "",
+          "| budget | steps | forecast S_T | " + " | ".join(
+              f"{n} paper-exact (pred.) | {n} SparseGPT | {n} SparseGPT + KD (fit)" for _, n in SPLITS) + " |",
+          "|---:|---:|---:|" + "---:|---:|---:|" * len(SPLITS)]
+    for i, cv in enumerate(result["curve"]):
+        cells = []
+        for split, _ in SPLITS:
+            pr = result["splits"][split]["predictions"][i]
+            cells += [f"{pr['paper_exact']:.1f}", "—" if pr["sparsegpt"] is None else f"{pr['sparsegpt']:.1f}",
+                      "—" if pr["sparsegpt_kd"] is None else f"{pr['sparsegpt_kd']:.1f}"]
+        md.append(f"| {budget_name(cv['budget'])} | {cv['steps']:,} | {cv['forecast_s_t']:.4f} | "
+                  + " | ".join(cells) + " |")
+    md += ["", "## Crossover", ""]
+    for split, name in SPLITS:
+        sp = result["splits"][split]
+        cr = sp["crossover"]
+        md.append(f"- **{name}**: fit a = {sp['a']:.3f}, c = {sp['c']:.2f} (a fully decayed run's floor: "
+                  f"{sp['floor']:.1f}); overtakes one-shot SparseGPT at "
+                  f"{budget_name(cr['sparsegpt']) if cr['sparsegpt'] else 'no budget of the grid'}, SparseGPT + KD "
+                  f"at {budget_name(cr['sparsegpt_kd']) if cr['sparsegpt_kd'] else 'no budget of the grid'}.")
+    if result["verify"]:
+        md += ["", "## Prediction against a run not used in the fit", ""]
+        for v in result["verify"]:
+            md.append(f"- {budget_name(v['budget'])}, {v['split']}: predicted {v['predicted']:.1f}, measured "
+                      f"{v['measured']:.1f} (S_T forecast {v['forecast_s_t']:.4f}, measured "
+                      f"{v['measured_s_t'] if v['measured_s_t'] is None else round(v['measured_s_t'], 4)})")
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(SPLITS), figsize=(11, 4))
+    xs = [cv["budget"] for cv in result["curve"]]
+    for ax, (split, name) in zip(axes, SPLITS):
+        pr = result["splits"][split]["predictions"]
+        ax.plot(xs, [x["paper_exact"] for x in pr], "o-", color="#c0392b", label="paper-exact CAST (predicted)")
+        if pr[0]["sparsegpt"] is not None:
+            ax.axhline(pr[0]["sparsegpt"], color="#e39b3b", linestyle="--", label="one-shot SparseGPT")
+        if pr[0]["sparsegpt_kd"] is not None:
+            ax.plot(xs, [x["sparsegpt_kd"] for x in pr], "s-", color="#4a78b5", label="SparseGPT + KD (fit)")
+        for b, r in rows.items():
+            if "cast" in r:
+                ax.plot([b], [r["cast"][split]], "kx", markersize=9)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("training tokens (runs without KD; KD runs 3/4)")
+        ax.set_ylabel(f"{name} perplexity")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Paper-exact CAST against SparseGPT: prediction from the decay forecast (× = measured runs)")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
