@@ -392,7 +392,7 @@ def test_mask_api():
         (dict(betas=(0.9, -0.1)), "betas"), (dict(total_steps=0), "total_steps"),
         (dict(total_steps=None), "total_steps is required"), (dict(total_steps=2.5), "total_steps"),
         (dict(n=4, m=4), "n=4, m=4"), (dict(n=0), "n=0"), (dict(mask_interval=-1), "mask_interval"),
-        (dict(mask_storage="bits"), "mask_storage"), (dict(nonfinite="ignore"), "nonfinite"),
+        (dict(mask_storage="bits"), "mask_storage"), (dict(nonfinite="warn"), "nonfinite"),
         (dict(lr=float("nan")), "lr"),
     ],
 )  # fmt: skip
