@@ -134,7 +134,8 @@ def check_masks(device: str) -> None:
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for transposed in (False, True):
-            for n, m in ((2, 4), (1, 4), (1, 3), (3, 8)):
+            # every pattern in fp32; the low-precision dtypes only change how |w| is loaded
+            for n, m in ((2, 4), (1, 4), (1, 3), (3, 8)) if dtype == torch.float32 else ((2, 4),):
                 # m divides the grouped dim; partial packed bytes (e.g. 3 x 12, 6 x 3); 10m x 20 spans chunks
                 shapes = [(2 * m, 3), (3 * m, 4 * m), (10 * m, 20)] if transposed else \
                     [(3, 4 * m), (5, 2 * m), (20, 10 * m)]

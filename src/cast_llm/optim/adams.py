@@ -26,8 +26,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
 from cast_llm.errors import NonFiniteError
-from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam, fused_dense_takes
-from cast_llm.optim.functional import _interpreting as _triton_interpreting
+from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam, fused_dense_takes, kernel_device
 from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
 
 try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
@@ -374,24 +373,20 @@ class AdamS(Optimizer):
             step = state["step"] = torch.full((), float(t), dtype=torch.float32, device=device)
         return step
 
-    def _sparse_kernel_takes(self, local: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any],
-                             index: int) -> bool:
-        """Whether the Triton kernels update this sparse parameter (``fused=True``: raise if they cannot)."""
-        fused = group.get("fused")
-        if fused is False or group["foreach"] is False:
-            return False
-        if not (local.is_cuda or (local.device.type == "cpu" and _triton_interpreting())):
-            return False
+    def _kernel_reason(self, group: dict[str, Any]) -> str | None:
+        """Why no parameter of this group can use the Triton kernels (None: each may, if it qualifies)."""
+        if group.get("fused") is False or group["foreach"] is False:
+            return "fused=False or foreach=False"
         from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
 
-        reason = triton_adams.unavailable_reason() or triton_adams.unsupported_reason(
-            local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
-        if reason is not None and fused:
-            gi = next(k for k, g in enumerate(self.param_groups) if g is group)
-            raise RuntimeError(f"AdamS(fused=True): {_param_name(group, index, gi)} of shape {tuple(local.shape)} "
-                               f"cannot use the fused Triton kernel: {reason}. Pass fused=None to fall back to "
-                               "the reference path.")
-        return reason is None
+        return triton_adams.unavailable_reason()
+
+    def _refuse(self, group: dict[str, Any], index: int, local: Tensor, reason: str) -> None:
+        """fused=True and a parameter the kernels cannot take: say which and why."""
+        gi = next(k for k, g in enumerate(self.param_groups) if g is group)
+        raise RuntimeError(f"AdamS(fused=True): {_param_name(group, index, gi)} of shape {tuple(local.shape)} "
+                           f"cannot use the fused Triton kernel: {reason}. Pass fused=None to fall back to the "
+                           "reference path.")
 
     def _dense_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps, stepped = [], [], [], [], [], []
@@ -422,23 +417,34 @@ class AdamS(Optimizer):
         self._advance(stepped)
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
-        # two lists of tensor sets: the Triton kernels' (checked here, once) and the other paths' (adams())
+        # two lists of tensor sets: the Triton kernels' (checked here, once) and the other paths' (adams()).
+        # This loop runs for every parameter at every step: it is kept to a few attribute reads per tensor.
         kernel = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, steps, parameters
         other = ([], [], [], [], [], [])
         due: list[tuple[Tensor, Tensor, bool]] = []  # (parameter, local tensor, by the kernel): Eq. 6 now
         interval = group["mask_interval"] or 0
+        asked, group_reason = False, None  # asked at the first CUDA parameter: only then is Triton imported
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            state = self._init_state(p)
-            local, grad = _local(p), _local(p.grad)
-            takes = self._sparse_kernel_takes(local, grad, state, group, i)
+            state = self.state[p]
+            if "step" not in state:
+                state = self._init_state(p)
+            local, grad, mu, v = _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            takes = False
+            if kernel_device(local):
+                if not asked:
+                    asked, group_reason = True, self._kernel_reason(group)
+                reason = group_reason or _kernel_unsupported(local, grad, mu, v)
+                if reason is not None and group.get("fused"):
+                    self._refuse(group, i, local, reason)
+                takes = reason is None
             step = self._place_step(p, state, local.device if takes else _CPU)
             t = self._steps_done(p, state) + 1  # the step about to be taken
-            if "mask" not in state or (interval and t % interval == 0):
+            if interval and t % interval == 0 or "mask" not in state:
                 due.append((p, local, takes))
             lists = kernel if takes else other
-            for lst, x in zip(lists, (local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), step, p)):
+            for lst, x in zip(lists, (local, grad, mu, v, step, p)):
                 lst.append(x)
         if not kernel[0] and not other[0]:
             return
@@ -448,17 +454,17 @@ class AdamS(Optimizer):
                   total_steps=group["total_steps"], weight_decay=group["weight_decay"], maximize=group["maximize"],
                   # a state dict saved before decay modes existed has none: it was proportional
                   decay_mode=group.get("decay_mode", "proportional"))
+        state = self.state
         if kernel[0]:
             from cast_llm.optim import triton_adams
 
             *tensors, steps, stepped = kernel
-            masks = [self.state[p]["mask"] for p in stepped]
-            triton_adams.fused_adams_(*tensors, masks, steps, **hp)
+            triton_adams.fused_adams_(*tensors, [state[p]["mask"] for p in stepped], steps, **hp)
             self._advance(stepped)
         if other[0]:
             *tensors, steps, stepped = other
-            masks = [self.state[p]["mask"] for p in stepped]
-            adams(*tensors, masks, steps, foreach=group["foreach"], fused=group.get("fused"), **hp)
+            adams(*tensors, [state[p]["mask"] for p in stepped], steps, foreach=group["foreach"],
+                  fused=group.get("fused"), **hp)
             self._advance(stepped)
 
     def _refresh_masks(self, due: list[tuple[Tensor, Tensor, bool]], group: dict[str, Any]) -> None:
@@ -562,6 +568,12 @@ def _check_sparse_param(p: Tensor, group: dict[str, Any], name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ functional core
+def _kernel_unsupported(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> str | None:
+    from cast_llm.optim.triton_adams import unsupported_reason  # lazy: it imports Triton
+
+    return unsupported_reason(param, grad, exp_avg, exp_avg_sq)
+
+
 def _is_dtensor(t: Tensor) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 

@@ -26,7 +26,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from cast_llm.sparsity.mask import packed_numel, unpack_mask
 
-__all__ = ["adams", "dense_adam", "DECAY_MODES"]
+__all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "DECAY_MODES"]
 
 # "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
 DECAY_MODES = ("proportional", "additive")
@@ -82,7 +82,7 @@ def adams(
     if foreach is False:
         return _single_tensor_adams(*lists, **hp)
     rest = list(range(len(params)))
-    if fused is not False and any(_kernel_device(p) for p in params):
+    if fused is not False and any(kernel_device(p) for p in params):
         rest = _triton_adams(*lists, required=bool(fused), **hp)
     # Tensors off the CPU that the kernels did not take run the reference path: the block-wise path below
     # disagreed with the float64 reference on an H100 (docs/results/gpu/README.md) and is kept CPU-only
@@ -94,13 +94,14 @@ def adams(
         _multi_tensor_adams(*([x[i] for i in rest] for x in lists), **hp)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton's interpreter runs the kernels on CPU tensors (how they are tested without a GPU). Read once, as
+# Triton reads it once when it decorates the kernels.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _kernel_device(t: Tensor) -> bool:
-    """Where the Triton kernels run: CUDA, or the CPU under Triton's interpreter (how they are tested)."""
-    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
+def kernel_device(t: Tensor) -> bool:
+    """Whether ``t`` is where the Triton kernels run: CUDA, or the CPU under Triton's interpreter."""
+    return t.is_cuda or (_INTERPRET and t.device.type == "cpu")
 
 
 def _triton_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, required, **hp) -> list[int]:
@@ -110,7 +111,7 @@ def _triton_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, r
     why = triton_adams.unavailable_reason()
     take, rest = [], []
     for i, p in enumerate(params):
-        if not _kernel_device(p):
+        if not kernel_device(p):
             rest.append(i)
             continue
         reason = why or triton_adams.unsupported_reason(p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i],

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from cast_llm.sparsity.mask import packed_numel
 
-__all__ = ["fused_adams_", "fused_nm_masks", "kernel_device", "unavailable_reason", "unsupported_reason"]
+__all__ = ["fused_adams_", "fused_nm_masks", "unavailable_reason", "unsupported_reason"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per tile: 8 per thread at 4 warps — two 16-byte vectors of fp32 (one of bf16) per tensor.
@@ -78,27 +78,20 @@ except Exception as err:  # ImportError, or a broken install: either way no kern
     _IMPORT_ERROR = f"Triton is not importable ({type(err).__name__}: {err}); pip install triton"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def unavailable_reason() -> str | None:
-    """None if the kernels can run here, else why not (Triton missing, or no CUDA device)."""
-    return _unavailable(_interpreting())
+# Under Triton's interpreter the kernels run on CPU tensors; Triton reads the variable once, when it
+# decorates them at import, and so does this module.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache
-def _unavailable(interpreting: bool) -> str | None:  # asked for every parameter at every step: cached
+def unavailable_reason() -> str | None:
+    """None if the kernels can run here, else why not (Triton missing, or no CUDA device). Cached: it is
+    asked for every parameter at every step."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
-    if not interpreting and not torch.cuda.is_available():
+    if not _INTERPRET and not torch.cuda.is_available():
         return "no CUDA device is visible"
     return None
-
-
-def kernel_device(t: Tensor) -> bool:
-    """Whether ``t`` lives where the kernels run: CUDA, or the CPU under Triton's interpreter (tests)."""
-    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
 
 
 def unsupported_reason(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, mask: Tensor | None = None,
@@ -429,7 +422,7 @@ def _launch_update(device, P, G, MU, V, K, ST, *, hp, packed, **consts) -> None:
         _scalars_kernel[(triton.cdiv(len(P), _LANES),)](table, hparams, scal, len(P), ST[0], LANES=_LANES)
         _update_kernel[(work.shape[0],)](
             work, table, scal, P[0], G[0], MU[0], V[0], K[0].view(torch.uint8), PACKED=packed, UNIT=unit,
-            BLOCK=_BLOCK, CHUNK=_CHUNK, EXACT_BF16=_interpreting(), num_warps=_NUM_WARPS, **consts,
+            BLOCK=_BLOCK, CHUNK=_CHUNK, EXACT_BF16=_INTERPRET, num_warps=_NUM_WARPS, **consts,
         )  # fmt: skip
 
 
