@@ -12,7 +12,7 @@ here with ``nonfinite="ignore"`` — no gradient check, like AdamW — except "A
   amortised ratio over ``mask_interval`` steps, and the optimizer-state memory.
 * LLaMA-7B (CUDA; hidden 4096, intermediate 11008, vocabulary 32000, untied head): fp32 parameters,
   gradients and states of all 32 layers need 110 GB, so the run takes as many layers as fit in the free
-  device memory (about 20 on an 80 GB H100) and says how many. Optimizers run one after the other (each
+  device memory (about 21 on an 80 GB H100) and says how many. Optimizers run one after the other (each
   creates and frees its states), two rounds in alternating order.
 * On CUDA: the device-to-device copy bandwidth, and for every row the bytes it must move per step (read θ,
   g, μ, v and the mask; write θ, μ, v) over its median time, as a fraction of that bandwidth.
@@ -185,13 +185,14 @@ def run_interleaved(label: str, sparse, dense, device, args) -> list[dict]:
 
 # ------------------------------------------------------------------------------------- LLaMA-7B shapes
 def fitting_layers(device, requested: int | None) -> int:
-    """How many LLaMA-7B layers fit: parameters, gradients and ONE optimizer's fp32 states (17 bytes per
-    sparse entry with a bool mask, 16 per dense one), leaving 4 GiB for the allocator and the kernels."""
+    """How many LLaMA-7B layers fit: parameters, gradients and ONE optimizer's fp32 states, 18 bytes per
+    sparse entry (8 + 8 + a bool mask, and the new masks of a refresh before the old ones are freed) and 16
+    per dense one, leaving 3 GiB for the allocator and the kernels."""
     if requested is not None:
         return requested
     hidden, inter, _, vocab, full, _ = SHAPES["llama-7b"]
-    per_layer = 17 * (4 * hidden * hidden + 3 * inter * hidden) + 16 * 2 * hidden
-    fixed = 16 * (2 * vocab * hidden + hidden) + (4 << 30)
+    per_layer = 18 * (4 * hidden * hidden + 3 * inter * hidden) + 16 * 2 * hidden
+    fixed = 16 * (2 * vocab * hidden + hidden) + (3 << 30)
     free, _ = torch.cuda.mem_get_info(device)
     return max(1, min(full, (free - fixed) // per_layer))
 
@@ -310,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny or device.type == "cuda":  # a full 7B-shaped run does not fit a CPU box: GPU only
         big = "tiny-7b" if args.tiny else "llama-7b"
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # what SmolLM2's run and the copy buffers held, for fitting_layers
         layers = SHAPES[big][4] if args.tiny else fitting_layers(device, args.layers)
         sparse, dense = (make_params(s, device) for s in model_shapes(big, layers))
         rows += run_phases(big, sparse, dense, device, args)

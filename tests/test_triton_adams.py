@@ -304,6 +304,7 @@ def test_adams_kernel_path_resumes_bitwise_in_interpreter():
     _in_interpreter("""
         t.check_resume('cpu', 'packed', 'bool')
         t.check_resume('cpu', 'bool', 'bool', dtype=torch.bfloat16)
+        t.test_refresh_masks_recomputes_every_mask_from_the_current_weights()  # through the mask kernel
     """)
 
 
@@ -343,6 +344,21 @@ def test_host_counts_are_rebuilt_after_a_load():
     fresh.step()  # t = 3: the loaded counts (2) say this step refreshes the masks
     assert any(not torch.equal(m, fresh.mask(w)) for m, w in zip(masks, ws))
     assert fresh._host_steps == {w: 3 for w in ws}
+
+
+def test_refresh_masks_recomputes_every_mask_from_the_current_weights():
+    ws = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(12, 4))]
+    opt = AdamS([{"params": ws[:1], "sparse": True}, {"params": ws[1:], "sparse": True, "transposed": True}],
+                total_steps=10, mask_interval=0, mask_storage="packed")
+    for w in ws:
+        w.grad = torch.randn_like(w)
+    opt.step()
+    with torch.no_grad():
+        for w in ws:
+            w.mul_(torch.randn_like(w))
+    opt.refresh_masks()
+    for w, transposed in zip(ws, (False, True)):
+        assert torch.equal(opt.mask(w), magnitude_mask(w, transposed, 2, 4))
 
 
 def test_block_wise_fast_path_is_cpu_only():

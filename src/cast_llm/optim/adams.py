@@ -252,6 +252,21 @@ class AdamS(Optimizer):
         self.state[p]["mask"] = self._encode(mask.to(local.device))
 
     @torch.no_grad()
+    def refresh_masks(self) -> None:
+        """Recompute every sparse parameter's mask now from its current weights (Eq. 6), exactly as a
+        ``t % mask_interval == 0`` step does — through the fused mask kernel where that step would use it."""
+        for group in self.param_groups:
+            if not group["sparse"]:
+                continue
+            reason = self._kernel_reason(group) if any(kernel_device(_local(p)) for p in group["params"]) else ""
+            due = []
+            for p in group["params"]:
+                local = _local(p)
+                takes = kernel_device(local) and not reason and _kernel_unsupported(local, local, local, local) is None
+                due.append((p, local, takes))
+            self._refresh_masks(due, group)
+
+    @torch.no_grad()
     def prune_(self) -> None:
         """``θ ← θ ⊙ m`` for every sparse parameter (Algorithm 1's last line): afterwards each is exactly N:M."""
         for p, mask in self.masks().items():
