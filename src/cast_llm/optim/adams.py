@@ -258,12 +258,11 @@ class AdamS(Optimizer):
         for group in self.param_groups:
             if not group["sparse"]:
                 continue
-            reason = self._kernel_reason(group) if any(kernel_device(_local(p)) for p in group["params"]) else ""
-            due = []
-            for p in group["params"]:
-                local = _local(p)
-                takes = kernel_device(local) and not reason and _kernel_unsupported(local, local, local, local) is None
-                due.append((p, local, takes))
+            locals_ = [_local(p) for p in group["params"]]
+            reason = self._kernel_reason(group) if any(kernel_device(x) for x in locals_) else "no CUDA tensor"
+            # the parameter stands in for its gradient and states: the kernel takes what it takes of them
+            due = [(p, x, kernel_device(x) and reason is None and _kernel_unsupported(x, x, x, x) is None)
+                   for p, x in zip(group["params"], locals_)]
             self._refresh_masks(due, group)
 
     @torch.no_grad()
@@ -351,7 +350,8 @@ class AdamS(Optimizer):
             return loss
         if any(g.is_sparse for g in grads):
             raise RuntimeError("AdamS does not support sparse (torch.sparse) gradients")
-        if self.nonfinite != "ignore" and not self._grads_finite(grads):  # before anything is touched: weights never see NaN/Inf
+        # before anything is touched: weights never see NaN/Inf (unless the caller asked for no check)
+        if self.nonfinite != "ignore" and not self._grads_finite(grads):
             if self.nonfinite == "raise":
                 raise NonFiniteError(self._nonfinite_message())
             self.skipped_steps += 1
@@ -456,7 +456,7 @@ class AdamS(Optimizer):
                 takes = reason is None
             step = self._place_step(p, state, local.device if takes else _CPU)
             t = self._steps_done(p, state) + 1  # the step about to be taken
-            if interval and t % interval == 0 or "mask" not in state:
+            if "mask" not in state or (interval and t % interval == 0):
                 due.append((p, local, takes))
             lists = kernel if takes else other
             for lst, x in zip(lists, (local, grad, mu, v, step, p)):

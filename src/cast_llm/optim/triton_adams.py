@@ -66,8 +66,9 @@ _NUM_WARPS = 4
 # over 7 programs, large enough that the per-program lookups and scalars are noise (~0.5 MB moved each).
 _CHUNK = 16 * _BLOCK
 _LANES = 128  # tensors per program of the scalar kernel
-_COLS = 8  # int64 columns of the tensor table: θ, g, μ, v, mask, numel, step, (unused)
-_SCALARS = 16  # float32 slots per tensor in the scalar table (10 used; 64 bytes per row)
+# Row strides the kernels are written for: the tensor table has 8 int64 columns (θ, g, μ, v, mask, numel,
+# step address, unused), the scalar table 16 float32 slots (10 used: 64-byte rows).
+_SCALARS = 16
 
 _IMPORT_ERROR: str | None = None
 try:
