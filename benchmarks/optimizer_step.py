@@ -314,8 +314,20 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # what SmolLM2's run and the copy buffers held, for fitting_layers
         layers = SHAPES[big][4] if args.tiny else fitting_layers(device, args.layers)
-        sparse, dense = (make_params(s, device) for s in model_shapes(big, layers))
-        rows += run_phases(big, sparse, dense, device, args)
+        for attempt in range(3):  # the memory estimate is an estimate: on OOM, retry with 3/4 of the layers
+            try:
+                sparse, dense = (make_params(s, device) for s in model_shapes(big, layers))
+                rows += run_phases(big, sparse, dense, device, args)
+                break
+            except torch.cuda.OutOfMemoryError:
+                if attempt == 2 or layers == 1:
+                    raise
+            # out of the except block, its traceback no longer holds the frames' tensors: free them all
+            sparse = dense = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            layers = max(1, layers * 3 // 4)
+            print(f"out of memory with LLaMA-7B shapes: retrying with {layers} layers", flush=True)
         del sparse, dense
     finish_rows(rows, copy_bw, args.mask_interval)
 
