@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # script -> a line its report must contain
@@ -23,10 +24,16 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def runs():
+def json_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("benchmarks")
+
+
+@pytest.fixture(scope="module")
+def runs(json_dir):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick"], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    extra = {"optimizer_step.py": ["--json", str(json_dir / "optimizer_step.json")]}
+    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick", *extra.get(name, [])],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in EXPECTED}
     return {name: (p, *p.communicate(timeout=600)) for name, p in procs.items()}
 
@@ -36,3 +43,18 @@ def test_benchmark_quick_mode_runs(runs, name):
     proc, out, err = runs[name]
     assert proc.returncode == 0, f"{name} --quick failed:\n{err[-3000:]}"
     assert EXPECTED[name] in out and "machine:" in out, out
+
+
+def test_optimizer_step_json_has_the_targets(runs, json_dir):
+    """The GPU kit reads these keys; on CPU the GPU targets are null and the rows hold the CPU timings."""
+    import json
+
+    assert runs["optimizer_step.py"][0].returncode == 0
+    result = json.loads((json_dir / "optimizer_step.json").read_text())
+    for key in ("adams_over_fused", "adams_over_fused_smollm2", "adams_copy_fraction"):
+        assert key in result and result[key] is None
+    assert {"rows", "device", "versions"} <= set(result) and result["versions"]["torch"] == torch.__version__
+    shapes = {(r["shapes"], r["optimizer"]) for r in result["rows"]}
+    for model in ("tiny", "tiny-7b"):
+        assert {(model, "AdamW(fused=True)"), (model, "AdamS bool masks"), (model, "AdamS packed masks")} <= shapes
+    assert all(r["median_ms"] > 0 and r["over_fused"] > 0 for r in result["rows"])

@@ -3,8 +3,15 @@
 A ``torch.optim.Optimizer`` whose ``"sparse": True`` param groups hold N:M targets and get the AdamS
 update, while every other group gets plain Adam/AdamW, so one optimizer serves a whole model. The math
 lives in the functional core :func:`adams` (:mod:`cast_llm.optim.functional`: a single-tensor reference
-path, a cache-blocked fast path, and on CUDA a one-pass Triton kernel); the class only keeps state,
+path, a cache-blocked CPU fast path, and on CUDA multi-tensor Triton kernels); the class only keeps state,
 decides when masks are recomputed (Eq. 6) and checks gradients.
+
+Step counts (``state["step"]``, float32 scalars holding t) live where the path that updates the parameter
+reads them, as in torch: on the parameter's device for CUDA tensors that a fused kernel updates (the
+Triton kernels for sparse groups, torch's fused Adam for dense ones), on the CPU otherwise. The class also
+keeps t of every parameter on the host (not in the state dict), which decides the mask refreshes without
+reading the device, and moves a count between devices without a synchronisation. State dicts of either
+placement load into either.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
 from cast_llm.errors import NonFiniteError
-from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam
+from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam, fused_dense_takes, kernel_device
 from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
 
 try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
@@ -31,7 +38,8 @@ except ImportError:  # pragma: no cover
 __all__ = ["AdamS", "adams"]
 
 MASK_STORAGES = ("bool", "packed")
-NONFINITE_MODES = ("raise", "skip")
+NONFINITE_MODES = ("raise", "skip", "ignore")
+_CPU = torch.device("cpu")
 
 
 class AdamS(Optimizer):
@@ -93,20 +101,25 @@ class AdamS(Optimizer):
         weight_decay: decoupled weight decay (AdamW), 0 by default as in the paper.
         maximize: ascend the objective (the L1 decay still pulls towards 0).
         foreach: ``None``/``True`` = fast path, ``False`` = the single-tensor reference path.
-        fused: ``None`` (default): on CUDA, sparse groups use the one-pass Triton kernel
-            (:mod:`cast_llm.optim.triton_adams`) when Triton is importable, else the single-tensor reference
-            path (the block-wise fast path disagreed with the reference on an H100; it stays CPU-only); dense
-            groups use torch's fused Adam kernel (CPU and CUDA; equal to ``AdamW(fused=True)``).
-            ``True``: the same, but a CUDA sparse parameter that cannot use the Triton kernel (Triton
-            missing, float64, odd strides) raises instead of falling back. ``False``: no fused kernel for
-            whole tensors (dense groups equal ``AdamW(foreach=True)``); the CPU fast path is unchanged.
+        fused: ``None`` (default): on CUDA, every sparse group is updated by the multi-tensor Triton kernels
+            (:mod:`cast_llm.optim.triton_adams`: one launch per group, the mask refresh one more) when
+            Triton is importable; the tensors they cannot take (Triton missing, float64, odd strides) run the
+            single-tensor reference path (the block-wise CPU fast path disagreed with the reference on an
+            H100; CUDA never takes it). Dense groups use torch's fused Adam kernel (CPU and CUDA; equal to
+            ``AdamW(fused=True)``). ``True``: the same, but a CUDA sparse parameter that cannot use the
+            Triton kernels raises instead of falling back. ``False``: no fused kernel for whole tensors
+            (CUDA sparse groups run the reference path, dense groups equal ``AdamW(foreach=True)``); the CPU
+            fast path is unchanged.
         mask_storage: ``"bool"`` (1 byte per weight) or ``"packed"`` (1 bit per weight, the paper's
             "1/32" overhead); identical results either way.
         decay_mode: ``"proportional"`` (default, Eq. 7) or ``"additive"`` (AST, see above); a per-group
             hyperparameter like the others.
         nonfinite: ``"raise"`` (default): a NaN/Inf gradient raises :class:`~cast_llm.errors.NonFiniteError`
             naming the parameter, before anything is modified. ``"skip"``: the whole step is skipped
-            (weights, state and step counts untouched) and ``skipped_steps`` is incremented.
+            (weights, state and step counts untouched) and ``skipped_steps`` is incremented. Both read every
+            gradient once more and wait for the device once per step. ``"ignore"``: no check, as in
+            ``torch.optim`` (a non-finite gradient reaches the weights) — the mode to compare speed with
+            ``AdamW(fused=True)``, or to use when the training loop checks the gradient norm itself.
 
     FSDP2: ``DTensor`` parameters are updated through their local shards. FSDP2 shards dim 0 (rows), so
     the N:M groups of a ``(out, in)`` weight stay whole on every rank and masks are per-rank local
@@ -147,6 +160,7 @@ class AdamS(Optimizer):
         self.mask_storage = mask_storage
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient (nonfinite="skip")
+        self._host_steps: dict[Tensor, int] = {}  # t of every stepped parameter, on the host (see module doc)
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -154,6 +168,7 @@ class AdamS(Optimizer):
         self.__dict__.setdefault("mask_storage", "bool")
         self.__dict__.setdefault("nonfinite", "raise")
         self.__dict__.setdefault("skipped_steps", 0)
+        self.__dict__.setdefault("_host_steps", {})
         for group in self.param_groups:
             group.setdefault("decay_mode", "proportional")
             group.setdefault("fused", None)
@@ -237,6 +252,20 @@ class AdamS(Optimizer):
         self.state[p]["mask"] = self._encode(mask.to(local.device))
 
     @torch.no_grad()
+    def refresh_masks(self) -> None:
+        """Recompute every sparse parameter's mask now from its current weights (Eq. 6), exactly as a
+        ``t % mask_interval == 0`` step does — through the fused mask kernel where that step would use it."""
+        for group in self.param_groups:
+            if not group["sparse"]:
+                continue
+            locals_ = [_local(p) for p in group["params"]]
+            reason = self._kernel_reason(group) if any(kernel_device(x) for x in locals_) else "no CUDA tensor"
+            # the parameter stands in for its gradient and states: the kernel takes what it takes of them
+            due = [(p, x, kernel_device(x) and reason is None and _kernel_unsupported(x, x, x, x) is None)
+                   for p, x in zip(group["params"], locals_)]
+            self._refresh_masks(due, group)
+
+    @torch.no_grad()
     def prune_(self) -> None:
         """``θ ← θ ⊙ m`` for every sparse parameter (Algorithm 1's last line): afterwards each is exactly N:M."""
         for p, mask in self.masks().items():
@@ -272,11 +301,9 @@ class AdamS(Optimizer):
                                  f"parameter of shape {tuple(shape)}")
             self.state[p]["mask"] = self._encode(mask.to(_local(p).device))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        for state in self.state.values():
-            # torch moves "step" to the parameter's device for groups with fused=True; AdamS reads t on the
-            # host every step (bias corrections, α_t), so it keeps the counts on the CPU: no device syncs
-            if torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
-                state["step"] = state["step"].cpu()
+        # the host copies of t are rebuilt from the loaded counts at the next step (once, wherever they are);
+        # each count moves to where its parameter's path reads it then, too
+        self._host_steps = {}
 
     # ----------------------------------------------------------------------------------------- step
     def _grads_finite(self, grads: list[Tensor]) -> bool:
@@ -323,7 +350,8 @@ class AdamS(Optimizer):
             return loss
         if any(g.is_sparse for g in grads):
             raise RuntimeError("AdamS does not support sparse (torch.sparse) gradients")
-        if not self._grads_finite(grads):  # before anything is touched: weights never see NaN/Inf
+        # before anything is touched: weights never see NaN/Inf (unless the caller asked for no check)
+        if self.nonfinite != "ignore" and not self._grads_finite(grads):
             if self.nonfinite == "raise":
                 raise NonFiniteError(self._nonfinite_message())
             self.skipped_steps += 1
@@ -337,61 +365,143 @@ class AdamS(Optimizer):
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
-        if "step" not in state:  # lazy, as in torch.optim.Adam (same dtypes and placement)
+        if "step" not in state:  # lazy, as in torch.optim.Adam (same dtypes; the count is placed later)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._host_steps[p] = 0
         return state
 
+    def _steps_done(self, p: Tensor, state: dict[str, Any]) -> int:
+        """t - 1 of ``p`` from the host copy; read from ``state["step"]`` only the first time after a load."""
+        t = self._host_steps.get(p)
+        if t is None:
+            t = self._host_steps[p] = int(float(state["step"]))
+        return t
+
+    def _place_step(self, p: Tensor, state: dict[str, Any], device: torch.device) -> Tensor:
+        """``state["step"]`` on ``device``, moved there if needed — rebuilt from the host copy of t, so a move
+        never waits for the device."""
+        step = state["step"]
+        if step.device != device:
+            t = self._steps_done(p, state)
+            step = state["step"] = torch.full((), float(t), dtype=torch.float32, device=device)
+        return step
+
+    def _kernel_reason(self, group: dict[str, Any]) -> str | None:
+        """Why no parameter of this group can use the Triton kernels (None: each may, if it qualifies)."""
+        if group.get("fused") is False or group["foreach"] is False:
+            return "fused=False or foreach=False"
+        from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
+
+        return triton_adams.unavailable_reason()
+
+    def _refuse(self, group: dict[str, Any], index: int, local: Tensor, reason: str) -> None:
+        """fused=True and a parameter the kernels cannot take: say which and why."""
+        gi = next(k for k, g in enumerate(self.param_groups) if g is group)
+        raise RuntimeError(f"AdamS(fused=True): {_param_name(group, index, gi)} of shape {tuple(local.shape)} "
+                           f"cannot use the fused Triton kernel: {reason}. Pass fused=None to fall back to the "
+                           "reference path.")
+
     def _dense_step(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, steps, stepped = [], [], [], [], [], []
+        fused_ok = group["foreach"] is not False and group.get("fused") is not False
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self._init_state(p)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+            local, grad = _local(p), _local(p.grad)
+            mu, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            # torch's fused kernel reads a CUDA tensor's count on the device (no synchronisation)
+            on_device = fused_ok and local.is_cuda and fused_dense_takes(local, grad, mu, v)
+            steps.append(self._place_step(p, state, local.device if on_device else _CPU))
+            params.append(local)
+            grads.append(grad)
+            exp_avgs.append(mu)
+            exp_avg_sqs.append(v)
+            stepped.append(p)
         if not params:
             return
         beta1, beta2 = group["betas"]
         # torch's own Adam/AdamW kernels, so dense groups match torch.optim.AdamW exactly
         dense_adam(
-            [_local(p) for p in params], [_local(g) for g in grads], [_local(x) for x in exp_avgs],
-            [_local(x) for x in exp_avg_sqs], steps, foreach=group["foreach"], fused=group.get("fused"),
+            params, grads, exp_avgs, exp_avg_sqs, steps, foreach=group["foreach"], fused=group.get("fused"),
             beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
             maximize=group["maximize"],
         )  # fmt: skip
+        self._advance(stepped)
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, masks, steps = [], [], [], [], [], []
+        # two lists of tensor sets: the Triton kernels' (checked here, once) and the other paths' (adams()).
+        # This loop runs for every parameter at every step: it is kept to a few attribute reads per tensor.
+        kernel = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, steps, parameters
+        other = ([], [], [], [], [], [])
+        due: list[tuple[Tensor, Tensor, bool]] = []  # (parameter, local tensor, by the kernel): Eq. 6 now
         interval = group["mask_interval"] or 0
-        for p in group["params"]:
+        asked, group_reason = False, None  # asked at the first CUDA parameter: only then is Triton imported
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            state = self._init_state(p)
-            t = int(state["step"].item()) + 1  # the step about to be taken
+            state = self.state[p]
+            if "step" not in state:
+                state = self._init_state(p)
+            local, grad, mu, v = _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            takes = False
+            if kernel_device(local):
+                if not asked:
+                    asked, group_reason = True, self._kernel_reason(group)
+                reason = group_reason or _kernel_unsupported(local, grad, mu, v)
+                if reason is not None and group.get("fused"):
+                    self._refuse(group, i, local, reason)
+                takes = reason is None
+            step = self._place_step(p, state, local.device if takes else _CPU)
+            t = self._steps_done(p, state) + 1  # the step about to be taken
             if "mask" not in state or (interval and t % interval == 0):
-                state["mask"] = self._encode(self._compute_mask(p, group))  # Eq. 6, from θ_{t-1}
-            params.append(_local(p))
-            grads.append(_local(p.grad))
-            exp_avgs.append(_local(state["exp_avg"]))
-            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
-            masks.append(state["mask"])
-            steps.append(state["step"])
-        if not params:
+                due.append((p, local, takes))
+            lists = kernel if takes else other
+            for lst, x in zip(lists, (local, grad, mu, v, step, p)):
+                lst.append(x)
+        if not kernel[0] and not other[0]:
             return
+        self._refresh_masks(due, group)
         beta1, beta2 = group["betas"]
-        adams(
-            params, grads, exp_avgs, exp_avg_sqs, masks, steps,
-            foreach=group["foreach"], fused=group.get("fused"), beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"],
-            l1_decay=group["l1_decay"], total_steps=group["total_steps"],
-            weight_decay=group["weight_decay"], maximize=group["maximize"],
-            # a state dict saved before decay modes existed has none: it was proportional
-            decay_mode=group.get("decay_mode", "proportional"),
-        )  # fmt: skip
+        hp = dict(beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], l1_decay=group["l1_decay"],
+                  total_steps=group["total_steps"], weight_decay=group["weight_decay"], maximize=group["maximize"],
+                  # a state dict saved before decay modes existed has none: it was proportional
+                  decay_mode=group.get("decay_mode", "proportional"))
+        state = self.state
+        if kernel[0]:
+            from cast_llm.optim import triton_adams
+
+            *tensors, steps, stepped = kernel
+            triton_adams.fused_adams_(*tensors, [state[p]["mask"] for p in stepped], steps, **hp)
+            self._advance(stepped)
+        if other[0]:
+            *tensors, steps, stepped = other
+            adams(*tensors, [state[p]["mask"] for p in stepped], steps, foreach=group["foreach"],
+                  fused=group.get("fused"), **hp)
+            self._advance(stepped)
+
+    def _refresh_masks(self, due: list[tuple[Tensor, Tensor, bool]], group: dict[str, Any]) -> None:
+        """Eq. 6 of θ_{t-1} for the parameters in ``due``, stored as NEW mask tensors (an old mask someone
+        kept stays valid): those the kernels update in one launch, the others one by one."""
+        for p, _, takes in due:
+            if not takes:
+                self.state[p]["mask"] = self._encode(self._compute_mask(p, group))
+        fused = [(p, local) for p, local, takes in due if takes]
+        if fused:
+            from cast_llm.optim import triton_adams
+
+            new = triton_adams.fused_nm_masks([local for _, local in fused], transposed=group["transposed"],
+                                              n=group["n"], m=group["m"], packed=self.mask_storage == "packed")
+            for (p, _), mask in zip(fused, new):
+                self.state[p]["mask"] = mask
+
+    def _advance(self, stepped: list[Tensor]) -> None:
+        host = self._host_steps
+        for p in stepped:
+            if p in host:  # absent (after a load): the count itself is read when it is next needed
+                host[p] += 1
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -436,7 +546,7 @@ def _check_hparams(h: dict[str, Any], where: str) -> None:
         reason = triton_adams.unavailable_reason()
         if reason is not None:
             raise ValueError(f"{where}: fused=True needs the Triton kernel, which is unavailable: {reason}. "
-                             "Use fused=None (the default) to fall back to the foreach path.")
+                             "Use fused=None (the default) to fall back to the reference path.")
     if h.get("decay_mode", "proportional") not in DECAY_MODES:
         raise bad("decay_mode", f"must be one of {DECAY_MODES}")
 
@@ -473,6 +583,12 @@ def _check_sparse_param(p: Tensor, group: dict[str, Any], name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ functional core
+def _kernel_unsupported(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> str | None:
+    from cast_llm.optim.triton_adams import unsupported_reason  # lazy: it imports Triton
+
+    return unsupported_reason(param, grad, exp_avg, exp_avg_sq)
+
+
 def _is_dtensor(t: Tensor) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 

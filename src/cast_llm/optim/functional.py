@@ -3,10 +3,13 @@
 :func:`adams` updates lists of tensors in place through one of three implementations with the same math
 (see :class:`~cast_llm.optim.adams.AdamS` for it written out):
 
-* ``_single_tensor_adams``: the reference, Eq. 7-8 one tensor at a time (``foreach=False``);
-* ``_multi_tensor_adams``: the fast path on any device — whole-list ``_foreach`` ops, then Eq. 7 and the
-  mask select per cache block into a scratch vector, and the rest of Eq. 8 through torch's fused Adam;
-* the Triton kernel of :mod:`cast_llm.optim.triton_adams` on CUDA: one pass over memory per parameter.
+* ``_single_tensor_adams``: the reference, Eq. 7-8 one tensor at a time (``foreach=False``, and every
+  CUDA tensor the kernels below do not take);
+* ``_multi_tensor_adams``: the CPU fast path — Eq. 7 and the mask select per cache block into a scratch
+  vector, and the rest of Eq. 8 through torch's fused Adam. CPU only: on an H100 it disagreed with the
+  float64 reference (docs/results/gpu/README.md) while agreeing on CPU, so CUDA never takes it;
+* the multi-tensor Triton kernels of :mod:`cast_llm.optim.triton_adams` on CUDA: one launch per parameter
+  group, one pass over memory, the step count and α_t / bias corrections on the device.
 
 :func:`dense_adam` is the plain Adam(W) of the non-target parameter groups (method.md §2, last paragraph),
 through torch's own kernels so that it equals ``torch.optim.AdamW`` exactly.
@@ -15,6 +18,7 @@ through torch's own kernels so that it equals ``torch.optim.AdamW`` exactly.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -22,16 +26,13 @@ from torch.optim.adam import adam as _torch_adam
 
 from cast_llm.sparsity.mask import packed_numel, unpack_mask
 
-__all__ = ["adams", "dense_adam", "DECAY_MODES"]
+__all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "DECAY_MODES"]
 
 # "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
 DECAY_MODES = ("proportional", "additive")
-# Elements per cache block in the fast path: its two scratch vectors (8 MiB in fp32) stay in L2/L3
+# Elements per cache block in the CPU fast path: its two scratch vectors (8 MiB in fp32) stay in L2/L3
 # while the 4-5 passes of Eq. 7-8 run over them (the choice: docs/results/performance.md, §5).
 _CHUNK = 1 << 20
-# On a GPU there is no cache to fit: blocks only bound the scratch memory, and small ones multiply the
-# kernel launches (6 per block), so the non-Triton CUDA path uses blocks of 16M elements.
-_CHUNK_GPU = 1 << 24
 
 
 def adams(
@@ -57,12 +58,17 @@ def adams(
     """Functional AdamS (Eq. 7-8; see :class:`~cast_llm.optim.adams.AdamS` for the math), in place.
 
     ``masks[i]`` is the kept-mask of ``params[i]``: bool of its shape, or the 1-D uint8 of
-    :func:`~cast_llm.sparsity.mask.pack_mask`. ``state_steps`` are CPU scalar tensors holding ``t - 1``;
-    they are incremented here. ``foreach=False`` runs the single-tensor reference; ``None``/``True`` the fast
-    path (same results to rounding). ``fused``: ``None`` = the Triton kernel for CUDA tensors when Triton
-    is importable; ``True`` = the same, but an error if a CUDA tensor cannot use it; ``False`` = never.
-    CUDA tensors outside the Triton kernel take the single-tensor reference path.
-    Gradients must be finite (the class checks them).
+    :func:`~cast_llm.sparsity.mask.pack_mask`. ``state_steps`` are float32 scalar tensors holding ``t - 1``;
+    they are incremented here. Where they live picks the path for a CUDA tensor: on its device (as torch's
+    fused Adam keeps them), the multi-tensor Triton kernels read and increment them there; on the CPU, the
+    reference path reads them on the host.
+
+    ``foreach=False`` runs the single-tensor reference for everything. Otherwise: ``fused=None`` = the
+    Triton kernels for every CUDA tensor they take (Triton importable, float32/bf16/fp16, contiguous, the
+    step on the device) and the reference for the other CUDA tensors; ``fused=True`` = the same, but an
+    error for a CUDA tensor the kernels cannot take; ``fused=False`` = the reference for every CUDA tensor.
+    CPU tensors take the cache-blocked fast path (same results to rounding). Gradients must be finite
+    (the class checks them).
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
     if decay_mode not in DECAY_MODES:
@@ -76,35 +82,45 @@ def adams(
     if foreach is False:
         return _single_tensor_adams(*lists, **hp)
     rest = list(range(len(params)))
-    if fused is not False and any(p.device.type == "cuda" for p in params):
+    if fused is not False and any(kernel_device(p) for p in params):
         rest = _triton_adams(*lists, required=bool(fused), **hp)
-    # CUDA tensors the Triton kernel did not take run the reference path: on an H100 the block-wise fast
-    # path disagreed with the float64 reference (docs/results/gpu/README.md) while the same code agrees
-    # on CPU; until a GPU session finds why, correctness wins over speed there
-    cuda = [i for i in rest if params[i].device.type == "cuda"]
-    if cuda:
-        _single_tensor_adams(*([x[i] for i in cuda] for x in lists), **hp)
-        rest = [i for i in rest if params[i].device.type != "cuda"]
+    # Tensors off the CPU that the kernels did not take run the reference path: the block-wise path below
+    # disagreed with the float64 reference on an H100 (docs/results/gpu/README.md) and is kept CPU-only
+    other = [i for i in rest if params[i].device.type != "cpu"]
+    if other:
+        _single_tensor_adams(*([x[i] for i in other] for x in lists), **hp)
+        rest = [i for i in rest if params[i].device.type == "cpu"]
     if rest:
         _multi_tensor_adams(*([x[i] for i in rest] for x in lists), **hp)
 
 
+# Triton's interpreter runs the kernels on CPU tensors (how they are tested without a GPU). Read once, as
+# Triton reads it once when it decorates the kernels.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_device(t: Tensor) -> bool:
+    """Whether ``t`` is where the Triton kernels run: CUDA, or the CPU under Triton's interpreter."""
+    return t.is_cuda or (_INTERPRET and t.device.type == "cpu")
+
+
 def _triton_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, required, **hp) -> list[int]:
-    """Run the Triton kernel on every CUDA tensor it supports; return the indices left to the fast path."""
+    """Run the multi-tensor kernels on every tensor they take; return the indices left to the other paths."""
     from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
 
     why = triton_adams.unavailable_reason()
     take, rest = [], []
     for i, p in enumerate(params):
-        if p.device.type != "cuda":
+        if not kernel_device(p):
             rest.append(i)
             continue
-        reason = why or triton_adams.unsupported_reason(p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i])
+        reason = why or triton_adams.unsupported_reason(p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i],
+                                                        state_steps[i])
         if reason is None:
             take.append(i)
         elif required:
             raise RuntimeError(f"AdamS(fused=True): a parameter of shape {tuple(p.shape)} cannot use the fused "
-                               f"Triton kernel: {reason}. Pass fused=None to fall back to the foreach path.")
+                               f"Triton kernel: {reason}. Pass fused=None to fall back to the reference path.")
         else:
             rest.append(i)
     if take:
@@ -154,20 +170,27 @@ def _bit_table(device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def _fused_kernel_ok(device: torch.device) -> bool:
+    """Whether torch's fused Adam kernel exists for ``device`` (CPU and CUDA, torch >= 2.4)."""
     return hasattr(torch, "_fused_adam_") and device.type in ("cpu", "cuda")
 
 
 def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
                         eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
-    """Fast path. Per cache block of ``_CHUNK`` elements: weight decay and μ_t, Eq. 7 and the mask select
-    into one scratch vector ``s`` (= μ~), and the rest of Eq. 8 (v from μ~², bias corrections, θ update)
-    as ONE pass of torch's fused Adam kernel — every input is read from memory once.
+    """CPU fast path. Per cache block of ``_CHUNK`` elements: weight decay and μ_t, Eq. 7 and the mask
+    select into one scratch vector ``s`` (= μ~), and the rest of Eq. 8 (v from μ~², bias corrections, θ
+    update) as ONE pass of torch's fused Adam kernel — every input is read from memory once.
 
     That kernel computes Adam with β1 = 0 on "gradient" s and "first moment" s, i.e. v ← β2 v + (1-β2) s²
     and θ ← θ - lr' s / (sqrt(v / (1-β2^t)) + ε); passing lr' = lr / (1-β1^t) restores the β1 bias
     correction of Eq. 8. The mask is applied by ``lerp`` with an exact 0/1 weight (a select with no
     rounding: weight 1 returns μ, weight 0 returns s), which vectorises where ``torch.where`` does not.
+
+    CPU tensors only (:func:`adams` sends nothing else here): the same code on an H100 disagreed with the
+    float64 reference (docs/results/gpu/README.md), and CUDA has the Triton kernels instead.
     """
+    if any(p.device.type != "cpu" for p in params):
+        raise ValueError("_multi_tensor_adams is the CPU fast path; CUDA tensors take the Triton kernels or "
+                         "the single-tensor reference (see adams())")
     fast = [i for i, p in enumerate(params)
             if all(x.is_contiguous() for x in (p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i]))]
     if len(fast) < len(params):  # odd strides: the reference path handles them
@@ -184,17 +207,15 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
         P, G = [params[i] for i in idx], [grads[i] for i in idx]
         MU, V, K, ST = ([x[i] for i in idx] for x in (exp_avgs, exp_avg_sqs, masks, state_steps))
         torch._foreach_add_(ST, 1)
-        chunk = min(_CHUNK if device.type == "cpu" else _CHUNK_GPU, max(p.numel() for p in P))
+        chunk = min(_CHUNK, max(p.numel() for p in P))
         scratch = torch.empty(2 * chunk + 8, device=device, dtype=dtype)  # +8: a packed tail byte
         s_buf, w_buf = scratch[:chunk], scratch[chunk:]
         table = _bit_table(device, dtype) if any(k.dtype == torch.uint8 for k in K) else None
         fused = _fused_kernel_ok(device)
-        device_steps: dict[int, Tensor] = {}
         for p, grad, mu, v, kept, st in zip(P, G, MU, V, K, ST):
-            t = int(st.item())
+            t = int(st.item())  # a CPU tensor: no synchronisation
             alpha = min(t / total_steps, 1.0)
             bias_correction1 = 1 - beta1**t
-            step_t = _step_on(device, t, st, device_steps) if fused else st
             p1, g1, mu1, v1 = p.view(-1), grad.view(-1), mu.view(-1), v.view(-1)
             packed = kept.dtype == torch.uint8
             kept1 = kept if packed else kept.view(-1)
@@ -220,7 +241,7 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
                     w.copy_(kept1[lo:hi].view(torch.uint8))
                 s.lerp_(m1, w)  # μ~: kept -> μ, pruned -> Eq. 7
                 if fused:
-                    torch._fused_adam_([th], [s], [s], [v1[lo:hi]], [], [step_t], lr=lr / bias_correction1,
+                    torch._fused_adam_([th], [s], [s], [v1[lo:hi]], [], [st], lr=lr / bias_correction1,
                                        beta1=0.0, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
                                        maximize=False)
                 else:
@@ -230,10 +251,9 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
 
 
 def _step_on(device: torch.device, t: int, st: Tensor, cache: dict[int, Tensor]) -> Tensor:
-    """The step count as torch's fused kernels read it: a float tensor on the parameters' own device."""
-    if st.device == device:
-        return st
-    if t not in cache:  # one small host-to-device copy per distinct t, not per tensor
+    """A CPU step count as torch's fused kernels read it: a float tensor on the parameters' device (one
+    small blocking host-to-device copy per distinct ``t``)."""
+    if t not in cache:
         cache[t] = torch.tensor(float(t), device=device)
     return cache[t]
 
@@ -246,9 +266,10 @@ def dense_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, foreach: bo
     ``foreach=False``: torch's single-tensor loop; ``fused=False``: torch's foreach path (both equal
     ``torch.optim.AdamW`` with the same flag bitwise). Otherwise torch's fused Adam kernel — one pass over
     memory instead of ~7, equal to ``torch.optim.AdamW(fused=True)`` bitwise — for every contiguous real
-    floating tensor on CPU or CUDA; the rest goes through the foreach path. The kernel is called directly
-    because its Python wrapper wants the step counts on the device, and AdamS keeps them on the CPU (the
-    Triton path needs ``t`` on the host without a device sync).
+    floating tensor on CPU or CUDA; the rest goes through the foreach path. The kernel reads the step count
+    where it lives: on the parameter's device (what AdamS keeps for CUDA tensors, as torch's
+    ``AdamW(fused=True)`` does: no synchronisation) or, for a CPU count of a CUDA tensor, from a device copy
+    made per distinct ``t``.
     """
     rest = list(range(len(params)))
     if foreach is not False and fused is not False:
@@ -264,25 +285,36 @@ def dense_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, foreach: bo
     )  # fmt: skip
 
 
+def fused_dense_takes(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
+    """Whether torch's fused Adam kernel takes this tensor set (what :func:`dense_adam` sends it)."""
+    dtype = param.dtype
+    return (_fused_kernel_ok(param.device) and param.is_floating_point() and grad.dtype == dtype
+            and exp_avg.dtype == dtype and exp_avg_sq.dtype == dtype and exp_avg.device == param.device
+            and param.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous()
+            and exp_avg_sq.is_contiguous())
+
+
 def _fused_dense(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, beta1, beta2, lr, eps, weight_decay,
                  maximize) -> list[int]:
     """torch's fused Adam(W) on every tensor it takes; returns the indices it did not take."""
-    groups: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype, int | None], list[int]] = {}
     rest = []
     for i, p in enumerate(params):
-        tensors = (p, grads[i], exp_avgs[i], exp_avg_sqs[i])
-        ok = (_fused_kernel_ok(p.device) and p.is_floating_point() and not torch.is_complex(p)
-              and all(x.is_contiguous() and x.dtype == p.dtype and x.device == p.device for x in tensors))
-        if ok:
-            groups.setdefault((p.device, p.dtype, int(state_steps[i].item()) + 1), []).append(i)
-        else:
+        if not fused_dense_takes(p, grads[i], exp_avgs[i], exp_avg_sqs[i]):
             rest.append(i)
+            continue
+        st = state_steps[i]
+        # a count on the parameter's device is read there (None: no host t); a CPU count of a CUDA tensor
+        # groups the tensors by t, for one device copy of t per group
+        t = None if st.device == p.device else int(st.item()) + 1
+        groups.setdefault((p.device, p.dtype, t), []).append(i)
     kernel = torch._fused_adamw_ if weight_decay != 0 else torch._fused_adam_
     cache: dict[int, Tensor] = {}
     for (device, _, t), idx in groups.items():
         steps = [state_steps[i] for i in idx]
         torch._foreach_add_(steps, 1)
-        steps = [_step_on(device, t, st, cache) for st in steps]
+        if t is not None:
+            steps = [_step_on(device, t, st, cache) for st in steps]
         kernel([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize)
