@@ -59,7 +59,7 @@ class Bench:
 PERF_TABLE: tuple[Bench, ...] = (
     Bench("linear24", "linear24.py", ("--device", "cuda"),
           ("linear24_prefill_speedup",), timeout_s=60, min_s=25),
-    Bench("optimizer", "optimizer_step.py", ("--device", "cuda", "--shapes", "llama7b,smollm2"),
+    Bench("optimizer", "optimizer_step.py", ("--device", "cuda"),  # SmolLM2 and LLaMA-7B shapes, always both
           ("adams_over_fused", "adams_over_fused_smollm2", "adams_copy_fraction"), timeout_s=60, min_s=30),
     Bench("inference24", "inference24.py", ("--device", "cuda"),
           ("model24_prefill_speedup", "model24_decode_speedup", "model24_min_speedup", "model24_logits_rel_err"),
