@@ -44,6 +44,15 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
     return out.loss, float(out.ce), float(out.kd)
 
 
+def teacher_logits(teacher, input_ids, *, sharded: bool = False) -> torch.Tensor:
+    """The frozen teacher's logits: no autograd state at all (``inference_mode``: no graph, no version
+    counters) and no KV cache (``use_cache=False``: nothing to keep between steps). An FSDP2-sharded teacher
+    runs under ``no_grad`` instead: its all-gather buffers live on across forwards, and a buffer made under
+    ``inference_mode`` could not be written outside it."""
+    with torch.no_grad() if sharded else torch.inference_mode():
+        return teacher(input_ids=input_ids, use_cache=False).logits
+
+
 # ----------------------------------------------------------------------------------------------- evaluation
 class Evaluator:
     """Held-out and WikiText-2 perplexities of the (possibly wrapped) student, each figure printed as it comes
@@ -193,8 +202,7 @@ class PretrainJob(Job):
         logits = model(input_ids=batch).logits
         t_logits = None
         if teacher is not None:
-            with torch.no_grad():
-                t_logits = teacher(input_ids=batch).logits
+            t_logits = teacher_logits(teacher, batch, sharded=self.cfg.fsdp)
         loss, ce, kd = lm_loss(logits, t_logits, batch, self.cfg)
         return loss, {"ce": ce, "kd": kd}, batch.numel()
 
