@@ -98,3 +98,59 @@ def test_kernels_refuse_what_they_do_not_take(monkeypatch):
 def test_kernel_device_reason_without_triton(monkeypatch):
     monkeypatch.setattr(triton_support, "IMPORT_ERROR", "Triton is not importable (test)")
     assert triton_support.kernel_device_reason(torch.device("cuda")) == "Triton is not importable (test)"
+
+
+# ------------------------------------------------------------------------------ compiled for an H100
+def _compile_for_h100(fn, sig: dict, consts: dict, num_warps: int, plain: tuple[str, ...] = ()):
+    """Compile ``fn`` for sm_90 ahead of time, specialised as Triton's JIT specialises a real launch:
+    integers equal to 1 become constants, pointers and the other integers (but ``plain``) are 16-divisible
+    (aligned allocations, widths that are multiples of 16). Returns the PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    names = fn.arg_names
+    div = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+           if t != "constexpr" and not t.startswith("fp") and n not in plain}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    assert kernel.asm["cubin"]
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its bundled ptxas compiles without a GPU)")
+@pytest.mark.parametrize("has_t,unit_t,need_grad", [(True, True, True), (True, False, True), (False, True, False)])
+def test_kd_kernel_compiles_for_h100_with_vector_loads(monkeypatch, has_t, unit_t, need_grad):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    from cast_llm.triton_kd import _BLOCK, _NUM_WARPS, _kd_kernel
+
+    sig = {"s_ptr": "*bf16", "t_ptr": "*bf16", "y_ptr": "*i64", "g_ptr": "*bf16", "kl_ptr": "*fp32",
+           "ce_ptr": "*fp32", "V": "i32", "s_stride": "i32", "t_stride": "i32", "g_stride": "i32",
+           "ignore_index": "i32", "eta": "fp32", "temperature": "fp32", "inv_t": "fp32", "grad_scale": "fp32"}
+    ptx = _compile_for_h100(_kd_kernel, sig, dict(HAS_T=has_t, UNIT_T=unit_t, NEED_GRAD=need_grad, BLOCK=_BLOCK),
+                            _NUM_WARPS, plain=("ignore_index",))
+    assert "ld.global.v" in ptx  # 16-byte loads of the logits rows
+    assert ("st.global.v" in ptx) == need_grad  # the gradient row, only when asked for
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its bundled ptxas compiles without a GPU)")
+@pytest.mark.parametrize("layout,grad_dtype,w_dtype,need_w,need_a", [
+    ("row-major", "bf16", "fp32", True, True),  # nn.Linear under bf16 autocast, fp32 master weights
+    ("transposed", "fp16", "bf16", True, False),  # Conv1D, a frozen scale
+])
+def test_scaled_weight_kernel_compiles_for_h100(monkeypatch, layout, grad_dtype, w_dtype, need_w, need_a):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    from cast_llm.nn.triton_scaled_weight import _NUM_WARPS, _scaled_weight_grad_kernel
+
+    sig = {"g_ptr": f"*{grad_dtype}", "w_ptr": f"*{w_dtype}", "a_ptr": "*fp32", "gw_ptr": f"*{w_dtype}",
+           "ga_ptr": "*fp32", "R": "i32", "K": "i32"}
+    unit = ("g_sc", "w_sc", "gw_sc") if layout == "row-major" else ("g_sr", "w_sr", "gw_sr")
+    sig.update({n: "i32" for n in ("g_sr", "g_sc", "w_sr", "w_sc", "gw_sr", "gw_sc", "a_sr", "a_sg", "ga_sr",
+                                   "ga_sg") if n not in unit})
+    consts = {n: 1 for n in unit}
+    block = (16, 128) if layout == "row-major" else (128, 16)
+    consts.update(NEED_W=need_w, NEED_A=need_a, BLOCK_R=block[0], BLOCK_K=block[1])
+    # the scale's strides (n_groups, 1): 2 is no multiple of 16
+    ptx = _compile_for_h100(_scaled_weight_grad_kernel, sig, consts, _NUM_WARPS, plain=("a_sr", "ga_sr", "a_sg", "ga_sg"))
+    assert "ld.global.v" in ptx
