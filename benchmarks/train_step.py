@@ -41,7 +41,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import DTYPES, RANDOM_MODELS, Clock, build_variants, load, machine, random_batch, train_config, train_step
+from _common import (
+    DTYPES,
+    RANDOM_MODELS,
+    Clock,
+    build_variants,
+    load,
+    machine,
+    random_batch,
+    train_config,
+    train_step,
+)
 
 ORDER = ["plain", "cast_nokd", "cast_kd"]
 CAST = ("cast_nokd", "cast_kd")

@@ -42,7 +42,6 @@ from cast_llm.train.methods.masks import initial_masks
 from cast_llm.train.methods.srste import SRSTEMethod
 from cast_llm.train.schedule import schedule_lrs
 
-
 MAX_FORECASTS = 20  # decay forecasts logged per run at most (see forecast_due)
 
 
