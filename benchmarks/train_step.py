@@ -325,7 +325,7 @@ def versions() -> dict:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or 'unknown'}, {torch.get_num_threads()} threads)"
+    return f"cpu: {machine().split(';')[0]} ({torch.get_num_threads()} threads)"
 
 
 def _ms(seconds: float) -> float:

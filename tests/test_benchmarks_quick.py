@@ -23,10 +23,16 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def runs():
+def json_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-json")
+
+
+@pytest.fixture(scope="module")
+def runs(json_dir):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick"], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    extra = {"train_step.py": ["--json", str(json_dir / "train_step.json")]}  # what the GPU kit reads
+    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick", *extra.get(name, [])],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in EXPECTED}
     return {name: (p, *p.communicate(timeout=600)) for name, p in procs.items()}
 
@@ -36,3 +42,24 @@ def test_benchmark_quick_mode_runs(runs, name):
     proc, out, err = runs[name]
     assert proc.returncode == 0, f"{name} --quick failed:\n{err[-3000:]}"
     assert EXPECTED[name] in out and "machine:" in out, out
+
+
+def test_train_step_json_has_the_issue_keys_and_a_profile_per_variant(runs, json_dir):
+    """train_step.py --tiny --json: the four target ratios at the top level (SmolLM2's row and the 1B row,
+    here their tiny stand-ins), one row per configuration and variant, and a profiler table for each."""
+    import json
+
+    proc, out, err = runs["train_step.py"]
+    assert proc.returncode == 0, err[-3000:]
+    doc = json.loads((json_dir / "train_step.json").read_text())
+    keys = ("cast_nokd_over_plain", "cast_kd_over_plain", "cast_nokd_over_plain_1b", "cast_kd_over_plain_1b")
+    assert all(isinstance(doc[k], float) and doc[k] > 0 for k in keys), doc
+    assert {"rows", "device", "versions", "settings", "command"} <= set(doc)
+    assert doc["versions"]["torch"] and doc["device"].startswith("cpu")
+    rows = {(r["config"], r["variant"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, v) for c in ("smollm2", "1b") for v in ("plain", "cast_nokd", "cast_kd")}
+    assert rows[("1b", "cast_kd")]["over_plain"] == doc["cast_kd_over_plain_1b"]
+    assert rows[("smollm2", "cast_nokd")]["mask_update_steps"] >= 1  # a mask update was timed and amortised
+    for r in rows.values():
+        table = Path(r["profile_file"]).read_text()
+        assert "Self CPU" in table and r["top_ops"], r
