@@ -1,7 +1,7 @@
 """Shared pieces of the training-step benchmarks (train_step, mask_update, peak_memory).
 
 One training step here is the body of the trainer's loop (``cast_llm.train.trainer.train``) for one
-micro-batch: student forward, the trainer's teacher forward (``teacher_logits``: ``inference_mode``, no KV
+micro-batch: student forward, the trainer's teacher forward (``TeacherForward``: ``inference_mode``, no KV
 cache; KD only), the trainer's own ``lm_loss``
 (CE, or Eq. 13 through the chunked KD loss), backward, gradient clipping at 1.0, the optimizer step,
 ``zero_grad(set_to_none=True)``. Logging, observers and the LR schedule are left out: plain training pays
@@ -103,6 +103,7 @@ class Variant:
     teacher: torch.nn.Module | None = None
     extra_optimizer: torch.optim.Optimizer | None = None  # stepped on the same gradients, timed apart
     times: dict[str, list[float]] = field(default_factory=dict)
+    teacher_forward: object = None  # the trainer's TeacherForward over ``teacher``
 
 
 def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dtype, *,
@@ -115,7 +116,7 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
     base.train()
     out: dict[str, Variant] = {}
     teacher = None
-    if "cast_kd" in names:
+    if "cast_kd" in names or "cast_kd_graph" in names:
         # the trainer's teacher: a frozen copy of the dense start, in the training dtype (bf16 under autocast)
         teacher = copy.deepcopy(base).eval().requires_grad_(False)
         if dtype != torch.float32:
@@ -129,15 +130,21 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
             if base.device.type == "cpu":  # share the moments: timing needs no second 1 GB of state on a small box
                 foreach.state = fused.state
         out["plain"] = Variant("plain", base, fused, extra_optimizer=foreach)
-    if "cast_nokd" in names or "cast_kd" in names:
+    if any(name.startswith("cast") for name in names):
         # a second module tree over the SAME Parameters (deepcopy's memo maps every Parameter to itself)
         student = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
         method = get_method("cast")
         method.prepare_model(student, cfg)  # wraps the targets in ScaledLinear, as the trainer does
         opt = method.build_optimizer(student, cfg, 100_000)  # AdamS with the trainer's param groups
-        for name in ("cast_nokd", "cast_kd"):
+        from cast_llm.train.teacher import TeacherForward
+
+        for name in ("cast_nokd", "cast_kd", "cast_kd_graph"):  # cast_kd_graph: the teacher as a CUDA graph
             if name in names:
-                out[name] = Variant(name, student, opt, teacher=teacher if name == "cast_kd" else None)
+                kd = name != "cast_nokd"
+                out[name] = Variant(name, student, opt, teacher=teacher if kd else None)
+                if kd:
+                    graph = cfg.teacher_cuda_graph if name == "cast_kd" else True  # the trainer's default
+                    out[name].teacher_forward = TeacherForward(teacher, cuda_graph=graph, say=print)
     return out
 
 
@@ -180,7 +187,7 @@ def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype
     the GPU); the result is ``{"step": ...}``. ``extra=False``: the second (foreach) plain optimizer is not
     stepped.
     """
-    from cast_llm.train.trainer import lm_loss, teacher_logits
+    from cast_llm.train.trainer import lm_loss
 
     device = batch.device
     clock = Clock(device)
@@ -190,8 +197,8 @@ def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype
            else torch.autocast(device.type, enabled=False))
     with ctx:
         logits = v.model(input_ids=batch).logits
-        # the trainer's teacher call: inference_mode, no KV cache
-        t_logits = teacher_logits(v.teacher, batch) if v.teacher is not None else None
+        # the trainer's teacher call: inference_mode, no KV cache (cast_kd_graph: a CUDA graph replay)
+        t_logits = v.teacher_forward(batch) if v.teacher is not None else None
         loss, _, _ = lm_loss(logits, t_logits, batch, cfg)  # CE without a teacher, Eq. 13 with one
         del logits, t_logits
         if not torch.isfinite(loss.detach()):

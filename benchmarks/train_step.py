@@ -53,10 +53,11 @@ from _common import (
     train_step,
 )
 
-ORDER = ["plain", "cast_nokd", "cast_kd"]
+VARIANTS = ["plain", "cast_nokd", "cast_kd"]
 CAST = ("cast_nokd", "cast_kd")
 PHASES = ("forward", "backward", "clip", "optimizer")
-LABELS = {"plain": "plain AdamW(fused)", "cast_nokd": "CAST w/o KD", "cast_kd": "CAST (KD)"}
+LABELS = {"plain": "plain AdamW(fused)", "cast_nokd": "CAST w/o KD", "cast_kd": "CAST (KD)",
+          "cast_kd_graph": "CAST (KD), graphed teacher"}
 TARGETS = {"cast_nokd": 1.05, "cast_kd": 1.40}
 
 
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="profiler tables go here (default: beside --json; none without either)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    ap.add_argument("--graph-teacher-row", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time CAST (KD) with the teacher's forward replayed as a CUDA graph (the trainer's "
+                         "--teacher-cuda-graph; default: on cuda)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny random LLaMAs, a few rounds: runs in seconds")
     ap.add_argument("--quick", action="store_true", help="the same as --tiny")
     args = ap.parse_args(argv)
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         mask_interval=args.mask_interval or (4 if tiny else 10),
         dtype=dtype_name,
         budget_s=args.budget_s if args.budget_s is not None else (150.0 if cuda else None),
+        graph_teacher_row=args.graph_teacher_row if args.graph_teacher_row is not None else cuda,
     )
     profile_dir = args.profile_dir or (args.json.parent / f"{args.json.stem}-profiles" if args.json else None)
     if args.no_profile:
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(config: Config, device: torch.device, settings: dict, profile_dir: Path | None,
             budget_s: float | None) -> dict:
     """Every measurement of one configuration; returns ``{"ratios", "rows", "report"}``."""
+    ORDER = VARIANTS + (["cast_kd_graph"] if settings["graph_teacher_row"] else [])  # noqa: N806
     dtype = DTYPES[settings["dtype"]]
     autocast = dtype if dtype != torch.float32 else None
     t1 = settings["mask_interval"]
@@ -180,7 +186,7 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
     def step(name: str, phases: bool) -> tuple[dict, bool]:
         nonlocal cast_steps
         update = False
-        if name in CAST:
+        if name.startswith("cast"):  # every CAST variant steps the one shared AdamS
             update = (cast_steps + 1) % t1 == 0
             cast_steps += 1
         return train_step(variants[name], batch, cfg, autocast, phases=phases, extra=False), update
@@ -216,7 +222,7 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
     normal = {n: statistics.median(t["step"][clock_index] for m, t, u in whole if m == n and not u) for n in ORDER}
     extra = [t["step"][clock_index] - normal[n] for n, t, u in whole if u]
     mask_extra = statistics.fmean(extra) if extra else None
-    step_s = {n: normal[n] + (mask_extra / t1 if n in CAST and mask_extra is not None else 0.0) for n in ORDER}
+    step_s = {n: normal[n] + (mask_extra / t1 if n != "plain" and mask_extra is not None else 0.0) for n in ORDER}
     ratios = {n: step_s[n] / step_s["plain"] for n in CAST}
     phase_s = {n: {p: statistics.median(t[p][clock_index] for m, t, _ in phased if m == n) for p in PHASES}
                for n in ORDER}
@@ -237,26 +243,32 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
                    whole_steps=sum(1 for n, _, u in whole if n == name and not u),
                    tokens_per_s=round(tokens / step_s[name]),
                    phases_ms={p: _ms(phase_s[name][p]) for p in PHASES})
-        if name in CAST:
+        if name != "plain":
             row.update(mask_update_ms=_ms(mask_extra) if mask_extra is not None else None, mask_interval=t1,
                        mask_update_steps=len(extra))
         if name in profiles:
             row.update(profiles[name])
+        if name.startswith("cast_kd"):
+            row["teacher_forward"] = variants[name].teacher_forward.mode
         rows.append(row)
 
     clock = "wall time (synchronised)" if clock_index == 0 else "CPU time (process_time: the work, whatever the load)"
+    lines_extra = [f"teacher of CAST (KD): {variants['cast_kd'].teacher_forward.mode} (the trainer's default)"]
+    if "cast_kd_graph" in ORDER:
+        lines_extra.append(f"teacher of the graphed-teacher row (--teacher-cuda-graph): "
+                           f"{variants['cast_kd_graph'].teacher_forward.mode}")
     lines = [
         f"model {config.model} ({n_params / 1e6:.1f}M parameters) on {device}, {settings['dtype']}"
         f"{' (autocast, fp32 master weights)' if dtype != torch.float32 else ''}; batch {config.batch} x "
         f"{config.seq} tokens; {settings['warmup']} warm-up + {n_whole} whole-step + {n_phase} phase rounds"
         f"{note}; T1 = {t1}; {clock}, medians",
-        f"{'variant':<20}{'forward':>10}{'backward':>10}{'clip':>9}{'optimizer':>11}{'masks/T1':>10}"
+        f"{'variant':<26}{'forward':>10}{'backward':>10}{'clip':>9}{'optimizer':>11}{'masks/T1':>10}"
         f"{'step':>11}{'/ plain':>9}{'tokens/s':>11}",
     ]
     for name in ORDER:
         ph = phase_s[name]
-        amort = mask_extra / t1 if name in CAST and mask_extra is not None else 0.0
-        lines.append(f"{LABELS[name]:<20}{_fmt(ph['forward']):>10}{_fmt(ph['backward']):>10}{_fmt(ph['clip']):>9}"
+        amort = mask_extra / t1 if name != "plain" and mask_extra is not None else 0.0
+        lines.append(f"{LABELS[name]:<26}{_fmt(ph['forward']):>10}{_fmt(ph['backward']):>10}{_fmt(ph['clip']):>9}"
                      f"{_fmt(ph['optimizer']):>11}{_fmt(amort):>10}{_fmt(step_s[name]):>11}"
                      f"{step_s[name] / step_s['plain']:>8.3f}x{tokens / step_s[name]:>11.0f}")
     if mask_extra is None:
@@ -264,6 +276,7 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
     else:
         lines.append(f"step = median of whole steps + the mask update's extra time ({_fmt(mask_extra)}, mean of "
                      f"{len(extra)}) / T1; the phase columns come from the separately synchronised rounds")
+    lines += lines_extra
     for name in ORDER:
         if name in profiles and profiles[name].get("profile_file"):
             p = profiles[name]

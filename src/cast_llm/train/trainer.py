@@ -31,6 +31,7 @@ from cast_llm.train.loop import Job, run
 from cast_llm.train.methods import get_method
 from cast_llm.train.observers import default_observers, with_masks_applied
 from cast_llm.train.summary import options_used, summary_table
+from cast_llm.train.teacher import TeacherForward
 
 
 # ------------------------------------------------------------------------------------------------- the loss
@@ -42,15 +43,6 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
     out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=cfg.eta, temperature=cfg.temperature,
                          chunk_size=cfg.kd_chunk_size)
     return out.loss, float(out.ce), float(out.kd)
-
-
-def teacher_logits(teacher, input_ids, *, sharded: bool = False) -> torch.Tensor:
-    """The frozen teacher's logits: no autograd state at all (``inference_mode``: no graph, no version
-    counters) and no KV cache (``use_cache=False``: nothing to keep between steps). An FSDP2-sharded teacher
-    runs under ``no_grad`` instead: its all-gather buffers live on across forwards, and a buffer made under
-    ``inference_mode`` could not be written outside it."""
-    with torch.no_grad() if sharded else torch.inference_mode():
-        return teacher(input_ids=input_ids, use_cache=False).logits
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -135,9 +127,12 @@ class PretrainJob(Job):
         self.method = get_method(cfg.method)
         self.desc = f"{cfg.method} {cfg.n}:{cfg.m}"
         self.evaluator = None
+        self.teacher_forward = None
+        self.say = lambda *a, **k: None
 
     def setup(self, ctx, results, resuming: bool) -> None:
         cfg, say = self.cfg, ctx.say
+        self.say = say
         if cfg.fsdp:
             fsdp2.check_supported(cfg)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -202,7 +197,11 @@ class PretrainJob(Job):
         logits = model(input_ids=batch).logits
         t_logits = None
         if teacher is not None:
-            t_logits = teacher_logits(teacher, batch, sharded=self.cfg.fsdp)
+            if self.teacher_forward is None or self.teacher_forward.teacher is not teacher:
+                # inference_mode, no KV cache, on CUDA one graph replay (train/teacher.py)
+                self.teacher_forward = TeacherForward(teacher, cuda_graph=self.cfg.teacher_cuda_graph,
+                                                      sharded=self.cfg.fsdp, say=self.say)
+            t_logits = self.teacher_forward(batch)
         loss, ce, kd = lm_loss(logits, t_logits, batch, self.cfg)
         return loss, {"ce": ce, "kd": kd}, batch.numel()
 
@@ -234,6 +233,8 @@ class PretrainJob(Job):
                 wikitext_file=getattr(self.evaluator, "wiki_source", None),
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out),
             )
+            if self.teacher_forward is not None:
+                results["teacher_forward"] = self.teacher_forward.mode
             results["options"] = options_used(cfg)
             results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
             atomic_write_json(ctx.out / "results.json", results)  # the report reads it
