@@ -262,13 +262,13 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
         f"{' (autocast, fp32 master weights)' if dtype != torch.float32 else ''}; batch {config.batch} x "
         f"{config.seq} tokens; {settings['warmup']} warm-up + {n_whole} whole-step + {n_phase} phase rounds"
         f"{note}; T1 = {t1}; {clock}, medians",
-        f"{'variant':<26}{'forward':>10}{'backward':>10}{'clip':>9}{'optimizer':>11}{'masks/T1':>10}"
+        f"{'variant':<28}{'forward':>10}{'backward':>10}{'clip':>9}{'optimizer':>11}{'masks/T1':>10}"
         f"{'step':>11}{'/ plain':>9}{'tokens/s':>11}",
     ]
     for name in ORDER:
         ph = phase_s[name]
         amort = mask_extra / t1 if name != "plain" and mask_extra is not None else 0.0
-        lines.append(f"{LABELS[name]:<26}{_fmt(ph['forward']):>10}{_fmt(ph['backward']):>10}{_fmt(ph['clip']):>9}"
+        lines.append(f"{LABELS[name]:<28}{_fmt(ph['forward']):>10}{_fmt(ph['backward']):>10}{_fmt(ph['clip']):>9}"
                      f"{_fmt(ph['optimizer']):>11}{_fmt(amort):>10}{_fmt(step_s[name]):>11}"
                      f"{step_s[name] / step_s['plain']:>8.3f}x{tokens / step_s[name]:>11.0f}")
     if mask_extra is None:

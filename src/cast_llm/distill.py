@@ -24,6 +24,12 @@ allocate anyway) and ~3 fp32 ``chunk_size × V`` work tensors, with no recomputa
 The default ``chunk_size`` of 1024 tokens keeps ~0.6 GiB of work space at V = 49152; the memory and time
 this saves against autograd versions of the same loss are in docs/results/performance.md (§5).
 
+On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, for tests) the same sums and the same gradient
+buffer come from ONE fused Triton kernel (:mod:`cast_llm.triton_kd`): per token row an online log-sum-exp
+over the vocabulary, then the KL terms and the gradient row — two reads of the (bf16) logits, one write of
+the gradient, no float32 copy of any logits, and one host sync per call (the count of valid labels and the
+label check together); ``chunk_size`` plays no role there. Float64 logits always take the torch path.
+
 Consequences: only the student receives a gradient (the teacher is treated as a constant), ``kd`` and
 ``ce`` in the result are detached diagnostics (only ``loss`` is differentiable), and the graph can be
 backpropagated once (the buffer is handed over, not copied).

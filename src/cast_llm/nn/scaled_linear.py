@@ -26,7 +26,10 @@ Design notes (the "why"):
   alternatives: docs/results/performance.md, §5). The forward is dense — CAST never masks in the
   forward. The product and its backward are one hand-written autograd function
   (:mod:`cast_llm.nn.scaled_weight`): one memory pass each way, the product written directly in the
-  matmul's (autocast) dtype.
+  matmul's (autocast) dtype; on CUDA the backward is one Triton kernel per layer
+  (:mod:`cast_llm.nn.triton_scaled_weight`). Scaling the output instead (exact only for ``n_groups = 1``:
+  ``y = (x W^T) ⊙ A``) or splitting the input into ``n_groups`` matmuls trades the ``out x in`` product for
+  ``tokens x out`` work and activations, and at ``n_groups = 2`` halves each matmul's inner dimension.
 * **Scale dtype.** The scale is a float32 parameter even when the wrapped weight is bf16/fp16 (float64
   weights get a float64 scale, for reference tests): a scale near 1 in bf16 has a resolution of 2^-7, so
   updates of ``lr ~ 1e-4`` would be rounded away. The product ``W * A`` is formed in the promoted dtype and
