@@ -18,10 +18,12 @@ How a configuration is measured, in one process, variants interleaved (the order
 
     python benchmarks/train_step.py --device cuda --json train_step.json --profile-dir profiles
         # the GPU suite: SmolLM2-135M (its config, random init) at 8 x 2048 tokens and a 1B-class LLaMA
-        # (TinyLlama-1.1B's config: 22 layers x 2048, 32 heads, 4 kv heads, random init) at 4 x 2048, bf16
+        # (TinyLlama-1.1B's config: 22 layers x 2048, 5632 MLP, 32 heads, 4 kv heads, vocabulary 32000,
+        # random init) at 4 x 2048, bf16; plus the graphed-teacher row (--teacher-cuda-graph). < 3 minutes.
     python benchmarks/train_step.py --tiny --json out.json      # CPU in seconds: tiny random LLaMAs
     python benchmarks/train_step.py --threads 1 --seq 1024      # one configuration: SmolLM2-135M, 1 x 1024, fp32
-    python benchmarks/train_step.py --device cuda --dtype bf16 --model llama-1b --batch 4 --seq 2048
+    python benchmarks/train_step.py --device cuda --batch 8 --seq 1024       # one: SmolLM2-135M at 8 x 1024
+    python benchmarks/train_step.py --device cuda --model llama-1b --batch 4 --seq 2048
 
 ``--json PATH`` writes ``cast_nokd_over_plain`` / ``cast_kd_over_plain`` (the SmolLM2-135M row),
 ``cast_nokd_over_plain_1b`` / ``cast_kd_over_plain_1b``, ``rows`` (every variant of every configuration),
@@ -32,6 +34,7 @@ process's CPU time on a CPU (the work, whatever the load of a shared machine).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -87,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=list(DTYPES),
                     help="bf16: autocast with fp32 master weights, as the trainer on a GPU (default: bf16 on cuda, "
                          "fp32 on cpu)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step (one configuration; default 1)")
-    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (one configuration; default 256)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences per step: one configuration (default: 8 on cuda, 1 on cpu)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="tokens per sequence: one configuration (default: 2048 on cuda, 256 on cpu)")
     ap.add_argument("--rounds", type=int, default=None, help="timed whole-step rounds (each steps every variant)")
     ap.add_argument("--phase-rounds", type=int, default=None, help="rounds timed phase by phase")
     ap.add_argument("--warmup", type=int, default=None, help="untimed rounds first (lazy state, first masks, JIT)")
@@ -115,16 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype_name = args.dtype or ("bf16" if cuda else "fp32")
-    if args.model is not None:
-        suite = [Config(role_of(args.model), args.model, args.batch or 1, args.seq or 256)]
-    elif tiny:
+    if tiny:
         suite = TINY_SUITE
-    elif cuda:
-        suite = GPU_SUITE
+    elif args.model is not None or args.batch or args.seq or not cuda:
+        # one configuration; without --model: SmolLM2-135M (its config with random init on a GPU, where the
+        # values do not matter for timing; the embedded checkpoint on a CPU, as the earlier CPU results)
+        model = args.model or ("smollm2-135m-random" if cuda else "smollm2-135m")
+        suite = [Config(role_of(model), model, args.batch or (8 if cuda else 1), args.seq or (2048 if cuda else 256))]
     else:
-        suite = [Config("smollm2", "smollm2-135m", args.batch or 1, args.seq or 256)]
-    if args.model is None and (args.batch or args.seq):
-        suite = [Config(c.role, c.model, args.batch or c.batch, args.seq or c.seq) for c in suite]
+        suite = GPU_SUITE
     settings = dict(
         warmup=args.warmup if args.warmup is not None else (1 if tiny else 2),
         rounds=args.rounds if args.rounds is not None else (4 if tiny else 10),
@@ -152,15 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         suffix = "" if config.role == "smollm2" else "_1b"
         for name in CAST:
             results[f"{name}_over_plain{suffix}"] = out["ratios"][name]
-        if cuda:  # the next configuration starts from an empty allocator
+        if cuda:  # the next configuration starts from an empty allocator (graphs and models of this one freed)
             del out
+            gc.collect()
             torch.cuda.empty_cache()
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     if args.json is not None:
         doc = {**results, "rows": rows, "device": _device_name(device), "versions": versions(),
-               "settings": {**settings, "configs": [vars(c) for c in suite]},
-               "clock": "wall (synchronised)" if cuda else "process CPU time",
-               "machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}
+               "settings": {**settings, "configs": [vars(c) for c in suite],
+                            "clock": "wall (synchronised)" if cuda else "process CPU time", "machine": machine(),
+                            "command": " ".join(["benchmarks/train_step.py", *(sys.argv[1:] if argv is None else argv)]),
+                            "wall_s": round(time.perf_counter() - start, 1)}}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -54,7 +54,7 @@ def test_train_step_json_has_the_issue_keys_and_a_profile_per_variant(runs, json
     doc = json.loads((json_dir / "train_step.json").read_text())
     keys = ("cast_nokd_over_plain", "cast_kd_over_plain", "cast_nokd_over_plain_1b", "cast_kd_over_plain_1b")
     assert all(isinstance(doc[k], float) and doc[k] > 0 for k in keys), doc
-    assert {"rows", "device", "versions", "settings", "command"} <= set(doc)
+    assert set(doc) == {*keys, "rows", "device", "versions", "settings"}
     assert doc["versions"]["torch"] and doc["device"].startswith("cpu")
     rows = {(r["config"], r["variant"]): r for r in doc["rows"]}
     assert set(rows) == {(c, v) for c in ("smollm2", "1b") for v in ("plain", "cast_nokd", "cast_kd")}
