@@ -121,7 +121,8 @@ def check_kd(device: str) -> dict[str, float]:
         name = str(dtype).removeprefix("torch.")
         loss_err = grad_err = 0.0
         # (eta, T, with teacher): the paper's T = 1 with η = 1/2; T != 1 (every term); pure CE without a teacher
-        for eta, temperature, teacher in ((0.5, 1.0, True), (1 / 3, 2.0, True), (0.0, 1.0, False)):
+        # (its T = 1 is the CE's own: a T != 1 takes the kernel's other branch, the result must not change)
+        for eta, temperature, teacher in ((0.5, 1.0, True), (1 / 3, 2.0, True), (0.0, 1.0, False), (0.0, 2.0, False)):
             # 2 x 7 tokens (not a multiple of anything the kernel tiles), causal: the last of each is ignored
             s = (3 * torch.randn(2, 7, VOCAB, generator=gen)).to(dtype)
             t = (3 * torch.randn(2, 7, VOCAB, generator=gen)).to(dtype) if teacher else None
