@@ -1,7 +1,8 @@
 """Shared pieces of the training-step benchmarks (train_step, mask_update, peak_memory).
 
 One training step here is the body of the trainer's loop (``cast_llm.train.trainer.train``) for one
-micro-batch: student forward, teacher forward under ``no_grad`` (KD only), the trainer's own ``lm_loss``
+micro-batch: student forward, the trainer's teacher forward (``TeacherForward``: ``inference_mode``, no KV
+cache; KD only), the trainer's own ``lm_loss``
 (CE, or Eq. 13 through the chunked KD loss), backward, gradient clipping at 1.0, the optimizer step,
 ``zero_grad(set_to_none=True)``. Logging, observers and the LR schedule are left out: plain training pays
 for them alike. Three variants, as in the paper's timing table (method.md §7):
@@ -28,9 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-# LLaMA-shaped models with random weights: (hidden, intermediate, layers, heads, kv heads, vocab)
+# LLaMA-shaped models with random weights: (hidden, intermediate, layers, heads, kv heads, vocab[, tied])
 RANDOM_MODELS = {
     "tiny-llama": (64, 128, 2, 4, 2, 512),  # --quick: a few ms per step
+    "tiny-llama-wide": (128, 256, 2, 4, 2, 1024),  # train_step --tiny's stand-in for the 1B row
+    # SmolLM2-135M's config exactly (embeddings tied; no checkpoint to load: timing does not depend on values)
+    "smollm2-135m-random": (576, 1536, 30, 9, 3, 49152, True),
     "llama-1b": (2048, 5632, 22, 32, 4, 32000),  # TinyLlama-1.1B's shape: the "larger" GPU model
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,10 +72,10 @@ def load(name: str, device: torch.device) -> torch.nn.Module:
     if name in RANDOM_MODELS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        hidden, inter, layers, heads, kv, vocab = RANDOM_MODELS[name]
+        hidden, inter, layers, heads, kv, vocab, *tied = RANDOM_MODELS[name]
         cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                          max_position_embeddings=4096, tie_word_embeddings=False)
+                          max_position_embeddings=8192, tie_word_embeddings=bool(tied and tied[0]))
         torch.manual_seed(0)
         with torch.device(device):
             return LlamaForCausalLM(cfg).float()
@@ -99,16 +103,20 @@ class Variant:
     teacher: torch.nn.Module | None = None
     extra_optimizer: torch.optim.Optimizer | None = None  # stepped on the same gradients, timed apart
     times: dict[str, list[float]] = field(default_factory=dict)
+    teacher_forward: object = None  # the trainer's TeacherForward over ``teacher``
 
 
-def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dtype) -> dict[str, Variant]:
-    """The variants of the module docstring over ``base``'s weights (``base`` becomes the plain model)."""
+def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dtype, *,
+                   foreach_baseline: bool = True) -> dict[str, Variant]:
+    """The variants of the module docstring over ``base``'s weights (``base`` becomes the plain model).
+    ``foreach_baseline=False``: no second (foreach) AdamW on the plain variant (on a GPU it would hold a
+    second set of moments)."""
     from cast_llm.train.methods import get_method
 
     base.train()
     out: dict[str, Variant] = {}
     teacher = None
-    if "cast_kd" in names:
+    if "cast_kd" in names or "cast_kd_graph" in names:
         # the trainer's teacher: a frozen copy of the dense start, in the training dtype (bf16 under autocast)
         teacher = copy.deepcopy(base).eval().requires_grad_(False)
         if dtype != torch.float32:
@@ -116,19 +124,27 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
     if "plain" in names:
         params = list(base.parameters())
         fused = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
-        foreach = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
-        if base.device.type == "cpu":  # share the moments: timing needs no second 1 GB of state on a small box
-            foreach.state = fused.state
+        foreach = None
+        if foreach_baseline:
+            foreach = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+            if base.device.type == "cpu":  # share the moments: timing needs no second 1 GB of state on a small box
+                foreach.state = fused.state
         out["plain"] = Variant("plain", base, fused, extra_optimizer=foreach)
-    if "cast_nokd" in names or "cast_kd" in names:
+    if any(name.startswith("cast") for name in names):
         # a second module tree over the SAME Parameters (deepcopy's memo maps every Parameter to itself)
         student = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
         method = get_method("cast")
         method.prepare_model(student, cfg)  # wraps the targets in ScaledLinear, as the trainer does
         opt = method.build_optimizer(student, cfg, 100_000)  # AdamS with the trainer's param groups
-        for name in ("cast_nokd", "cast_kd"):
+        from cast_llm.train.teacher import TeacherForward
+
+        for name in ("cast_nokd", "cast_kd", "cast_kd_graph"):  # cast_kd_graph: the teacher as a CUDA graph
             if name in names:
-                out[name] = Variant(name, student, opt, teacher=teacher if name == "cast_kd" else None)
+                kd = name != "cast_nokd"
+                out[name] = Variant(name, student, opt, teacher=teacher if kd else None)
+                if kd:
+                    graph = cfg.teacher_cuda_graph if name == "cast_kd" else True  # the trainer's default
+                    out[name].teacher_forward = TeacherForward(teacher, cuda_graph=graph, say=print)
     return out
 
 
@@ -162,34 +178,44 @@ def elapsed(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, floa
     return b[0] - a[0], b[1] - a[1]
 
 
-def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype | None) -> dict[str, tuple]:
-    """One step of the trainer's loop body; returns ``(wall, cpu)`` seconds of each phase."""
+def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype | None, *,
+               phases: bool = True, extra: bool = True) -> dict[str, tuple]:
+    """One step of the trainer's loop body; returns ``(wall, cpu)`` seconds of each phase.
+
+    ``phases=False``: the clock is read (and the device synchronised) only before and after the whole step,
+    as the trainer runs it (the phase boundaries' synchronisations would keep the host from running ahead of
+    the GPU); the result is ``{"step": ...}``. ``extra=False``: the second (foreach) plain optimizer is not
+    stepped.
+    """
     from cast_llm.train.trainer import lm_loss
 
-    clock = Clock(batch.device)
-    t0 = clock()
     device = batch.device
+    clock = Clock(device)
+    mark = clock if phases else (lambda: None)
+    t0 = clock()
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else torch.autocast(device.type, enabled=False))
     with ctx:
         logits = v.model(input_ids=batch).logits
-        t_logits = None
-        if v.teacher is not None:
-            with torch.no_grad():
-                t_logits = v.teacher(input_ids=batch).logits
+        # the trainer's teacher call: inference_mode, no KV cache (cast_kd_graph: a CUDA graph replay)
+        t_logits = v.teacher_forward(batch) if v.teacher is not None else None
         loss, _, _ = lm_loss(logits, t_logits, batch, cfg)  # CE without a teacher, Eq. 13 with one
         del logits, t_logits
         if not torch.isfinite(loss.detach()):
             raise RuntimeError(f"{v.name}: loss became {float(loss)}")
-    t1 = clock()
+    t1 = mark()
     loss.backward()
-    t2 = clock()
+    t2 = mark()
     torch.nn.utils.clip_grad_norm_(v.model.parameters(), cfg.grad_clip)
-    t3 = clock()
+    t3 = mark()
     v.optimizer.step()
     t4 = clock()
-    times = dict(forward=elapsed(t0, t1), backward=elapsed(t1, t2), clip=elapsed(t2, t3), optimizer=elapsed(t3, t4))
-    if v.extra_optimizer is not None:
+    if phases:
+        times = dict(forward=elapsed(t0, t1), backward=elapsed(t1, t2), clip=elapsed(t2, t3),
+                     optimizer=elapsed(t3, t4))
+    else:
+        times = dict(step=elapsed(t0, t4))
+    if extra and v.extra_optimizer is not None:
         v.extra_optimizer.step()
         times["optimizer_extra"] = elapsed(t4, clock())
     v.optimizer.zero_grad(set_to_none=True)

@@ -193,3 +193,49 @@ def test_ratio_histograms_read_the_orientation_of_wrapped_conv1d_layers():
     wrap_sparse_forward_(model, masks, ste=False)
     ob = RatioHistograms("1.0", 4)
     assert all(ob._is_transposed(model, t.fqn, masks[t.fqn]) for t in targets)
+
+
+def test_log_step_statistics_equal_the_reference_functions_with_no_per_layer_host_reads(tmp_path):
+    """MaskStats and LayerMaskStats on a log step: the §7 numbers of sparsity.stats exactly (flips counted on
+    the packed snapshots, S_t's sums in float64), and no ``.item()``-style read per layer — every layer's
+    counts reach the host in one transfer (on a GPU each such read would be a sync)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cast_llm.sparsity.stats import changed_group_rate, flip_rate, initial_flip_rate, sparse_weight_ratio
+
+    class CountScalarReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                CountScalarReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    model = Toy()
+    agg, layer = MaskStats(), LayerMaskStats()
+    cfg = SimpleNamespace(mask_interval=INTERVAL, m=4)
+    first = _masks(model)
+    ctx = StepContext(step=1, total_steps=T, model=model, masks_fn=lambda: first, is_log_step=False,
+                      run_dir=tmp_path, is_main=True, cfg=cfg)
+    agg.on_step(ctx)
+    layer.on_step(ctx)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape))
+    now = _masks(model)
+    assert not all(torch.equal(now[k], first[k]) for k in now)  # some flips to count
+    ctx = StepContext(step=2, total_steps=T, model=model, masks_fn=lambda: now, is_log_step=True,
+                      run_dir=tmp_path, is_main=True, cfg=cfg)
+    with CountScalarReads():
+        out = agg.on_step(ctx)
+        layer.on_step(ctx)
+    assert CountScalarReads.reads == 0
+    weights = [model.a.weight, model.b.weight]
+    cur, old = [now["a"], now["b"]], [first["a"], first["b"]]
+    assert out == {"flip_rate": flip_rate(old, cur), "initial_flip_rate": initial_flip_rate(old, cur),
+                   "changed_groups": changed_group_rate(old, cur, 4, [False, True]),  # b is a Conv1D
+                   "sparse_weight_ratio": sparse_weight_ratio(weights, cur)}
+    lay = read_layers(tmp_path / LAYERS_FILE)
+    for i, (k, w) in enumerate(zip("ab", weights)):
+        assert lay["flip_rate"][0][i] == pytest.approx(flip_rate(first[k], now[k]), rel=1e-5)
+        assert lay["sparse_weight_ratio"][0][i] == pytest.approx(sparse_weight_ratio(w, now[k]), rel=1e-5)

@@ -31,7 +31,8 @@ def json_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(json_dir):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    extra = {"optimizer_step.py": ["--json", str(json_dir / "optimizer_step.json")]}
+    extra = {"optimizer_step.py": ["--json", str(json_dir / "optimizer_step.json")],
+             "train_step.py": ["--json", str(json_dir / "train_step.json")]}  # what the GPU kit reads
     procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick", *extra.get(name, [])],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in EXPECTED}
@@ -58,3 +59,24 @@ def test_optimizer_step_json_has_the_targets(runs, json_dir):
     for model in ("tiny", "tiny-7b"):
         assert {(model, "AdamW(fused=True)"), (model, "AdamS bool masks"), (model, "AdamS packed masks")} <= shapes
     assert all(r["median_ms"] > 0 and r["over_fused"] > 0 for r in result["rows"])
+
+
+def test_train_step_json_has_the_issue_keys_and_a_profile_per_variant(runs, json_dir):
+    """train_step.py --tiny --json: the four target ratios at the top level (SmolLM2's row and the 1B row,
+    here their tiny stand-ins), one row per configuration and variant, and a profiler table for each."""
+    import json
+
+    proc, out, err = runs["train_step.py"]
+    assert proc.returncode == 0, err[-3000:]
+    doc = json.loads((json_dir / "train_step.json").read_text())
+    keys = ("cast_nokd_over_plain", "cast_kd_over_plain", "cast_nokd_over_plain_1b", "cast_kd_over_plain_1b")
+    assert all(isinstance(doc[k], float) and doc[k] > 0 for k in keys), doc
+    assert set(doc) == {*keys, "rows", "device", "versions", "settings"}
+    assert doc["versions"]["torch"] and doc["device"].startswith("cpu")
+    rows = {(r["config"], r["variant"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, v) for c in ("smollm2", "1b") for v in ("plain", "cast_nokd", "cast_kd")}
+    assert rows[("1b", "cast_kd")]["over_plain"] == doc["cast_kd_over_plain_1b"]
+    assert rows[("smollm2", "cast_nokd")]["mask_update_steps"] >= 1  # a mask update was timed and amortised
+    for r in rows.values():
+        table = Path(r["profile_file"]).read_text()
+        assert "Self CPU" in table and r["top_ops"], r

@@ -218,3 +218,28 @@ def test_cuda_bf16_matches_cpu_float64():
     out.loss.backward()
     torch.testing.assert_close(out.loss.cpu().double(), ref.loss.detach(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(s16.grad.double().cpu(), g_ref, rtol=5e-2, atol=3e-3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_smollm2_vocabulary_ragged_chunks_match_float64_formula(dtype, tol):
+    """The torch (CPU) path at V = 49,152 with chunks that do not divide the tokens (14 rows: 5 + 5 + 4), an
+    ignored row holding NaN, against Eq. 13 written out in float64. bf16: the gradient is rounded to bf16."""
+    from step_kernel_checks import VOCAB, _reference_kd
+
+    gen = torch.Generator().manual_seed(1)
+    s = (3 * torch.randn(2, 7, VOCAB, generator=gen)).to(dtype)
+    t = (3 * torch.randn(2, 7, VOCAB, generator=gen)).to(dtype)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=gen)
+    ids[0, 4] = -100
+    s[0, 3, 5] = float("nan")  # the row whose label is ids[0, 4]: ignored, never read
+    s.requires_grad_(True)
+    out = causal_kd_loss(s, t, ids, eta=0.5, chunk_size=5)
+    (grad,) = torch.autograd.grad(out.loss, s)
+    labels = shift_labels(ids).reshape(-1)
+    r_loss, r_kl, r_ce, r_grad = _reference_kd(s.reshape(-1, VOCAB), t.reshape(-1, VOCAB), labels, 0.5, 1.0)
+    keep = labels != -100
+    for got, ref in ((out.loss, r_loss), (out.kd, r_kl), (out.ce, r_ce)):
+        assert abs(float(got.detach()) - ref) <= max(1e-12, (tol if dtype != torch.bfloat16 else 1e-5) * abs(ref))
+    g = grad.reshape(-1, VOCAB).double()
+    assert bool((g[~keep] == 0).all())
+    assert float((g[keep] - r_grad[keep]).abs().max() / r_grad[keep].abs().max()) <= tol

@@ -104,3 +104,15 @@ def test_forecast_during_a_run_matches_the_sparse_weight_ratio_it_reaches(workdi
     later = [r["forecast_sparse_weight_ratio"] for r in recs if steps // 6 <= r["step"] < steps]
     assert later and all(abs(f - actual) <= 0.03 for f in later), (later, actual)
     assert abs(res["forecast_at_start"]["sparse_weight_ratio"] - actual) <= 0.3
+
+
+def test_forecasts_are_logged_on_at_most_20_evenly_spread_log_steps():
+    from cast_llm.train.methods.cast import MAX_FORECASTS, forecast_due
+
+    assert MAX_FORECASTS == 20
+    # a short run (12 log steps): every log step, as before
+    assert [d for d in range(1, 121) if forecast_due(d, 120, 10)] == list(range(10, 121, 10))
+    # a GPU-length run (1,000 log steps): every 50th log step, 20 in all, the same steps after a resume
+    due = [d for d in range(1, 10_001) if d % 10 == 0 and forecast_due(d, 10_000, 10)]
+    assert due == list(range(500, 10_001, 500))
+    assert not forecast_due(7, 10_000, 1) and forecast_due(500, 10_000, 1)

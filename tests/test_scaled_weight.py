@@ -75,3 +75,28 @@ def test_only_the_needed_gradients_are_formed():
     a = torch.ones(4, 2)  # frozen scale
     sw.scaled_weight(w, a, 2, False, torch.float32).sum().backward()
     torch.testing.assert_close(w.grad, torch.ones(4, 8))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("g", [1, 2])
+@pytest.mark.parametrize("setting,tol", [("float64", 1e-12), ("fp32", 1e-5), ("autocast-bf16", 3e-2)])
+def test_forward_and_backward_match_the_diag_a_w_formula_in_float64(kind, g, setting, tol):
+    """ScaledLinear (the CPU path) against ``y = x (Diag(A) W)^T + b`` written out in float64 (the scale
+    repeated over each block's columns), outputs and both gradients; autocast bf16: the bf16 matmuls'
+    rounding."""
+    from step_kernel_checks import _reference_scaled
+
+    dtype = torch.float64 if setting == "float64" else torch.float32
+    torch.manual_seed(0)
+    base = (nn.Linear(96, 40) if kind == "linear" else Conv1D(40, 96)).to(dtype)
+    layer = ScaledLinear.from_linear(base, n_groups=g)
+    with torch.no_grad():
+        layer.scale.copy_(0.5 + torch.rand(layer.scale.shape))
+    x = torch.randn(3, 7, 96, dtype=dtype)
+    upstream = torch.randn(3, 7, 40)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast-bf16"):
+        y = layer(x)
+    (y.double() * upstream.double()).sum().backward()
+    ry, rgw, rga = _reference_scaled(kind, layer.weight, layer.scale, layer.bias, x, upstream)
+    for got, ref in ((y, ry), (layer.weight.grad, rgw), (layer.scale.grad, rga)):
+        assert float((got.detach().double() - ref).abs().max() / ref.abs().max()) <= tol

@@ -24,6 +24,12 @@ allocate anyway) and ~3 fp32 ``chunk_size × V`` work tensors, with no recomputa
 The default ``chunk_size`` of 1024 tokens keeps ~0.6 GiB of work space at V = 49152; the memory and time
 this saves against autograd versions of the same loss are in docs/results/performance.md (§5).
 
+On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, for tests) the same sums and the same gradient
+buffer come from ONE fused Triton kernel (:mod:`cast_llm.triton_kd`): per token row an online log-sum-exp
+over the vocabulary, then the KL terms and the gradient row — two reads of the (bf16) logits, one write of
+the gradient, no float32 copy of any logits, and one host sync per call (the count of valid labels and the
+label check together); ``chunk_size`` plays no role there. Float64 logits always take the torch path.
+
 Consequences: only the student receives a gradient (the teacher is treated as a constant), ``kd`` and
 ``ce`` in the result are detached diagnostics (only ``loss`` is differentiable), and the graph can be
 backpropagated once (the buffer is handed over, not copied).
@@ -32,6 +38,7 @@ backpropagated once (the buffer is handed over, not copied).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -123,60 +130,40 @@ class _ChunkedKD(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student, teacher, labels, eta, temperature, chunk_size, ignore_index, need_grad):
-        n_rows = student.shape[0]
+        n_rows, vocab = student.shape
         valid = labels != ignore_index
-        idx = valid.nonzero().squeeze(1)  # one host sync per call, also used to validate labels below
-        n = idx.numel()
         # float32 math (float64 inputs stay float64, for reference tests)
         dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
         zero = torch.zeros((), dtype=dtype, device=student.device)
         ctx.grad = None
         ctx.backward_done = False
+        kernel = _fused_kernel(student, teacher)
+        if kernel is not None:
+            # the count and the label check in ONE host sync: the kernel needs nothing else from the host
+            bad = valid & ((labels < 0) | (labels >= vocab))
+            n, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()
+            idx = None
+        else:
+            idx = valid.nonzero().squeeze(1)  # one host sync per call, also used to validate labels below
+            n = idx.numel()
+            n_bad = int(((labels[idx] < 0) | (labels[idx] >= vocab)).sum()) if n else 0
+        if n_bad:
+            chosen = labels[valid]
+            examples = chosen[(chosen < 0) | (chosen >= vocab)][:5].tolist()
+            raise ValueError(
+                f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got e.g. {examples}"
+            )
         if n == 0:  # everything ignored: a zero loss with a zero gradient, not 0/0 = NaN
             loss, kd, ce = zero, zero.clone(), zero.clone()
             ctx.mark_non_differentiable(kd, ce)
             return loss, kd, ce
-        vocab = student.shape[1]
-        chosen = labels[idx]
-        if bool(((chosen < 0) | (chosen >= vocab)).any()):
-            bad = chosen[(chosen < 0) | (chosen >= vocab)][:5].tolist()
-            raise ValueError(
-                f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got e.g. {bad}"
-            )
-
-        # Chunks are plain slices (views, no copies) unless many rows are ignored: then only the valid ones
-        # are gathered. A causal LM ignores 1 row of every sequence — computing it costs less than the two
-        # gathered copies of the logits and the scattered copy of the gradient it saves.
-        contiguous = (n_rows - n) * 8 <= n_rows
-        valid_all = None if n == n_rows else valid
-        grad = None
-        if need_grad:
-            grad = torch.empty_like(student) if contiguous else torch.zeros_like(student)
-        kd_sum, ce_sum = zero.clone(), zero.clone()
-        total = n_rows if contiguous else n
-        step = chunk_size or total
-        for start in range(0, total, step):
-            v = None
-            if contiguous:
-                sel = slice(start, start + step)
-                s, y = student[sel], labels[sel]
-                t = teacher[sel] if teacher is not None else None
-                if valid_all is not None:
-                    v = valid_all[sel]
-                    y = torch.where(v, y, 0)  # ignored labels may be any value; never read
-            else:
-                sel = idx[start : start + step]
-                s, y = student.index_select(0, sel), labels.index_select(0, sel)
-                t = teacher.index_select(0, sel) if teacher is not None else None
-            kl_c, ce_c, g = _chunk_terms(s, t, y.long(), eta, temperature, need_grad, dtype, v)
-            kd_sum += kl_c
-            ce_sum += ce_c
-            if g is not None:
-                if contiguous:  # scale by 1/n and round to the logits' dtype in one pass, into place
-                    torch.mul(g, 1.0 / n, out=grad[sel])
-                else:
-                    grad.index_copy_(0, sel, g.div_(n).to(grad.dtype))
-            del s, t, g
+        if kernel is not None:
+            kd_sum, ce_sum, grad = kernel.fused_kd(student, teacher, labels.long(), n=n, eta=eta,
+                                                   temperature=temperature, ignore_index=ignore_index,
+                                                   need_grad=need_grad)
+        else:
+            kd_sum, ce_sum, grad = _chunked(student, teacher, labels, valid, idx, eta, temperature, chunk_size,
+                                            need_grad, dtype)
         kd, ce = kd_sum / n, ce_sum / n
         # a term with weight 0 must not leak a NaN/Inf into the loss
         loss = zero.clone()
@@ -201,6 +188,65 @@ class _ChunkedKD(torch.autograd.Function):
         if grad is not None:
             grad.mul_(grad_loss.to(grad.dtype))  # in place: the buffer is not used again
         return grad, None, None, None, None, None, None, None
+
+
+_KERNEL: list = []  # cast_llm.triton_kd, imported on first use (Triton's import takes ~1 s)
+
+
+def _fused_kernel(student: torch.Tensor, teacher: torch.Tensor | None):
+    """The Triton kernel module when it takes these logits (CUDA, or CPU under TRITON_INTERPRET=1), else None."""
+    if student.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None  # the common CPU case decides without importing Triton
+    if not _KERNEL:
+        try:
+            from cast_llm import triton_kd
+        except Exception:  # pragma: no cover - a broken Triton install: the torch path does the same math
+            triton_kd = None
+        _KERNEL.append(triton_kd)
+    kernel = _KERNEL[0]
+    if kernel is None or kernel.unsupported_reason(student, teacher) is not None:
+        return None
+    return kernel
+
+
+def _chunked(student, teacher, labels, valid, idx, eta, temperature, chunk_size, need_grad, dtype):
+    """The torch path: Σ KL·T², Σ CE and the gradient / n, chunk by chunk (``idx``: the valid rows)."""
+    n_rows, n = student.shape[0], idx.numel()
+    zero = torch.zeros((), dtype=dtype, device=student.device)
+    # Chunks are plain slices (views, no copies) unless many rows are ignored: then only the valid ones
+    # are gathered. A causal LM ignores 1 row of every sequence — computing it costs less than the two
+    # gathered copies of the logits and the scattered copy of the gradient it saves.
+    contiguous = (n_rows - n) * 8 <= n_rows
+    valid_all = None if n == n_rows else valid
+    grad = None
+    if need_grad:
+        grad = torch.empty_like(student) if contiguous else torch.zeros_like(student)
+    kd_sum, ce_sum = zero.clone(), zero.clone()
+    total = n_rows if contiguous else n
+    step = chunk_size or total
+    for start in range(0, total, step):
+        v = None
+        if contiguous:
+            sel = slice(start, start + step)
+            s, y = student[sel], labels[sel]
+            t = teacher[sel] if teacher is not None else None
+            if valid_all is not None:
+                v = valid_all[sel]
+                y = torch.where(v, y, 0)  # ignored labels may be any value; never read
+        else:
+            sel = idx[start : start + step]
+            s, y = student.index_select(0, sel), labels.index_select(0, sel)
+            t = teacher.index_select(0, sel) if teacher is not None else None
+        kl_c, ce_c, g = _chunk_terms(s, t, y.long(), eta, temperature, need_grad, dtype, v)
+        kd_sum += kl_c
+        ce_sum += ce_c
+        if g is not None:
+            if contiguous:  # scale by 1/n and round to the logits' dtype in one pass, into place
+                torch.mul(g, 1.0 / n, out=grad[sel])
+            else:
+                grad.index_copy_(0, sel, g.div_(n).to(grad.dtype))
+        del s, t, g
+    return kd_sum, ce_sum, grad
 
 
 def _check(student_logits, teacher_logits, labels, eta, temperature, chunk_size) -> None:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["packed_popcount", "packed_flips", "LayerCounts", "layer_counts"]
+__all__ = ["packed_popcount", "packed_flips", "LayerCounts", "layer_counts", "count_tensor", "gather_counts"]
 
 
-def packed_popcount(x: Tensor) -> int:
-    """Number of set bits in a ``uint8`` tensor.
+def _popcount(x: Tensor) -> Tensor:
+    """Number of set bits in a ``uint8`` tensor, as an int64 tensor on its device (no host sync).
 
     SWAR popcount on the bytes themselves: three shift/mask steps, all in uint8, so there is no int64
     index tensor the size of the input (a 256-entry lookup table would need one).
@@ -32,7 +32,18 @@ def packed_popcount(x: Tensor) -> int:
     x = x - (x >> 1).bitwise_and_(0x55)  # 2-bit counts
     x = x.bitwise_and(0x33) + (x >> 2).bitwise_and_(0x33)  # 4-bit counts
     x = (x + (x >> 4)).bitwise_and_(0x0F)  # 8-bit counts (≤ 8)
-    return int(x.sum(dtype=torch.int64))
+    return x.sum(dtype=torch.int64)
+
+
+def packed_popcount(x: Tensor) -> int:
+    """Number of set bits in a ``uint8`` tensor."""
+    return int(_popcount(x))
+
+
+def _flips(a: Tensor, b: Tensor) -> Tensor:
+    if a.shape != b.shape:
+        raise ValueError(f"packed masks differ in size ({a.numel()} vs {b.numel()} bytes): not the same layer")
+    return _popcount(torch.bitwise_xor(a, b.to(a.device)))
 
 
 def packed_flips(a: Tensor, b: Tensor) -> int:
@@ -40,9 +51,7 @@ def packed_flips(a: Tensor, b: Tensor) -> int:
 
     The padding bits of the last byte are zero in both, so they never count.
     """
-    if a.shape != b.shape:
-        raise ValueError(f"packed masks differ in size ({a.numel()} vs {b.numel()} bytes): not the same layer")
-    return packed_popcount(torch.bitwise_xor(a, b.to(a.device)))
+    return int(_flips(a, b))
 
 
 @dataclass(frozen=True)
@@ -70,20 +79,42 @@ class LayerCounts:
 
 
 @torch.no_grad()
+def count_tensor(weight: Tensor, cur_packed: Tensor, mask: Tensor, prev_packed: Tensor, initial_packed: Tensor,
+                 *, l1_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``(flips, initial_flips, kept_l1, total_l1)`` of one layer as a float64 tensor on the weight's device,
+    without a host sync (:func:`gather_counts` reads many of them with one). The L1 sums accumulate in
+    ``l1_dtype``: float32 by default — torch reduces them pairwise (relative error ~1e-7 even for 1e8
+    entries) at a fraction of the cost of a float64 accumulation, which would convert every element first."""
+    if mask.shape != weight.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != weight shape {tuple(weight.shape)}")
+    mag = weight.detach().abs()
+    if l1_dtype == torch.float32:
+        mag = mag.float()
+        total = mag.sum()
+        kept = mag.mul_(mask.to(mag.device)).sum()
+    else:
+        total = mag.sum(dtype=l1_dtype)
+        kept = mag.masked_fill(~mask.to(mag.device), 0).sum(dtype=l1_dtype)
+    parts = (_flips(cur_packed, prev_packed), _flips(cur_packed, initial_packed), kept, total)
+    return torch.stack([x.to(device=weight.device, dtype=torch.float64) for x in parts])
+
+
+def gather_counts(numels: list[int], counts: list[Tensor]) -> list[LayerCounts]:
+    """:class:`LayerCounts` from :func:`count_tensor` results, read to the host with ONE sync per device
+    (one per layer and quantity would stall a GPU a thousand times on a 200-layer model's log step)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, c in enumerate(counts):
+        by_device.setdefault(c.device, []).append(i)
+    values: list[list[float]] = [[] for _ in counts]
+    for idx in by_device.values():
+        for i, row in zip(idx, torch.stack([counts[i] for i in idx]).tolist()):
+            values[i] = row
+    return [LayerCounts(numel=n, flips=int(v[0]), initial_flips=int(v[1]), kept_l1=v[2], total_l1=v[3])
+            for n, v in zip(numels, values)]
+
+
 def layer_counts(weight: Tensor, cur_packed: Tensor, mask: Tensor, prev_packed: Tensor,
                  initial_packed: Tensor) -> LayerCounts:
     """Counts of one layer from its weight, its current mask (bool and packed) and two packed snapshots."""
-    if mask.shape != weight.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} != weight shape {tuple(weight.shape)}")
-    # float32 sums: torch reduces them pairwise (relative error ~1e-7 even for 1e8 entries) at a fraction
-    # of the cost of a float64 accumulation, which would convert every element first
-    mag = weight.detach().abs().float()
-    total = float(mag.sum())
-    kept = float(mag.mul_(mask.to(mag.device)).sum())
-    return LayerCounts(
-        numel=weight.numel(),
-        flips=packed_flips(cur_packed, prev_packed),
-        initial_flips=packed_flips(cur_packed, initial_packed),
-        kept_l1=kept,
-        total_l1=total,
-    )
+    counts = count_tensor(weight, cur_packed, mask, prev_packed, initial_packed)
+    return gather_counts([weight.numel()], [counts])[0]

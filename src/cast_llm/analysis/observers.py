@@ -23,7 +23,7 @@ from cast_llm.analysis.files import (
     save_ratio_histograms,
     set_json_key,
 )
-from cast_llm.analysis.layers import layer_counts
+from cast_llm.analysis.layers import count_tensor, gather_counts
 from cast_llm.analysis.ratios import RatioHistogram, group_ratios, resolve_hist_steps
 from cast_llm.analysis.tracking import TrackerState, sample_positions
 from cast_llm.io import append_jsonl, truncate_jsonl
@@ -63,10 +63,13 @@ class LayerMaskStats(Observer):
             return None
         params = dict(ctx.model.named_parameters())
         rec: dict[str, Any] = {"step": ctx.step, **{key: {} for key in LAYER_METRICS}}
-        current = {}
+        current, counts, numels = {}, [], []
         for fqn, mask in ctx.masks.items():
             current[fqn] = pack_mask(mask)
-            c = layer_counts(target_weight(params, fqn), current[fqn], mask, self.prev[fqn], self.initial[fqn])
+            counts.append(count_tensor(target_weight(params, fqn), current[fqn], mask, self.prev[fqn],
+                                       self.initial[fqn]))
+            numels.append(mask.numel())
+        for fqn, c in zip(current, gather_counts(numels, counts)):  # one host sync for every layer
             rec["flip_rate"][fqn] = _sig(c.flip_rate)
             rec["initial_flip_rate"][fqn] = _sig(c.initial_flip_rate)
             rec["sparse_weight_ratio"][fqn] = _sig(c.sparse_weight_ratio)

@@ -26,7 +26,10 @@ Design notes (the "why"):
   alternatives: docs/results/performance.md, §5). The forward is dense — CAST never masks in the
   forward. The product and its backward are one hand-written autograd function
   (:mod:`cast_llm.nn.scaled_weight`): one memory pass each way, the product written directly in the
-  matmul's (autocast) dtype.
+  matmul's (autocast) dtype; on CUDA the backward is one Triton kernel per layer
+  (:mod:`cast_llm.nn.triton_scaled_weight`). Scaling the output instead (exact only for ``n_groups = 1``:
+  ``y = (x W^T) ⊙ A``) or splitting the input into ``n_groups`` matmuls trades the ``out x in`` product for
+  ``tokens x out`` work and activations, and at ``n_groups = 2`` halves each matmul's inner dimension.
 * **Scale dtype.** The scale is a float32 parameter even when the wrapped weight is bf16/fp16 (float64
   weights get a float64 scale, for reference tests): a scale near 1 in bf16 has a resolution of 2^-7, so
   updates of ``lr ~ 1e-4`` would be rounded away. The product ``W * A`` is formed in the promoted dtype and
@@ -49,6 +52,7 @@ from torch import nn
 
 from cast_llm.errors import CastError
 from cast_llm.layers import linear_features, linear_forward, set_submodule
+from cast_llm.nn.scaled_group import group_by_block_, ungroup_
 from cast_llm.nn.scaled_weight import scaled_weight as _scaled_weight
 from cast_llm.targets import select_targets
 
@@ -132,6 +136,9 @@ class ScaledLinear(nn.Module):
         return self._scale_weight(weight, self.scale).to(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = self.__dict__.get("_grouped")  # W_scale formed with the block's other layers (scaled_group)
+        if grouped is not None:
+            return linear_forward(x, grouped, self.base_layer.bias, self.transposed)
         weight = self.base_layer.weight
         if _is_plain(weight) and _is_plain(self.scale):
             weight = _scaled_weight(weight, self.scale, self.n_groups, self.transposed, _matmul_dtype(weight))
@@ -195,11 +202,14 @@ def wrap_scaling_(
     n_groups: int = 2,
     m: int = 4,
     skip_incompatible: bool = False,
+    group_blocks: bool = True,
 ) -> list[str]:
     """Replace the N:M target layers of ``model`` in place by :class:`ScaledLinear`; return their fqns.
 
     Targets are chosen by :func:`cast_llm.targets.find_targets` (default: every Linear / Conv1D inside the
-    decoder blocks; ``filter_fn(module, fqn)`` chooses instead, torchao-style). Layers that are already
+    decoder blocks; ``filter_fn(module, fqn)`` chooses instead, torchao-style). ``group_blocks``: the wrapped
+    layers of each decoder block form their scaled weights together, one op each way on CUDA
+    (:mod:`cast_llm.nn.scaled_group`; the numbers are the per-layer path's). Layers that are already
     wrapped are left as they are and not returned. A layer whose width cannot be scaled in ``n_groups``
     blocks of whole ``m``-groups raises :class:`CastError` naming it, unless ``skip_incompatible`` is set:
     then it stays unwrapped (and, if its width is not a multiple of ``m`` at all, dense) and is logged.
@@ -221,6 +231,8 @@ def wrap_scaling_(
     for fqn, scaled in planned:
         set_submodule(model, fqn, scaled)
     wrapped = [fqn for fqn, _ in planned]
+    if group_blocks:  # on CUDA: each decoder block's layers scaled in one op each way (nn/scaled_group.py)
+        group_by_block_(model, [fqn for fqn, mod in model.named_modules() if isinstance(mod, ScaledLinear)])
     return wrapped
 
 
@@ -270,6 +282,7 @@ def fold_scaling_(
         resolved[name] = (fqn, param, mask)
 
     masks_of_wrappers = {fqn: mask for fqn, _, mask in resolved.values() if fqn is not None}
+    ungroup_(model)
     for fqn, mod in wrappers.items():
         set_submodule(model, fqn, mod.to_linear(masks_of_wrappers.get(fqn)))
     with torch.no_grad():

@@ -9,7 +9,8 @@ entry against 14 for a plain autocast linear). :func:`scaled_weight` does the sa
   dtype the matmul will use (the autocast dtype, else the weight's), so autocast has nothing left to cast;
 * backward: ONE pass over ``(∂L/∂W_scale, W)`` producing both ``∂L/∂W = A ⊙ ∂L/∂W_scale`` (in W's dtype)
   and ``∂L/∂A = Σ_block ∂L/∂W_scale ⊙ W`` (in A's dtype); on CPU the product for ``∂L/∂A`` is formed in
-  cache-sized blocks of rows, so it never goes to memory.
+  cache-sized blocks of rows, so it never goes to memory; on CUDA both come from one Triton kernel
+  (:mod:`cast_llm.nn.triton_scaled_weight`: 10 bytes per entry, one launch), else from three torch ops.
 
 Numerically it is the autograd version: every product is formed in the same dtype and rounded once, and
 ``∂L/∂A`` is reduced row by row as autograd reduces it (for the transposed Conv1D layout, the CPU sums
@@ -17,6 +18,8 @@ each block's entries slice by slice: equal to rounding).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -28,6 +31,23 @@ __all__ = ["scaled_weight"]
 # ~5 op dispatches, and at 2**16 (1,600 blocks per step on SmolLM2-135M) the profiler put their Python
 # overhead at ~0.25 s per step.
 _BLOCK = 1 << 18
+_KERNEL: list = []  # the fused CUDA backward's module, imported on first use (Triton's import takes ~1 s)
+
+
+def _kernel():
+    """:mod:`cast_llm.nn.triton_scaled_weight`, or None when it cannot be imported (then torch ops do the math)."""
+    if not _KERNEL:
+        try:
+            from cast_llm.nn import triton_scaled_weight
+        except Exception:  # pragma: no cover - a broken Triton install must not break the torch path
+            triton_scaled_weight = None
+        _KERNEL.append(triton_scaled_weight)
+    return _KERNEL[0]
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1 (tests without a GPU): CPU tensors take the kernel path too."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def scaled_weight(weight: Tensor, scale: Tensor, n_groups: int, transposed: bool, out_dtype: torch.dtype) -> Tensor:
@@ -66,6 +86,11 @@ class _ScaledWeight(torch.autograd.Function):
         weight, scale = ctx.saved_tensors
         g, transposed = ctx.n_groups, ctx.transposed
         need_w, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad.device.type != "cpu" or _interpreting():  # CUDA: one Triton launch for both gradients
+            kernel = _kernel()
+            if kernel is not None and kernel.unsupported_reason(grad, weight, scale) is None:
+                grad_w, grad_a = kernel.scaled_weight_grads(grad, weight, scale, g, transposed, need_w, need_a)
+                return grad_w, grad_a, None, None, None
         gb, wb, a = _blocks(grad, g, transposed), _blocks(weight, g, transposed), _scale_view(scale, transposed)
         # the dtype autograd forms ∂L/∂A's products in: the promotion of all three (fp32 for bf16 weights)
         acc = torch.promote_types(torch.promote_types(grad.dtype, weight.dtype), scale.dtype)

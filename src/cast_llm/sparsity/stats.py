@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "changed_groups", "changed_group_rate", "l1_mass",
+__all__ = ["mask_flips", "flip_rate", "initial_flip_rate", "changed_groups", "changed_group_counts",
+           "changed_group_rate", "l1_mass",
            "sparse_weight_ratio"]
 
 TensorOrSeq = Tensor | Sequence[Tensor]
@@ -80,19 +81,27 @@ def changed_groups(initial: TensorOrSeq, cur: TensorOrSeq, m: int,
 
     Unlike ``i_t``, a group counts once whether one of its kept entries was swapped or all of them: this is
     the share of the model whose sparsity pattern the training actually moved."""
+    changed, total = changed_group_counts(initial, cur, m, transposed)
+    return int(changed), total
+
+
+def changed_group_counts(initial: TensorOrSeq, cur: TensorOrSeq, m: int,
+                         transposed: bool | Sequence[bool] = False) -> tuple[Tensor, int]:
+    """:func:`changed_groups` with the count left on the masks' device as a 0-d tensor (no host sync; a caller
+    reads it with its other numbers)."""
     pairs = _pairs(initial, cur, ("initial", "cur"), (True, True))
     flags = [transposed] * len(pairs) if isinstance(transposed, bool) else list(transposed)
     if len(flags) != len(pairs):
         raise ValueError(f"transposed has {len(flags)} entries for {len(pairs)} layers")
-    changed = total = 0
+    counts, total = [], 0
     for (a, b), t in zip(pairs, flags):
         a, b = (a.t(), b.t()) if t else (a, b)
         if a.shape[-1] % m:
             raise ValueError(f"a mask of shape {tuple(a.shape)} has no groups of {m} along its N:M dim")
         diff = torch.ne(a.to(b.device), b).reshape(*a.shape[:-1], a.shape[-1] // m, m).any(-1)
-        changed += int(diff.sum())
+        counts.append(diff.sum().to(counts[0].device if counts else diff.device))
         total += diff.numel()
-    return changed, total
+    return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)), total
 
 
 def changed_group_rate(initial: TensorOrSeq, cur: TensorOrSeq, m: int,

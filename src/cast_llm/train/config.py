@@ -168,6 +168,10 @@ class TrainConfig(RunConfig, CastSettings):
                                         "--no-scaling to ablate", section=CAST)
     kd: bool | None = option(None, "distil from the frozen dense model (Eq. 13); default: on for cast and ast, "
                                    "off for naive, srste, maskllm", section=CAST)
+    teacher_cuda_graph: bool = option(False, "CUDA: replay the frozen teacher's forward as one captured CUDA graph "
+                                             "(less host time per step; checked against an eager forward once, on "
+                                             "any failure it says why and runs eagerly); benchmarks/train_step.py "
+                                             "times both", section=CAST)
     fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0)", section=CAST)
     init_mask: str | None = option(None, "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
                                          "--calib-samples training sequences (naive and --warm-start also keep "

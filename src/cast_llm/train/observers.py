@@ -10,8 +10,9 @@ import torch
 
 from cast_llm.analysis import analysis_observers
 from cast_llm.analysis.base import Observer, StepContext, groups_transposed, target_weight, with_masks_applied
+from cast_llm.analysis.layers import count_tensor, gather_counts
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
-from cast_llm.sparsity.stats import changed_group_rate, flip_rate, initial_flip_rate, sparse_weight_ratio
+from cast_llm.sparsity.stats import changed_group_counts
 
 __all__ = ["Observer", "StepContext", "target_weight", "with_masks_applied", "MaskStats", "ValidationPerplexity",
            "default_observers"]
@@ -40,19 +41,27 @@ class MaskStats(Observer):
         if not ctx.is_log_step:
             return None
         names = list(ctx.masks)
-        cur = [ctx.masks[k] for k in names]
-        prev = [unpack_mask(self.prev[k], self.shapes[k]).to(c.device) for k, c in zip(names, cur)]
-        init = [unpack_mask(self.initial[k], self.shapes[k]).to(c.device) for k, c in zip(names, cur)]
         params = dict(ctx.model.named_parameters())
-        weights = [target_weight(params, k).detach() for k in names]
-        self.prev = {k: pack_mask(ctx.masks[k]) for k in names}
+        current = {k: pack_mask(ctx.masks[k]) for k in names}
+        # flips counted on the packed snapshots (XOR + popcount, nothing unpacked), L1 sums in float64 as
+        # sparse_weight_ratio() forms them; every layer's numbers come to the host in one sync
+        counts = gather_counts([ctx.masks[k].numel() for k in names], [
+            count_tensor(target_weight(params, k), current[k], ctx.masks[k], self.prev[k], self.initial[k],
+                         l1_dtype=torch.float64) for k in names])
+        self.prev = current
+        size = sum(c.numel for c in counts)
+        kept, total = sum(c.kept_l1 for c in counts), sum(c.total_l1 for c in counts)
+        # the share of N:M groups whose kept set differs from the first mask (one more transfer, all layers)
         m = int(getattr(ctx.cfg, "m", 4))
+        cur = [ctx.masks[k] for k in names]
+        init = [unpack_mask(self.initial[k], self.shapes[k]).to(c.device) for k, c in zip(names, cur)]
         transposed = [groups_transposed(ctx.model, k, c, m) for k, c in zip(names, cur)]
+        changed, groups = changed_group_counts(init, cur, m, transposed)
         return {
-            "flip_rate": flip_rate(prev, cur),
-            "initial_flip_rate": initial_flip_rate(init, cur),
-            "changed_groups": changed_group_rate(init, cur, m, transposed),
-            "sparse_weight_ratio": sparse_weight_ratio(weights, cur),
+            "flip_rate": sum(c.flips for c in counts) / size,
+            "initial_flip_rate": sum(c.initial_flips for c in counts) / size,
+            "changed_groups": changed.reshape(1).tolist()[0] / groups,
+            "sparse_weight_ratio": 1.0 if total == 0.0 else kept / total,
         }
 
     def state_dict(self):

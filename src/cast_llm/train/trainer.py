@@ -31,6 +31,7 @@ from cast_llm.train.loop import Job, run
 from cast_llm.train.methods import get_method
 from cast_llm.train.observers import default_observers, with_masks_applied
 from cast_llm.train.summary import mask_movement, options_used, summary_table
+from cast_llm.train.teacher import TeacherForward
 
 
 # ------------------------------------------------------------------------------------------------- the loss
@@ -126,9 +127,12 @@ class PretrainJob(Job):
         self.method = get_method(cfg.method)
         self.desc = f"{cfg.method} {cfg.n}:{cfg.m}"
         self.evaluator = None
+        self.teacher_forward = None
+        self.say = lambda *a, **k: None
 
     def setup(self, ctx, results, resuming: bool) -> None:
         cfg, say = self.cfg, ctx.say
+        self.say = say
         if cfg.fsdp:
             fsdp2.check_supported(cfg)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -193,8 +197,11 @@ class PretrainJob(Job):
         logits = model(input_ids=batch).logits
         t_logits = None
         if teacher is not None:
-            with torch.no_grad():
-                t_logits = teacher(input_ids=batch).logits
+            if self.teacher_forward is None or self.teacher_forward.teacher is not teacher:
+                # inference_mode, no KV cache, on CUDA one graph replay (train/teacher.py)
+                self.teacher_forward = TeacherForward(teacher, cuda_graph=self.cfg.teacher_cuda_graph,
+                                                      sharded=self.cfg.fsdp, say=self.say)
+            t_logits = self.teacher_forward(batch)
         loss, ce, kd = lm_loss(logits, t_logits, batch, self.cfg)
         return loss, {"ce": ce, "kd": kd}, batch.numel()
 
@@ -226,6 +233,8 @@ class PretrainJob(Job):
                 wikitext_file=getattr(self.evaluator, "wiki_source", None),
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out),
             )
+            if self.teacher_forward is not None:
+                results["teacher_forward"] = self.teacher_forward.mode
             results["options"] = options_used(cfg)
             results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
             results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}

@@ -25,6 +25,8 @@ Beyond the paper, for budgets too short for the decay to finish (docs/training.m
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cast_llm.data import calibration_samples
@@ -39,6 +41,19 @@ from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.masks import initial_masks
 from cast_llm.train.methods.srste import SRSTEMethod
 from cast_llm.train.schedule import schedule_lrs
+
+MAX_FORECASTS = 20  # decay forecasts logged per run at most (see forecast_due)
+
+
+def forecast_due(done: int, total_steps: int, log_every: int, most: int = MAX_FORECASTS) -> bool:
+    """Whether the log step after ``done`` optimizer steps records a decay forecast: every log step of a run
+    with at most ``most`` of them, else every k-th one (k = ⌈log steps / most⌉). A forecast costs about a
+    second (a float64 simulation on the host; on a GPU also a few host syncs per layer), which on every
+    10th step of a GPU run would add a third to the training time; ``most`` of them cost seconds per run.
+    A function of the step alone, so a resumed run logs the same records."""
+    log_every = max(1, int(log_every))
+    every = max(1, math.ceil((total_steps // log_every) / most)) * log_every
+    return done % every == 0
 
 
 def _target_weights(model, cfg, *, clone: bool = False) -> dict[str, torch.Tensor]:
@@ -196,6 +211,8 @@ class CastMethod(TrainingMethod):
 
     def log_metrics(self, model, optimizer, step: int, results: dict) -> dict:
         if self._srste is not None or self.cfg.fsdp or self.in_repair(step) or step + 1 >= self.total_steps:
+            return {}
+        if not forecast_due(step + 1, self.total_steps, getattr(self.cfg, "log_every", 1)):
             return {}
         return {"forecast_sparse_weight_ratio": self._forecast(optimizer, suggest=False).sparse_weight_ratio}
 

@@ -1,0 +1,154 @@
+"""The ScaledLinear layers of one decoder block scaled in ONE op each way (CUDA): Eq. 12 without per-layer cost.
+
+Per layer, ``W_scale = Diag(A) W`` is one elementwise product forward and one fused kernel backward — cheap on
+the GPU, but each costs host time (an autograd node, allocations, a launch: ~40 µs per layer and step with
+the per-layer path), and a SmolLM2-135M step has 210 such layers on a GPU that a ~140 ms step keeps waiting
+for the host. So the layers of each decoder block are scaled together:
+
+* a forward pre-hook on the block (``model.layers.3``, ``transformer.h.3``, …) forms every member's
+  ``W_scale`` in one Triton launch (:func:`~cast_llm.nn.triton_scaled_weight.grouped_scaled_weights`) as the
+  outputs of ONE autograd node, and hands each layer its own; the layer then only runs its matmul;
+* that node's backward, which autograd calls once all of the block's matmuls have produced their weight
+  gradients (i.e. when the block's backward is done), forms every ``∂L/∂W`` and ``∂L/∂A`` in one launch;
+* a forward hook (also on exceptions) takes the weights back, so a layer called on its own — or under
+  ``no_grad``, or when any member is not a plain CUDA tensor in a kernel-supported dtype (FSDP2's DTensor
+  shards, float64 reference tests, CPU) — runs the per-layer path, which computes the same numbers.
+
+The block is the fqn prefix up to its first integer component (``model.layers.3.self_attn.q_proj`` →
+``model.layers.3``); blocks with one member are not grouped. Memory: a block's bf16 weight gradients live
+until the block's backward ends (per layer they were converted to the fp32 ``.grad`` one by one) — one
+block's worth. A member the block's forward did not call gets no gradient (None), as per layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+__all__ = ["group_by_block_", "ungroup_"]
+
+MEMBERS = "_cast_scaled_members"  # attribute of a block: its ScaledLinear layers (a plain list)
+
+
+def _kernel():
+    from cast_llm.nn.scaled_weight import _kernel as load
+
+    return load()
+
+
+def group_by_block_(model: nn.Module, fqns: list[str]) -> int:
+    """Scale the ScaledLinear layers ``fqns`` of ``model`` block by block (see the module docstring);
+    returns how many blocks were grouped. Idempotent: layers already in their block's group are skipped."""
+    blocks: dict[str, list[str]] = {}
+    for fqn in fqns:
+        parts = fqn.split(".")
+        first = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+        if first is not None:
+            blocks.setdefault(".".join(parts[: first + 1]), []).append(fqn)
+    grouped = 0
+    for prefix, names in blocks.items():
+        block = model.get_submodule(prefix)
+        members = block.__dict__.get(MEMBERS)
+        new = [model.get_submodule(n) for n in names]
+        if members is None:
+            if len(new) < 2:
+                continue
+            members = []
+            block.__dict__[MEMBERS] = members
+            block.register_forward_pre_hook(_pre_hook)
+            block.register_forward_hook(_post_hook, always_call=True)
+        members.extend(m for m in new if all(m is not x for x in members))
+        grouped += 1
+    return grouped
+
+
+def ungroup_(model: nn.Module) -> None:
+    """Remove every block group of ``model`` (the fold calls this): layers go back to the per-layer path."""
+    for block in model.modules():
+        members = block.__dict__.pop(MEMBERS, None)
+        if members is None:
+            continue
+        for m in members:
+            m.__dict__.pop("_grouped", None)
+        for hooks in (block._forward_pre_hooks, block._forward_hooks):
+            for key in [k for k, fn in hooks.items() if fn in (_pre_hook, _post_hook)]:
+                del hooks[key]
+                getattr(block, "_forward_hooks_always_called", {}).pop(key, None)
+
+
+def _pre_hook(block: nn.Module, args) -> None:
+    members = block.__dict__.get(MEMBERS)
+    if not members:
+        return
+    outs = _scaled_weights(members)
+    for i, m in enumerate(members):
+        m.__dict__["_grouped"] = outs[i] if outs is not None else None
+
+
+def _post_hook(block: nn.Module, args, output) -> None:
+    for m in block.__dict__.get(MEMBERS, ()):
+        m.__dict__["_grouped"] = None
+
+
+def _scaled_weights(members: list) -> tuple | None:
+    """Every member's W_scale from one launch, or None when the block must take the per-layer path."""
+    if not torch.is_grad_enabled():
+        return None
+    first = members[0]
+    w0 = first.base_layer.weight
+    device = w0.device
+    if device.type != "cuda" and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in
+                                       ("", "0")):
+        return None
+    plain = (torch.Tensor, nn.Parameter)
+    weights, scales = [], []
+    for m in members:
+        if m.n_groups != first.n_groups or m.transposed != first.transposed:
+            return None
+        w, a = m.base_layer.weight, m.scale
+        if type(w) not in plain or type(a) not in plain:
+            return None
+        weights.append(w)
+        scales.append(a)
+    kernel = _kernel()
+    if kernel is None or kernel.grouped_unsupported_reason(weights, scales, first.n_groups) is not None:
+        return None
+    from cast_llm.nn.scaled_linear import _matmul_dtype
+
+    meta = (first.n_groups, first.transposed, _matmul_dtype(w0))
+    return _GroupedScaledWeights.apply(meta, *weights, *scales)
+
+
+class _GroupedScaledWeights(torch.autograd.Function):
+    """(meta, W_1 … W_k, A_1 … A_k) → (W_scale_1 … W_scale_k): one node, one launch each way."""
+
+    @staticmethod
+    def forward(ctx, meta, *tensors):
+        n_groups, transposed, out_dtype = meta
+        k = len(tensors) // 2
+        ctx.save_for_backward(*tensors)
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)  # a member the forward never called: no gradient, not zeros
+        return tuple(_kernel().grouped_scaled_weights(list(tensors[:k]), list(tensors[k:]), n_groups, transposed,
+                                                      out_dtype))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n_groups, transposed, _ = ctx.meta
+        tensors = ctx.saved_tensors
+        k = len(tensors) // 2
+        need = ctx.needs_input_grad[1:]
+        live = [i for i, g in enumerate(grads) if g is not None and (need[i] or need[k + i])]
+        out: list = [None] * (2 * k)
+        if live:
+            need_w = any(need[i] for i in live)
+            need_a = any(need[k + i] for i in live)
+            gws, gas = _kernel().grouped_scaled_weight_grads(
+                [grads[i] for i in live], [tensors[i] for i in live], [tensors[k + i] for i in live], n_groups,
+                transposed, need_w, need_a)
+            for j, i in enumerate(live):
+                out[i] = gws[j] if need[i] else None
+                out[k + i] = gas[j] if need[k + i] else None
+        return (None, *out)
