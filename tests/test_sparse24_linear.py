@@ -161,13 +161,14 @@ def test_plan_release_and_memory_accounting():
     assert mem["dense_fallback"] == dense_targets and mem["other"] == params
     # emulated form: fp32 kept half + one uint8 position per kept value
     assert mem["compressed"] == dense_targets // 2 + dense_targets // 8
-    plan = plan_sparse24_(model, [1, 64], modes=("eager",))
-    assert set(plan["model.layers.0.mlp.down_proj"].values()) == {"dense", "emulated"}
+    plan = plan_sparse24_(model, {"eager": [1, 64], "graph": [64]})
+    assert plan["model.layers.0.mlp.down_proj"] == {"eager:1": "dense", "eager:64": "emulated", "graph:64": "emulated"}
     # planned for decode (1 token) only: every layer runs dense -> the compressed form is released
     model2 = sparse_model("llama")
     to_sparse24_(model2, kernels=EMU, dispatch=dispatcher())
     plan_sparse24_(model2, [1], release=True)
     assert sparse24_memory(model2)["compressed"] == 0
+    assert sparse24_layers(model2) == []  # dense-only layers are plain nn.Linear again: no wrapper cost
     # prefill only: every layer runs 2:4 -> the dense fallback is released, memory is the compressed form
     model3 = sparse_model("llama")
     to_sparse24_(model3, kernels=EMU, dispatch=dispatcher())

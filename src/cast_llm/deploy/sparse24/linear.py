@@ -85,6 +85,8 @@ class Sparse24Linear(nn.Module):
         self.name = name
         self._requires_grad = requires_grad
         self._choices: dict[tuple[int, str], str] = {}
+        self._runs: dict[int, object] = {}  # exact token count -> bound eager-mode runner (the hot path)
+        self._graph_planned = False  # graph-mode choices exist: eager calls must check for a capture
         self._op_id = next(_IDS)
         _LAYERS[self._op_id] = weakref.ref(self)
 
@@ -146,6 +148,7 @@ class Sparse24Linear(nn.Module):
         if self.dispatcher is None:
             return self.kernels[0] if self.kernels else DENSE
         mode = mode or ("graph" if capturing() else "eager")
+        self._graph_planned |= mode == "graph"
         key = (token_bucket(tokens), mode)
         kernel = self._choices.get(key)
         if kernel is None:
@@ -159,6 +162,8 @@ class Sparse24Linear(nn.Module):
         return kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the hot path costs a dtype check, a dict lookup and (once graph choices exist) a capture query: a
+        # model decoding eagerly is host-bound, so every microsecond here is paid ~200 times per token
         if x.dtype != self.dtype:
             raise CastError(f"{self.name or 'Sparse24Linear'}: holds {self.dtype} weights but got a {x.dtype} input; "
                             f"run the model in {self.dtype} (swap back with from_sparse24_ to change dtype)")
@@ -167,11 +172,26 @@ class Sparse24Linear(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel_for(x.numel() // self.in_features)
+        tokens = x.numel() // self.in_features
+        run = self._runs.get(tokens)
+        if run is None or (self._graph_planned and capturing()):
+            run = self._runner(tokens)
+        return run(x)
+
+    def _runner(self, tokens: int):
+        kernel = self.kernel_for(tokens)
         if kernel == DENSE:
-            return F.linear(x, self.dense_weight, self.bias)
-        k = KERNELS[kernel]
-        return sparse_linear(k, x, self.states[k.fmt], self.bias, self.out_features)
+            weight, bias = self.dense_weight, self.bias
+            run = lambda x: F.linear(x, weight, bias)  # noqa: E731
+        else:
+            k = KERNELS[kernel]
+            state, bias, out_f = self.states[k.fmt], self.bias, self.out_features
+            run = lambda x: sparse_linear(k, x, state, bias, out_f)  # noqa: E731
+        if not capturing():
+            if len(self._runs) > 512:  # many distinct prompt lengths: forget, decisions stay cached per bucket
+                self._runs.clear()
+            self._runs[tokens] = run
+        return run
 
     # -- memory -------------------------------------------------------------------------------------------------
     def release_(self, keep: set[str]) -> None:
@@ -185,6 +205,7 @@ class Sparse24Linear(nn.Module):
         used = {KERNELS[k].fmt for k in kernels}
         self.states = {fmt: s for fmt, s in self.states.items() if fmt in used}
         self._choices = {key: k for key, k in self._choices.items() if k in keep}
+        self._runs.clear()
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held: ``compressed`` (all formats), ``dense`` (the fallback copy), ``bias``."""

@@ -73,28 +73,32 @@ def from_sparse24_(model: nn.Module) -> list[str]:
     return [fqn for fqn, _ in found]
 
 
-def plan_sparse24_(model: nn.Module, token_counts: Iterable[int], *, modes: Sequence[str] = ("eager",),
-                   release: bool = False, save: bool = True) -> dict[str, dict[str, str]]:
-    """Decide (measuring where needed) every layer's kernel for ``token_counts`` in ``modes``.
+def plan_sparse24_(model: nn.Module, token_counts: Iterable[int] | dict[str, Iterable[int]], *,
+                   modes: Sequence[str] = ("eager",), release: bool = False,
+                   save: bool = True) -> dict[str, dict[str, str]]:
+    """Decide (measuring where needed) every layer's kernel for the token counts a deployment will see.
 
-    Returns ``{fqn: {"<mode>:<tokens>": kernel}}``. ``release=True`` then drops, per layer, the forms no
-    decision uses (the dense fallback where every planned count runs sparse, the compressed weight where
-    every planned count runs dense): token counts planned later can only use what is left. The dispatch
-    cache file (if any) is written at the end.
+    ``token_counts``: counts planned in every mode of ``modes``, or ``{mode: counts}`` (e.g. eager prefill
+    and decode counts, graph decode counts). Returns ``{fqn: {"<mode>:<tokens>": kernel}}``.
+
+    ``release=True`` then drops, per layer, the forms no planned decision uses — the dense fallback where
+    every planned count runs 2:4, the compressed weight where every planned count runs dense — and turns a
+    layer that is left with the dense weight only back into an ``nn.Linear`` (no wrapper cost at all).
+    Counts planned later can only use what is left. The dispatch cache file (if any) is written at the end.
     """
-    counts = sorted({int(t) for t in token_counts})
+    cases = token_counts if isinstance(token_counts, dict) else {mode: token_counts for mode in modes}
+    cases = {mode: sorted({int(t) for t in counts}) for mode, counts in cases.items()}
     plan: dict[str, dict[str, str]] = {}
     dispatchers = {}
     for fqn, layer in sparse24_layers(model):
-        chosen = {}
-        for mode in modes:
-            for t in counts:
-                chosen[f"{mode}:{t}"] = layer.kernel_for(t, mode)
+        chosen = {f"{mode}:{t}": layer.kernel_for(t, mode) for mode, counts in cases.items() for t in counts}
         plan[fqn] = chosen
         if layer.dispatcher is not None:
             dispatchers[id(layer.dispatcher)] = layer.dispatcher
         if release:
             layer.release_(set(chosen.values()))
+            if not layer.kernels:
+                set_submodule(model, fqn, layer.to_linear())
     if save:
         for d in dispatchers.values():
             d.save()
