@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.errors import CastError
 
 __all__ = ["library_version", "mm", "start_probe", "unavailable_reason"]
@@ -235,8 +236,6 @@ def mm(packed: torch.Tensor, x2d: torch.Tensor, out_features: int) -> torch.Tens
     key = (device.index, x2d.dtype, out_features, k, n)
     plan = _PLANS.get(key)
     if plan is None:
-        from cast_llm.deploy.sparse24.kernels import capturing
-
         # the search times every algorithm (with synchronisation): only outside a CUDA graph capture
         plan = _Plan(lib, device, x2d.dtype, out_features, k, n, None if capturing() else (packed, x2d))
         _PLANS[key] = plan
@@ -273,7 +272,7 @@ def start_probe(device: torch.device | int = 0) -> None:
                                       stderr=subprocess.PIPE, text=True)
 
 
-def _probe_result(index: int, timeout: float = 300.0) -> str | None:
+def _probe_result(index: int, timeout: float = 120.0) -> str | None:
     start_probe(index)
     state = _PROBES[index]
     if isinstance(state, subprocess.Popen):

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cast_llm.deploy.sparse24 import cusparselt_direct
+from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = [
@@ -43,24 +45,11 @@ __all__ = [
     "KERNELS",
     "Kernel",
     "available_kernels",
-    "capturing",
     "padded_rows",
     "sparse_linear",
 ]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-_CAPTURING = None
-
-
-def capturing() -> bool:
-    """True while a CUDA graph is being captured on the current stream (False without CUDA). Called on every
-    forward of a 2:4 layer, so the CUDA check is made once and the query goes straight to the C binding."""
-    global _CAPTURING
-    if _CAPTURING is None:
-        _CAPTURING = torch._C._cuda_isCurrentStreamCapturing if torch.cuda.is_available() else (lambda: False)
-    return _CAPTURING()
 
 
 def padded_rows(n: int, multiple: int) -> int:
@@ -218,13 +207,9 @@ class CusparseltDirectKernel(_CusparseltBase):
         reason = super().unavailable_reason(device, dtype)
         if reason:
             return reason
-        from cast_llm.deploy.sparse24 import cusparselt_direct
-
         return cusparselt_direct.unavailable_reason(torch.device(device))
 
     def mm(self, x2d, state, bias, out_features):
-        from cast_llm.deploy.sparse24 import cusparselt_direct
-
         return cusparselt_direct.mm(state["packed"], x2d, out_features)
 
 

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.deploy.sparse24.dispatch import DENSE, Dispatcher, token_bucket
-from cast_llm.deploy.sparse24.kernels import GPU_KERNELS, KERNELS, available_kernels, capturing, sparse_linear
+from cast_llm.deploy.sparse24.kernels import GPU_KERNELS, KERNELS, available_kernels, sparse_linear
 from cast_llm.errors import CastError
 from cast_llm.layers import is_linear_like, linear_features
 from cast_llm.sparsity.mask import is_nm
