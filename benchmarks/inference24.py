@@ -42,6 +42,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import machine
 from _sparse24 import SHAPES, command, identity, prune24_, random_llama, twin, write_json
 
 from cast_llm.deploy.sparse24 import (
@@ -381,7 +382,7 @@ def main(argv=None) -> int:
     if args.tiny:
         keys = dict.fromkeys(keys)  # never estimated: the 2:4 kernels did not run
     report(infos, rows, checks, keys)
-    print(f"[{time.perf_counter() - t0:.0f} s]")
+    print(f"[{time.perf_counter() - t0:.0f} s]  machine: {machine()}")
     write_json(args.json, {
         **keys,
         "definitions": {

@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import machine
 from _sparse24 import command, identity, linear_shapes, write_json
 
 from cast_llm.deploy.sparse24 import Dispatcher, Sparse24Linear, available_kernels
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
     report(rows, skipped)
     print(f"linear24_prefill_speedup (min over LLaMA-7B shapes at {KEY_TOKENS} tokens, graph mode): "
           f"{'n/a' if target is None else f'{target:.3f}'}   [{time.perf_counter() - t0:.0f} s]")
+    print(f"machine: {machine()}")
     write_json(args.json, {
         "linear24_prefill_speedup": target if target is None or math.isfinite(target) else None,
         "definition": (f"min over the LLaMA-7B block-linear shapes at {KEY_TOKENS} tokens of dense F.linear time / "
