@@ -147,3 +147,18 @@ def test_bad_arguments():
     d, _ = make()
     with pytest.raises(ValueError, match="mode"):
         d.decide(64, 64, BF16, 8, "lazy", CANDIDATES)
+
+
+def test_the_real_measurement_times_and_rejects_a_wrong_kernel(monkeypatch):
+    from cast_llm.deploy.sparse24.kernels import KERNELS
+    from cast_llm.deploy.sparse24.timing import measure_gemm
+
+    cpu = torch.device("cpu")
+    seconds, note = measure_gemm("emulated", 64, 128, torch.float32, 8, "eager", cpu)
+    assert 0 < seconds < 1 and note is None
+    assert measure_gemm("dense", 64, 128, torch.float32, 8, "eager", cpu)[0] > 0
+    seconds, note = measure_gemm("emulated", 64, 128, torch.float32, 8, "graph", cpu)
+    assert math.isinf(seconds) and "CUDA" in note
+    monkeypatch.setattr(KERNELS["emulated"], "mm", lambda x2d, state, bias, out_f: x2d.new_zeros(x2d.shape[0], out_f))
+    seconds, note = measure_gemm("emulated", 64, 128, torch.float32, 8, "eager", cpu)
+    assert math.isinf(seconds) and note.startswith("RuntimeError: wrong results")

@@ -87,7 +87,6 @@ class Sparse24Linear(nn.Module):
         self._requires_grad = requires_grad
         self._choices: dict[tuple[int, str], str] = {}
         self._runs: dict[int, object] = {}  # exact token count -> bound eager-mode runner (the hot path)
-        self._graph_planned = False  # graph-mode choices exist: eager calls must check for a capture
         self._op_id = next(_IDS)
         _LAYERS[self._op_id] = weakref.ref(self)
 
@@ -149,7 +148,6 @@ class Sparse24Linear(nn.Module):
         if self.dispatcher is None:
             return self.kernels[0] if self.kernels else DENSE
         mode = mode or ("graph" if capturing() else "eager")
-        self._graph_planned |= mode == "graph"
         key = (token_bucket(tokens), mode)
         kernel = self._choices.get(key)
         if kernel is None:
@@ -163,8 +161,8 @@ class Sparse24Linear(nn.Module):
         return kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the hot path costs a dtype check, a dict lookup and (once graph choices exist) a capture query: a
-        # model decoding eagerly is host-bound, so every microsecond here is paid ~200 times per token
+        # the hot path costs a dtype check, a dict lookup and (when dispatching) a capture query: a model
+        # decoding eagerly is host-bound, so every microsecond here is paid ~200 times per token
         if x.dtype != self.dtype:
             raise CastError(f"{self.name or 'Sparse24Linear'}: holds {self.dtype} weights but got a {x.dtype} input; "
                             f"run the model in {self.dtype} (swap back with from_sparse24_ to change dtype)")
@@ -175,7 +173,7 @@ class Sparse24Linear(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // self.in_features
         run = self._runs.get(tokens)
-        if run is None or (self._graph_planned and capturing()):
+        if run is None or (self.dispatcher is not None and capturing()):
             run = self._runner(tokens)
         return run(x)
 

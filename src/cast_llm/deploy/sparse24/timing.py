@@ -8,7 +8,8 @@
   graph-captured decode step.
 
 :func:`measure_gemm` times one candidate of the dispatcher on random 2:4 weights and first checks its output
-against ``F.linear`` (max|Δ|/max|y| ≤ 0.02): a kernel that is fast but wrong is never chosen.
+against ``F.linear`` (max|Δ|/max|y| ≤ 0.02) — in graph mode, the output of a graph replay: a kernel that
+is fast but wrong (or wrong only inside a graph) is never chosen.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ def _sync(device: torch.device) -> None:
 
 
 def time_call(fn: Callable[[], object], *, mode: str, device: torch.device, warmup: int = 3, calls: int | None = None,
-              repeats: int = 5) -> float:
-    """Median seconds per call of ``fn()`` in ``mode`` (``eager`` or ``graph``); see the module docstring."""
+              repeats: int = 5, validate: Callable[[object], str | None] | None = None) -> float:
+    """Median seconds per call of ``fn()`` in ``mode`` (``eager`` or ``graph``); see the module docstring.
+
+    ``validate(output)`` (None = fine, else why not) is applied to an output produced the way it is timed —
+    in graph mode, by a replay of the captured graph — and a complaint raises RuntimeError.
+    """
     device = torch.device(device)
     for _ in range(warmup):
         fn()
@@ -46,6 +51,8 @@ def time_call(fn: Callable[[], object], *, mode: str, device: torch.device, warm
         _sync(device)
         calls = int(min(50, max(3, 2e-3 / max(time.perf_counter() - t0, 1e-6))))
     if mode == "eager":
+        if validate is not None and (why := validate(fn())):
+            raise RuntimeError(why)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -67,9 +74,11 @@ def time_call(fn: Callable[[], object], *, mode: str, device: torch.device, warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            out = fn()
     graph.replay()
     _sync(device)
+    if validate is not None and (why := validate(out)):
+        raise RuntimeError(f"inside a CUDA graph: {why}")
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -114,13 +123,15 @@ def measure_gemm(kernel: str, out_features: int, in_features: int, dtype: torch.
     weight = random_24_weight(out_features, in_features, dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, in_features, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    ref = F.linear(x, weight)
+
+    def validate(y) -> str | None:
+        err = rel_err(y, ref)
+        return None if err <= WRONG_RESULT_TOL else f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear"
+
     try:
         fn = gemm_fn(kernel, weight, x)
-        if kernel != "dense":
-            err = rel_err(fn(), F.linear(x, weight))
-            if not err <= WRONG_RESULT_TOL:
-                return math.inf, f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear"
-        return time_call(fn, mode=mode, device=device), None
+        return time_call(fn, mode=mode, device=device, validate=None if kernel == "dense" else validate), None
     except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return math.inf, f"{type(e).__name__}: {first}"
