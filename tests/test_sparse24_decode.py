@@ -71,17 +71,18 @@ def test_greedy_generate_matches_hf_generate_with_a_24_model():
 
 def test_misuse_is_refused():
     model = tiny.model("llama")
-    dec = StaticDecoder(model, batch_size=1, max_len=8, runner="eager")
+    dec = StaticDecoder(model, batch_size=1, max_len=10, runner="eager")
+    assert dec.max_len == 16  # rounded up to a multiple of 16
     with pytest.raises(RuntimeError, match="prefill"):
         dec.step(torch.tensor([1]))
     with pytest.raises(ValueError, match="does not fit"):
-        dec.prefill(torch.ones(1, 8, dtype=torch.long))
-    dec.prefill(torch.ones(1, 6, dtype=torch.long))
+        dec.prefill(torch.ones(1, 16, dtype=torch.long))
+    dec.prefill(torch.ones(1, 14, dtype=torch.long))
     with pytest.raises(RuntimeError, match="one prompt"):
         dec.prefill(torch.ones(1, 2, dtype=torch.long))
     dec.step(torch.tensor([1]))
     dec.step(torch.tensor([1]))
-    with pytest.raises(RuntimeError, match="8 positions"):
+    with pytest.raises(RuntimeError, match="16 positions"):
         dec.step(torch.tensor([1]))
     with pytest.raises(ValueError, match="runner"):
         StaticDecoder(model, batch_size=1, max_len=8, runner="cudagraph")

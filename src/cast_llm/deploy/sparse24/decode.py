@@ -119,9 +119,10 @@ class StaticDecoder:
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.batch_size, self.max_len = batch_size, max_len
+        # a multiple of 16 keys keeps the attention mask's rows aligned for the fused SDPA kernels
+        self.batch_size, self.max_len = batch_size, -(-max_len // 16) * 16
         self.runner = _runner(runner, self.device)
-        self.cache = make_static_cache(model, max_len, batch_size)
+        self.cache = make_static_cache(model, self.max_len, batch_size)
         names = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in names else "past_key_values"
         self.takes_cache_position = "cache_position" in names
@@ -132,7 +133,7 @@ class StaticDecoder:
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
         self.position_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
         self.cache_position = torch.zeros(1, dtype=torch.long, device=dev)
-        self.mask = self._mask_like(torch.zeros(batch_size, 1, 1, max_len, dtype=torch.bool, device=dev))
+        self.mask = self._mask_like(torch.zeros(batch_size, 1, 1, self.max_len, dtype=torch.bool, device=dev))
         self.length = 0
         self.steps = 0
 
