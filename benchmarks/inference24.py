@@ -395,6 +395,9 @@ def main(argv=None) -> int:
             "model24_logits_rel_err": "max over SmolLM2- and LLaMA-7B-shaped models (random weights made 2:4), "
                                       "prefill and 8 decode steps with the KV cache, of max|Δlogit|/max|logit|",
         },
+        # what bounds model24_logits_rel_err: the same dense model moves this far when its target GEMMs are
+        # accumulated in fp32 and rounded once (another correct rounding order); a correct 2:4 kernel lands near it
+        "logits_noise_floor": max((c["noise_floor"] for c in checks if c["counts_for_target"]), default=None),
         "rows": rows, "checks": checks, "models": infos, "skipped_kernels": skipped, "identity": identity(device),
         "dispatch_measured": len(dispatcher.measured) if dispatcher else 0, "command": command(),
         "seconds": time.perf_counter() - t0,

@@ -2,10 +2,16 @@
 product, whole-model logits at SmolLM2-135M's and LLaMA-7B's shapes (prefill and decode with the KV cache),
 the real SmolLM2 layer by layer, and the CUDA-graph decoder. Skipped without such a GPU.
 
-The contract: max|Δ| / max|ref| ≤ 0.01 (bf16 has 8 significant bits: one rounding of a correct fp32-accumulated
-result is ≤ 0.4 % of the largest entry, and whole random-weight models stay within a few of those)."""
+The contract, per layer: max|Δ| / max|ref| ≤ 0.01 against F.linear and a float64 product (bf16 has 8
+significant bits: one rounding of a correct fp32-accumulated result is ≤ 0.4 % of the largest entry). For whole
+models "within bf16 noise": ≤ max(0.01, 3 × the noise floor), the floor being how far the same dense model
+moves when every target GEMM is accumulated in fp32 and rounded once — another correct rounding order. (On
+the CPU that floor is already 1.4 % for a 30-layer random SmolLM2-shaped model: a 1 % bound alone would fail a
+bit-exact-but-differently-ordered kernel.)"""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -111,69 +117,114 @@ def prefill_and_decode(model, ids, tokens):
     return pre, torch.stack(dec, 1)
 
 
+@contextlib.contextmanager
+def fp32_accumulated(model):
+    """Every target GEMM accumulated in fp32 and rounded once: the noise-floor variant of the dense model."""
+    from cast_llm.targets import find_targets
+
+    def forward_of(m):
+        return lambda x: F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype)
+
+    targets = find_targets(model)
+    for t in targets:
+        t.module.forward = forward_of(t.module)
+    try:
+        yield
+    finally:
+        for t in targets:
+            del t.module.forward
+
+
+def layer_inputs(model, ids, tokens):
+    """{fqn: [(input, dense output), ...]} of every target over a prefill and one decode step."""
+    from cast_llm.targets import find_targets
+
+    seen = {}
+    hooks = [t.module.register_forward_hook(lambda m, a, y, fqn=t.fqn: seen.setdefault(fqn, []).append((a[0], y)))
+             for t in find_targets(model)]
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        model(tokens[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def worst_layer_error(model, seen):
+    worst = 0.0
+    with torch.inference_mode():
+        for fqn, layer in sparse24_layers(model):
+            for x, y in seen[fqn]:
+                worst = max(worst, rel_err(layer(x), y))
+    return worst
+
+
 @pytest.mark.parametrize("shape,layers", [("smollm2", 30), ("llama7b", 2)])
-def test_model_logits_match_dense_prefill_and_decode(shape, layers):
+def test_model_logits_match_dense_within_bf16_noise_prefill_and_decode(shape, layers):
     model = random_llama(shape, layers)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (2, 96), device="cuda")
     tokens = torch.randint(0, vocab, (2, 6), device="cuda")
     ref_pre, ref_dec = prefill_and_decode(model, ids, tokens)
+    with fp32_accumulated(model):
+        f_pre, f_dec = prefill_and_decode(model, ids, tokens)
+    floor = max(rel_err(f_pre, ref_pre), rel_err(f_dec, ref_dec))
+    bound = max(TOL, 3 * floor)
+    seen = layer_inputs(model, ids, tokens)
     for name in kernels():
         to_sparse24_(model, kernels=(name,), dispatch=False)  # every target on this kernel
+        assert worst_layer_error(model, seen) <= TOL, name  # each layer exact on its own input
         pre, dec = prefill_and_decode(model, ids, tokens)
-        assert rel_err(pre, ref_pre) <= TOL, (name, "prefill", rel_err(pre, ref_pre))
-        assert rel_err(dec, ref_dec) <= TOL, (name, "decode", rel_err(dec, ref_dec))
+        print(f"{shape} {name}: prefill {rel_err(pre, ref_pre):.2e} decode {rel_err(dec, ref_dec):.2e} "
+              f"(noise floor {floor:.2e})")
+        assert rel_err(pre, ref_pre) <= bound, (name, "prefill", rel_err(pre, ref_pre), floor)
+        assert rel_err(dec, ref_dec) <= bound, (name, "decode", rel_err(dec, ref_dec), floor)
         from_sparse24_(model)
     to_sparse24_(model)  # dispatched: dense where 2:4 does not pay
     pre, dec = prefill_and_decode(model, ids, tokens)
-    assert rel_err(pre, ref_pre) <= TOL and rel_err(dec, ref_dec) <= TOL
+    assert rel_err(pre, ref_pre) <= bound and rel_err(dec, ref_dec) <= bound
 
 
-@pytest.mark.parametrize("runner", ["manual"])
-def test_graph_decoder_matches_eager_decode_on_a_24_model(runner):
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_graph_decoder_matches_eager_decode_on_a_24_model(dispatch):
     from cast_llm.deploy.sparse24.decode import StaticDecoder
 
     model = random_llama("smollm2", 4)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (2, 40), device="cuda")
     tokens = torch.randint(0, vocab, (2, 6), device="cuda")
-    _, ref = prefill_and_decode(model, ids, tokens)
-    to_sparse24_(model)
-    plan_sparse24_(model, {"eager": [80, 2], "graph": [2]})
-    dec = StaticDecoder(model, batch_size=2, max_len=64, runner=runner)
+    to_sparse24_(model, dispatch=dispatch)
+    if dispatch:  # the graph-mode choices must exist before the capture
+        plan_sparse24_(model, {"eager": [80, 2], "graph": [2]})
+    _, eager = prefill_and_decode(model, ids, tokens)
+    dec = StaticDecoder(model, batch_size=2, max_len=64, runner="manual")
     dec.prefill(ids)
     got = torch.stack([dec.step(tokens[:, i]).float().clone() for i in range(6)], 1)
-    assert rel_err(got, ref) <= TOL
+    # the same kernels (dispatch=False) differ only in the attention path (static cache + mask)
+    assert rel_err(got, eager) <= TOL
 
 
 @pytest.mark.slow
 def test_real_smollm2_every_24_layer_matches_dense_on_its_own_inputs():
     """Layer by layer on the real (magnitude-pruned) SmolLM2 activations: each 2:4 layer fed the input the dense
-    layer saw. Whole-model logits of this one-shot-pruned model are dominated by bf16 noise amplification
-    (printed with the noise floor); per layer the kernels must be exact."""
+    layer saw must be exact. The whole-model logits of this one-shot-pruned model move with bf16 rounding far
+    more than 1 % (printed with their noise floor): that is the model, not the kernels."""
     from deploy_helpers import prune24_
 
     from cast_llm.models import load_model
-    from cast_llm.targets import find_targets
 
     model = prune24_(load_model("smollm2-135m", dtype=torch.bfloat16, device="cuda"))
-    seen = {}
-    hooks = [t.module.register_forward_hook(lambda m, a, y, fqn=t.fqn: seen.setdefault(fqn, []).append((a[0], y)))
-             for t in find_targets(model)]
     ids = torch.randint(0, model.config.vocab_size, (4, 128), device="cuda")
-    with torch.inference_mode():
-        out = model(ids, use_cache=True)
-        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)  # decode: 4 rows
-    for h in hooks:
-        h.remove()
+    tokens = torch.randint(0, model.config.vocab_size, (4, 4), device="cuda")
+    seen = layer_inputs(model, ids, tokens)
+    ref_pre, ref_dec = prefill_and_decode(model, ids, tokens)
+    with fp32_accumulated(model):
+        f_pre, _ = prefill_and_decode(model, ids, tokens)
     for name in kernels():
         to_sparse24_(model, kernels=(name,), dispatch=False)
-        worst = 0.0
-        with torch.inference_mode():
-            for fqn, layer in sparse24_layers(model):
-                for x, y in seen[fqn]:
-                    err = rel_err(layer(x), y)
-                    worst = max(worst, err)
-                    assert err <= TOL, (name, fqn, tuple(x.shape), err)
-        print(f"{name}: worst layer max|Δ|/max|y| over {len(seen)} layers, prefill and decode = {worst:.2e}")
+        worst = worst_layer_error(model, seen)
+        pre, _ = prefill_and_decode(model, ids, tokens)
+        print(f"{name}: worst layer {worst:.2e} over {len(seen)} layers; whole-model prefill logits "
+              f"{rel_err(pre, ref_pre):.2e} vs noise floor {rel_err(f_pre, ref_pre):.2e}")
+        assert worst <= TOL, name
         from_sparse24_(model)
