@@ -65,7 +65,7 @@ def test_inference24_tiny_reports_dense_rows_checks_and_null_targets(runs, json_
     keys = ("model24_prefill_speedup", "model24_decode_speedup", "model24_min_speedup", "model24_logits_rel_err")
     assert all(k in data and data[k] is None for k in keys)
     assert {r["phase"] for r in data["rows"]} == {"prefill", "decode_eager"}
-    assert all(r["dense_tok_s"] > 0 and "ratio" not in r for r in data["rows"])
+    assert all("ratio" not in r and ("note" in r or r["dense_tok_s"] > 0) for r in data["rows"])
     assert "CUDA" in data["models"][0]["sparse_skipped"]
     # the layer plumbing is still checked on CPU with the emulated kernel (fp32: exact up to summation order)
     checks = data["checks"]
