@@ -78,11 +78,12 @@ def best_sparse(row):
 
 
 def report(rows, skipped):
+    names = list(GPU_KERNELS) + sorted({k for r in rows for k in r["kernels"]} - set(GPU_KERNELS))
     print(f"{'model':<13} {'shape':>12} {'regime':<8} {'tok':>5} {'mode':<5} {'dense us':>9}  "
-          + "  ".join(f"{k:>18}" for k in GPU_KERNELS) + f"  {'dispatched':>20}")
+          + "  ".join(f"{k:>18}" for k in names) + f"  {'dispatched':>20}")
     for r in rows:
         cells = []
-        for k in GPU_KERNELS:
+        for k in names:
             v = r["kernels"].get(k)
             cells.append(f"{'skipped':>18}" if v is None else f"{'failed':>18}" if "us" not in v
                          else f"{v['us']:>8.1f} {v['speedup']:>5.2f}x {v['rel_err']:.0e}"[-18:].rjust(18))
@@ -98,12 +99,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results (targets, rows, device, versions) to this file")
     ap.add_argument("--tiny", "--quick", action="store_true", help="tiny shapes on the CPU in seconds")
+    ap.add_argument("--emulate", action="store_true",
+                    help="a dry run of the GPU path's logic on the CPU: --tiny shapes with the emulated 2:4 kernel "
+                         "(no figure means anything; target null)")
     ap.add_argument("--models", default="llama-7b,smollm2-135m", help="comma-separated shapes (see _sparse24.py)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    if args.tiny:
+    if args.tiny or args.emulate:
         device, models, tokens = torch.device("cpu"), ["tiny-llama"], {"decode": (1, 8), "prefill": (64,)}
     else:
         if not torch.cuda.is_available():
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
 
         cusparselt_direct.start_probe(device)
     kernels, skipped = available_kernels(device, dtype)
+    if args.emulate:
+        kernels = ["emulated"]
     modes = ("eager", "graph") if device.type == "cuda" else ("eager",)
     if device.type != "cuda":
         skipped["graph mode"] = "CUDA graphs need a CUDA device"
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
         "linear24_prefill_speedup": target if target is None or math.isfinite(target) else None,
         "definition": (f"min over the LLaMA-7B block-linear shapes at {KEY_TOKENS} tokens of dense F.linear time / "
                        "fastest correct 2:4 kernel time, both timed as CUDA-graph replays (GPU time)"),
-        "rows": rows, "skipped": skipped, "identity": identity(device), "command": command(),
+        "emulated": args.emulate, "rows": rows, "skipped": skipped, "identity": identity(device), "command": command(),
         "seconds": time.perf_counter() - t0,
     })
     return 0

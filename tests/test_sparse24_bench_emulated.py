@@ -1,4 +1,4 @@
-"""benchmarks/inference24.py --emulate: the GPU path's logic on the CPU (dense and 2:4 twins sharing tensors,
+"""benchmarks/inference24.py and linear24.py --emulate: the GPU path's logic on the CPU (dense and 2:4 twins sharing tensors,
 dispatch planning with release, alternating timing, the graph-decode rows through the static-cache decoder,
 the logits checks with their noise floor, the target computation) with the emulated kernel. Its figures mean
 nothing and its targets stay null; what it tests is that the first GPU run does not stop on a Python error."""
@@ -47,3 +47,15 @@ def test_inference24_gpu_path_logic_runs_on_cpu(tmp_path):
     assert keys == {"model24_prefill_speedup": 1.3, "model24_decode_speedup": 1.1, "model24_min_speedup": 0.99,
                     "model24_logits_rel_err": 0.006}
     torch.manual_seed(0)
+
+
+def test_linear24_gpu_path_logic_runs_on_cpu(tmp_path):
+    import linear24
+
+    path = tmp_path / "l.json"
+    assert linear24.main(["--emulate", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["emulated"] is True and data["linear24_prefill_speedup"] is None
+    for r in data["rows"]:
+        emu = r["kernels"]["emulated"]
+        assert emu["us"] > 0 and emu["rel_err"] < 1e-2 and r["dispatched"]["kernel"] in ("dense", "emulated")
