@@ -140,8 +140,15 @@ class Sparse24Linear(nn.Module):
         return lin
 
     # -- running ----------------------------------------------------------------------------------------------
-    def candidates(self) -> list[str]:
-        return ([DENSE] if self.dense_weight is not None else []) + self.kernels
+    def candidates(self, mode: str = "eager") -> list[str]:
+        """What the dispatcher chooses from: dense (if held) and the 2:4 kernels. In graph mode torch's
+        cuSPARSELt op is left out when the direct binding is there: inside a graph both replay the same
+        cuSPARSELt kernel (the op's per-call plan cost is host time), and a capture that fails inside torch's
+        op could leave the caching allocator mid-capture for the rest of the process."""
+        kernels = self.kernels
+        if mode == "graph" and "cusparselt-direct" in kernels:
+            kernels = [k for k in kernels if k != "cusparselt"]
+        return ([DENSE] if self.dense_weight is not None else []) + kernels
 
     def kernel_for(self, tokens: int, mode: str | None = None) -> str:
         """The kernel this layer runs for ``tokens`` rows (``mode`` default: ``graph`` while capturing)."""
@@ -156,7 +163,7 @@ class Sparse24Linear(nn.Module):
                                 f"plan_sparse24_(model, token_counts=[{tokens}], modes=('graph',)) before "
                                 f"capturing a CUDA graph (a measurement cannot run inside a capture)")
             kernel = self.dispatcher.decide(self.out_features, self.in_features, self.dtype, tokens, mode,
-                                            self.candidates()).kernel
+                                            self.candidates(mode)).kernel
             self._choices[key] = kernel
         return kernel
 
