@@ -86,8 +86,11 @@ def test_three_dimensional_and_strided_inputs():
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_dispatch_measures_on_this_gpu(mode):
     d = Dispatcher()
-    dec = d.decide(4096, 4096, torch.bfloat16, 2048, mode, ["dense", *kernels()])
-    assert dec.seconds["dense"] < 1e-2 and dec.kernel in ["dense", *kernels()], dec
+    names = kernels()
+    if mode == "graph" and "cusparselt-direct" in names:  # as Sparse24Linear.candidates: no capture of torch's op
+        names = [k for k in names if k != "cusparselt"]
+    dec = d.decide(4096, 4096, torch.bfloat16, 2048, mode, ["dense", *names])
+    assert dec.seconds["dense"] < 1e-2 and dec.kernel in ["dense", *names], dec
     assert all(s < 1e-1 for s in dec.seconds.values() if s != float("inf")), dec
 
 
