@@ -4,6 +4,7 @@ time is interpreter start-up and imports, which overlap."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,20 +21,23 @@ EXPECTED = {
     "train_step.py": "ratios: CAST w/o KD / plain",
     "peak_memory.py": "the teacher adds",
     "adams_noise.py": "AdamS moves noise-driven weights",
+    "linear24.py": "linear24_prefill_speedup",
+    "inference24.py": "model24_logits_rel_err",
 }
+# --json: what the GPU kit's perf stage reads
+WRITES_JSON = ("linear24.py", "inference24.py", "optimizer_step.py", "train_step.py")
 
 
 @pytest.fixture(scope="module")
 def json_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("benchmarks")
+    return tmp_path_factory.mktemp("bench-json")
 
 
 @pytest.fixture(scope="module")
 def runs(json_dir):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    extra = {"optimizer_step.py": ["--json", str(json_dir / "optimizer_step.json")],
-             "train_step.py": ["--json", str(json_dir / "train_step.json")]}  # what the GPU kit reads
-    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick", *extra.get(name, [])],
+    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick",
+                                     *(["--json", str(json_dir / f"{name}.json")] if name in WRITES_JSON else [])],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in EXPECTED}
     return {name: (p, *p.communicate(timeout=600)) for name, p in procs.items()}
@@ -46,12 +50,34 @@ def test_benchmark_quick_mode_runs(runs, name):
     assert EXPECTED[name] in out and "machine:" in out, out
 
 
+def _json(runs, json_dir, name):
+    assert runs[name][0].returncode == 0, runs[name][2][-3000:]
+    return json.loads((json_dir / f"{name}.json").read_text())
+
+
+def test_linear24_tiny_reports_the_24_side_skipped_and_no_target(runs, json_dir):
+    data = _json(runs, json_dir, "linear24.py")
+    assert data["linear24_prefill_speedup"] is None  # never estimated
+    assert data["rows"] and all(r["dense_us"] > 0 and r["kernels"] == {} for r in data["rows"])
+    assert "CUDA" in data["skipped"]["cusparselt"] and "graph mode" in data["skipped"]
+
+
+def test_inference24_tiny_reports_dense_rows_checks_and_null_targets(runs, json_dir):
+    data = _json(runs, json_dir, "inference24.py")
+    keys = ("model24_prefill_speedup", "model24_decode_speedup", "model24_min_speedup", "model24_logits_rel_err")
+    assert all(k in data and data[k] is None for k in keys)
+    assert {r["phase"] for r in data["rows"]} == {"prefill", "decode_eager"}
+    assert all("ratio" not in r and ("note" in r or r["dense_tok_s"] > 0) for r in data["rows"])
+    assert "CUDA" in data["models"][0]["sparse_skipped"]
+    # the layer plumbing is still checked on CPU with the emulated kernel (fp32: exact up to summation order)
+    checks = data["checks"]
+    assert {c["phase"] for c in checks} == {"prefill", "decode"}
+    assert all(c["rel_err"] < 1e-5 and not c["counts_for_target"] and "emulated" in c["kernel"] for c in checks)
+
+
 def test_optimizer_step_json_has_the_targets(runs, json_dir):
     """The GPU kit reads these keys; on CPU the GPU targets are null and the rows hold the CPU timings."""
-    import json
-
-    assert runs["optimizer_step.py"][0].returncode == 0
-    result = json.loads((json_dir / "optimizer_step.json").read_text())
+    result = _json(runs, json_dir, "optimizer_step.py")
     for key in ("adams_over_fused", "adams_over_fused_smollm2", "adams_copy_fraction"):
         assert key in result and result[key] is None
     assert {"rows", "device", "versions"} <= set(result) and result["versions"]["torch"] == torch.__version__
@@ -64,11 +90,7 @@ def test_optimizer_step_json_has_the_targets(runs, json_dir):
 def test_train_step_json_has_the_issue_keys_and_a_profile_per_variant(runs, json_dir):
     """train_step.py --tiny --json: the four target ratios at the top level (SmolLM2's row and the 1B row,
     here their tiny stand-ins), one row per configuration and variant, and a profiler table for each."""
-    import json
-
-    proc, out, err = runs["train_step.py"]
-    assert proc.returncode == 0, err[-3000:]
-    doc = json.loads((json_dir / "train_step.json").read_text())
+    doc = _json(runs, json_dir, "train_step.py")
     keys = ("cast_nokd_over_plain", "cast_kd_over_plain", "cast_nokd_over_plain_1b", "cast_kd_over_plain_1b")
     assert all(isinstance(doc[k], float) and doc[k] > 0 for k in keys), doc
     assert set(doc) == {*keys, "rows", "device", "versions", "settings"}

@@ -20,7 +20,7 @@ def test_cpu_reports_dense_numbers_and_skips_the_sparse_path():
     model = sparse_model("llama")
     report = run_bench(model, name="tiny", cfg=FAST)
     assert report.dense.prefill_tokens_per_s > 0 and report.dense.decode_tokens_per_s > 0
-    assert report.sparse is None and "compute capability >= 8.0" in report.sparse_skipped
+    assert report.sparse is None and "CUDA devices only" in report.sparse_skipped
     assert report.notes == []  # already 2:4: nothing pruned
     assert {r["regime"] for r in report.per_linear} == {"prefill", "decode"}
     assert all("sparse_us" not in r for r in report.per_linear)

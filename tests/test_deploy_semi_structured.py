@@ -78,15 +78,14 @@ def test_semi_structured_model_matches_dense_on_gpu(arch, dtype):
 
 @needs_sm80
 @pytest.mark.cuda
-def test_compressed_checkpoint_loads_to_semi_structured_on_gpu(tmp_path):
-    from torch.sparse import SparseSemiStructuredTensor
-
+def test_compressed_checkpoint_loads_to_24_layers_on_gpu(tmp_path):
     from cast_llm.deploy.compressed import load_compressed, save_compressed
+    from cast_llm.deploy.sparse24 import Sparse24Linear
 
     model = sparse_model("llama", torch.bfloat16, hidden_size=128, intermediate_size=256)
     save_compressed(model, tiny.tokenizer(), tmp_path / "c")
     dense = load_compressed(tmp_path / "c", device="cuda")
     sparse = load_compressed(tmp_path / "c", device="cuda", semi_structured=True)
-    assert isinstance(sparse.model.layers[0].mlp.down_proj.weight, SparseSemiStructuredTensor)
+    assert isinstance(sparse.model.layers[0].mlp.down_proj, Sparse24Linear)
     ids = torch.randint(0, tiny.VOCAB, (1, 16), device="cuda")
     torch.testing.assert_close(_logits(sparse, ids), _logits(dense, ids), atol=5e-2, rtol=5e-2)

@@ -1,8 +1,9 @@
 """``cast-llm bench-inference``: dense vs 2:4 prefill / decode throughput and weight memory (method.md §7).
 
-Runs both paths side by side in one process (:mod:`cast_llm.deploy.bench`). On a machine without a CUDA
-GPU of compute capability ≥ 8.0 only the dense path is measured and the sparse path is reported as
-skipped, with the reason. ``MODEL`` may also be ``random:llama-2-7b`` / ``random:llama-2-13b``: a
+Runs both paths side by side in one process (:mod:`cast_llm.deploy.bench`): the 2:4 path is the model's
+targets swapped to :mod:`cast_llm.deploy.sparse24` layers, each running a 2:4 kernel only for the token
+counts where that measured faster than dense on this GPU. On a machine without a CUDA GPU of compute
+capability ≥ 8.0 only the dense path is measured and the sparse path is reported as skipped, with the reason. ``MODEL`` may also be ``random:llama-2-7b`` / ``random:llama-2-13b``: a
 randomly initialised model of that shape built directly on the device (speed does not depend on values).
 """
 
@@ -36,8 +37,10 @@ class BenchInferenceConfig:
     dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
                         choices=("fp16", "bf16", "fp32"), section=MODEL)
     device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", section=MODEL)
-    backend: str = option("auto", "semi-structured kernels: auto (cuSPARSELt if available), cusparselt, cutlass",
-                          choices=("auto", "cusparselt", "cutlass"), section=MODEL)
+    backend: str = option("auto", "2:4 kernels: auto (every one that runs here; the dispatch picks per shape), "
+                          "cusparselt, cutlass (Ampere only)", choices=("auto", "cusparselt", "cutlass"), section=MODEL)
+    dispatch_cache: str | None = option(None, "JSON file of measured dense/2:4 choices to reuse and extend "
+                                        "(created if missing; a file it did not write is refused)", section=MODEL)
     warmup: int = option(1, "untimed runs before measuring", section=TIMING)
     repeats: int = option(3, "timed generation runs; the median is reported", section=TIMING)
     linear_repeats: int = option(20, "timed runs of each per-linear F.linear measurement (median)", section=TIMING)
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(cfg.model, dtype=dtype, device=device)
     bench = BenchConfig(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
                         warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
-                        linear_repeats=cfg.linear_repeats)
+                        linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache)
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
     print(json.dumps(report.to_dict()) if cfg.json else format_report(report))
     if cfg.json_out:

@@ -4,7 +4,10 @@
 * :mod:`.nm_codec` — :class:`NMSparseWeight`, one N:M weight as kept values + bit-packed positions;
 * :mod:`.compressed` — ``--format compressed``: save / load a whole model in that form;
 * :mod:`.compressed_tensors` — ``--format compressed-tensors``: the legacy ``sparse-24-bitmask`` layout;
-* :mod:`.semi_structured` — swap 2:4 weights to ``torch.sparse`` semi-structured tensors (CUDA ≥ sm80);
+* :mod:`.sparse24` — 2:4 inference layers: compressed once, cuSPARSELt / CUTLASS kernels, measured per-shape
+  dispatch to dense where 2:4 does not pay, a CUDA-graph decoder (docs/deployment.md);
+* :mod:`.semi_structured` — swap 2:4 weights to ``torch.sparse`` semi-structured tensors (CUDA ≥ sm80; the
+  simple path of ``load_compressed(semi_structured=True)``, slow: a plan per matmul);
 * :mod:`.bench` — dense vs 2:4 prefill / decode throughput, per-linear latency, weight memory.
 """
 

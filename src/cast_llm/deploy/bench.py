@@ -5,16 +5,19 @@ Measures, for one model on one device:
 * **prefill** tokens/s: one forward of ``batch × prompt_len`` tokens that fills the KV cache;
 * **decode** tokens/s: ``gen_len`` greedy steps of one token per sequence through the KV cache
   (``batch × gen_len`` tokens), the regime where a 2:4 weight halves the bytes each step reads;
-* **per-linear** latency of ``F.linear`` for every distinct target shape at the prefill and decode token
-  counts, dense vs semi-structured — the kernel speedup without the rest of the model;
-* **weight memory**: bytes of the target weights and of all parameters, dense vs swapped (packed values +
-  metadata), and on CUDA the allocator's view before and after the swap.
+* **per-linear** latency for every distinct target shape at the prefill and decode token counts, dense
+  ``F.linear`` vs the fastest 2:4 kernel — the kernel speedup without the rest of the model;
+* **weight memory**: bytes of the target weights and of all parameters as held by each path (the 2:4 path:
+  compressed weights plus the dense fallback copies its dispatch keeps), and on CUDA the allocator's view.
 
-The dense path runs first, then the targets are swapped in place to ``torch.sparse`` semi-structured
-weights (:mod:`cast_llm.deploy.semi_structured`) and everything is measured again; the logits of the same
+The dense path runs first, then the targets are swapped in place to :class:`~cast_llm.deploy.sparse24.Sparse24Linear`
+(compressed once, cuSPARSELt / CUTLASS kernels), planned for exactly this run's token counts (prefill
+``batch × prompt_len``, decode ``batch``) — each layer runs 2:4 where that measures faster on this GPU, dense
+elsewhere, and keeps only the forms it uses — and everything is measured again; the logits of the same
 prompt are compared as a correctness check. Timings are medians over ``repeats`` runs after ``warmup`` runs,
-with CUDA synchronisation. Where semi-structured kernels cannot run (no CUDA, compute capability < 8.0) the
-sparse side is reported as skipped with the reason — never estimated.
+with CUDA synchronisation; decoding here is the eager Hugging Face loop (``benchmarks/inference24.py`` also
+times the decode step inside a CUDA graph). Where 2:4 kernels cannot run (no CUDA, compute capability < 8.0)
+the sparse side is reported as skipped with the reason — never estimated.
 
 A dense model is first made 2:4 by magnitude (the values do not change the speed of either path); the
 report says so.
@@ -29,16 +32,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from cast_llm.deploy.semi_structured import (
-    semi_structured_unavailable_reason,
-    sparse_weight_nbytes,
-    to_semi_structured_,
+from cast_llm.deploy.sparse24 import (
+    Dispatcher,
+    Sparse24Linear,
+    available_kernels,
+    plan_sparse24_,
+    sparse24_layers,
+    sparse24_memory,
+    to_sparse24_,
 )
+from cast_llm.deploy.sparse24.kernels import GPU_KERNELS
+from cast_llm.deploy.sparse24.timing import gemm_fn
+from cast_llm.errors import CastError
 from cast_llm.export import sparsity_report
 from cast_llm.prune.magnitude import magnitude_prune_
-from cast_llm.sparsity.mask import nm_mask
 from cast_llm.targets import find_targets
 
 
@@ -49,8 +57,9 @@ class BenchConfig:
     gen_len: int = 64
     warmup: int = 1
     repeats: int = 3
-    backend: str = "auto"
+    backend: str = "auto"  # auto (every 2:4 kernel that runs here), cusparselt or cutlass
     linear_repeats: int = 20  # per-linear timings: many short kernels, so more repeats
+    dispatch_cache: str | None = None  # JSON file of measured dense/2:4 choices to reuse and extend
 
 
 @dataclass
@@ -77,6 +86,8 @@ class BenchReport:
     per_linear: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     max_abs_logit_diff: float | None = None
+    logits_rel_err: float | None = None  # max|Δlogit| / max|logit|
+    plan: dict[str, dict[str, int]] = field(default_factory=dict)  # "<mode>:<tokens>" -> {kernel: layers}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,7 +131,21 @@ def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float, 
     return t1 - t0, time.perf_counter() - t1, logits
 
 
-def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, targets) -> tuple[PathResult, torch.Tensor]:
+def _target_bytes(model, fqns) -> int:
+    """Bytes the target layers hold: a 2:4 layer's compressed weight plus its dense fallback (if kept), a
+    dense layer's weight."""
+    total = 0
+    for fqn in fqns:
+        m = model.get_submodule(fqn)
+        if isinstance(m, Sparse24Linear):
+            b = m.nbytes()
+            total += b["compressed"] + b["dense"]
+        else:
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> tuple[PathResult, torch.Tensor]:
     device = prompt.device
     for _ in range(cfg.warmup):
         _generate(model, prompt, min(cfg.gen_len, 4))
@@ -135,21 +160,13 @@ def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, targets) -> tupl
         decode_tokens_per_s=b * cfg.gen_len / decode if cfg.gen_len else 0.0,
         prefill_ms=prefill * 1e3,
         decode_ms_per_step=decode * 1e3 / max(cfg.gen_len, 1),
-        target_weight_bytes=sum(sparse_weight_nbytes(t.module.weight) for t in targets),
-        all_weight_bytes=sum(sparse_weight_nbytes(p_) for p_ in _unique_params(model)),
+        target_weight_bytes=_target_bytes(model, fqns),
+        all_weight_bytes=sparse24_memory(model)["total"],
     )
     if device.type == "cuda":
         result.cuda_allocated_bytes = torch.cuda.memory_allocated(device)
         result.cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
     return result, runs[0][2]
-
-
-def _unique_params(model):
-    seen = set()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
 
 
 def linear_shapes(targets) -> dict[tuple[int, int], list[str]]:
@@ -166,28 +183,40 @@ def linear_shapes(targets) -> dict[tuple[int, int], list[str]]:
 
 @torch.inference_mode()
 def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[str, int], *, dtype: torch.dtype,
-                  device: torch.device, sparse: bool, warmup: int = 3, repeats: int = 20) -> list[dict[str, Any]]:
-    """F.linear latency per distinct shape and token count; with ``sparse`` also the 2:4 kernel."""
+                  device: torch.device, kernels, warmup: int = 3, repeats: int = 20) -> list[dict[str, Any]]:
+    """Latency per distinct shape and token count: dense ``F.linear`` and the fastest of ``kernels``."""
+    from cast_llm.deploy.sparse24.timing import random_24_weight
+
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
     for (out_f, in_f), names in shapes.items():
-        w = torch.randn(out_f, in_f, generator=gen).to(device=device, dtype=dtype)
-        w.masked_fill_(~nm_mask(w, 2, 4), 0)
-        ws = None
-        if sparse:
-            from torch.sparse import to_sparse_semi_structured
-
-            ws = to_sparse_semi_structured(w)
+        w = random_24_weight(out_f, in_f, dtype, device)
         for regime, tokens in token_counts.items():
             x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
-            dense_s = timed(lambda: F.linear(x, w), device, warmup=warmup, repeats=repeats)  # noqa: B023
+            dense_s = timed(gemm_fn("dense", w, x), device, warmup=warmup, repeats=repeats)
             row = {"layers": ",".join(names), "out": out_f, "in": in_f, "regime": regime, "tokens": tokens,
                    "dense_us": dense_s * 1e6}
-            if ws is not None:
-                sparse_s = timed(lambda: F.linear(x, ws), device, warmup=warmup, repeats=repeats)  # noqa: B023
-                row.update(sparse_us=sparse_s * 1e6, speedup=dense_s / sparse_s)
+            best = None
+            for k in kernels:
+                s = timed(gemm_fn(k, w, x), device, warmup=warmup, repeats=repeats)
+                if best is None or s < best[1]:
+                    best = (k, s)
+            if best is not None:
+                row.update(sparse_us=best[1] * 1e6, speedup=dense_s / best[1], kernel=best[0])
             rows.append(row)
     return rows
+
+
+def _plan_summary(plan: dict[str, dict[str, str]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for chosen in plan.values():
+        for case, kernel in chosen.items():
+            out.setdefault(case, {}).setdefault(kernel, 0)
+            out[case][kernel] += 1
+    return out
+
+
+BACKENDS = {"auto": GPU_KERNELS, "cusparselt": ("cusparselt-direct", "cusparselt"), "cutlass": ("cutlass",)}
 
 
 def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchReport:
@@ -195,6 +224,7 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     targets = find_targets(model, n=2, m=4, skip_incompatible=True)
+    fqns = [t.fqn for t in targets]
     notes = []
     if not all(r.is_nm for r in sparsity_report(model, n=2, m=4, targets=targets)):
         with torch.no_grad():
@@ -206,27 +236,33 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (cfg.batch_size, cfg.prompt_len), generator=gen).to(device)
-    dense, dense_logits = measure_path(model, prompt, cfg, targets)
-    shapes = linear_shapes(targets)
+    dense, dense_logits = measure_path(model, prompt, cfg, fqns)
     tokens = {"prefill": cfg.batch_size * cfg.prompt_len, "decode": cfg.batch_size}
-    reason = semi_structured_unavailable_reason(device)
+    if cfg.backend not in BACKENDS:
+        raise CastError(f"unknown 2:4 backend {cfg.backend!r}; use {', '.join(BACKENDS)}")
+    kernels, why = available_kernels(device, dtype, BACKENDS[cfg.backend])
     report = BenchReport(model=name, device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
                          config=asdict(cfg), dense=dense, notes=notes)
-    report.per_linear = bench_linears(shapes, tokens, dtype=dtype, device=device, sparse=reason is None,
+    report.per_linear = bench_linears(linear_shapes(targets), tokens, dtype=dtype, device=device, kernels=kernels,
                                       warmup=min(cfg.warmup, 3) + 1, repeats=cfg.linear_repeats)
-    if reason is not None:
-        report.sparse_skipped = reason
+    if not kernels:
+        report.sparse_skipped = "; ".join(f"{k}: {r}" for k, r in why.items())
         return report
-    swapped = to_semi_structured_(model, targets=targets, backend=cfg.backend, skip_incompatible=True)
-    skipped = getattr(model, "_semi_structured_skipped", [])
+    dispatcher = Dispatcher(device=device, cache_path=cfg.dispatch_cache)
+    swapped = to_sparse24_(model, targets=targets, kernels=kernels, dispatch=dispatcher, skip_incompatible=True)
+    skipped = getattr(model, "_sparse24_skipped", [])
     if skipped:
-        notes.append(f"{len(skipped)} target(s) stayed dense (shape/dtype unsupported): {', '.join(skipped[:4])}")
-    notes.append(f"{len(swapped)} target(s) swapped to semi-structured sparse weights")
+        notes.append(f"{len(skipped)} target(s) stayed dense: {'; '.join(skipped[:3])}")
+    # decide every layer for exactly this run's token counts, then keep only the forms those choices use
+    report.plan = _plan_summary(plan_sparse24_(model, list(tokens.values()), modes=("eager",), release=True))
+    notes.append(f"{len(swapped)} target(s) swapped to 2:4 layers; {len(sparse24_layers(model))} of them run a 2:4 "
+                 f"kernel for some token count of this run, the others run dense (2:4 measured no faster here)")
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    targets = find_targets(model, n=2, m=4, skip_incompatible=True)  # Conv1D may have become nn.Linear
-    report.sparse, sparse_logits = measure_path(model, prompt, cfg, targets)
-    report.max_abs_logit_diff = float((sparse_logits.float() - dense_logits.float()).abs().max())
+    report.sparse, sparse_logits = measure_path(model, prompt, cfg, fqns)
+    diff = (sparse_logits.float() - dense_logits.float()).abs().max()
+    report.max_abs_logit_diff = float(diff)
+    report.logits_rel_err = float(diff / dense_logits.float().abs().max())
     return report
 
 
@@ -267,10 +303,14 @@ def format_report(r: BenchReport) -> str:
     if r.sparse_skipped:
         lines.append(f"  sparse path skipped: {r.sparse_skipped}")
     if r.max_abs_logit_diff is not None:
-        lines.append(f"  max |logit dense - logit sparse| on the prompt: {r.max_abs_logit_diff:.4g}")
-    lines.append("  per-linear F.linear latency (us):")
+        lines.append(f"  logits on the prompt: max|dense - 2:4| = {r.max_abs_logit_diff:.4g}, "
+                     f"/ max|logit| = {r.logits_rel_err:.3g}")
+    for case, kernels in r.plan.items():
+        lines.append(f"  layers per kernel at {case} tokens: " + ", ".join(f"{k} {n}" for k, n in kernels.items()))
+    lines.append("  per-linear latency (us): dense F.linear vs the fastest 2:4 kernel")
     for p in r.per_linear:
-        sp = f"{p['sparse_us']:>10.1f} {p['speedup']:>6.2f}x" if "sparse_us" in p else f"{'skipped':>10}"
+        sp = (f"{p['sparse_us']:>10.1f} {p['speedup']:>6.2f}x {p['kernel']}" if "sparse_us" in p
+              else f"{'skipped':>10}")
         lines.append(f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
                      f"{p['dense_us']:>10.1f} {sp}")
     lines += [f"  note: {n}" for n in r.notes]

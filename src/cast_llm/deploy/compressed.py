@@ -12,8 +12,8 @@ Layout of the output folder::
 
 There is deliberately no ``model.safetensors``: plain ``transformers`` must not mistake the folder for a
 dense checkpoint. :func:`load_compressed` rebuilds the dense model bit-identically (pruned entries come back
-as ``+0.0``) and, with ``semi_structured=True`` on a CUDA GPU, swaps the targets to
-``torch.sparse.to_sparse_semi_structured`` weights (:mod:`cast_llm.deploy.semi_structured`).
+as ``+0.0``) and, with ``semi_structured=True`` on a CUDA GPU, swaps the targets to 2:4 layers
+(:mod:`cast_llm.deploy.sparse24`: compressed once, cuSPARSELt / CUTLASS kernels; docs/deployment.md).
 
 For fp16 2:4 targets the on-disk size is 0.5 (values) + 0.0625 (2-bit positions) = 0.5625 × dense, plus a
 few hundred bytes of safetensors header. GPT-2 ``Conv1D`` weights are stored in ``(out, in)`` orientation
@@ -41,7 +41,8 @@ from cast_llm.deploy.checkpoint import (
     write_marker,
 )
 from cast_llm.deploy.nm_codec import NMSparseWeight
-from cast_llm.deploy.semi_structured import require_semi_structured, to_semi_structured_
+from cast_llm.deploy.semi_structured import require_semi_structured
+from cast_llm.deploy.sparse24 import to_sparse24_
 from cast_llm.export import verify_nm
 from cast_llm.targets import find_targets
 
@@ -131,8 +132,10 @@ def load_compressed(path: str | Path, *, dtype: torch.dtype | None = None, devic
                     semi_structured: bool = False):
     """Rebuild the dense model of a compressed checkpoint, on ``device`` in ``dtype`` (default: as stored).
 
-    ``semi_structured=True`` then swaps every target to a 2:4 semi-structured sparse weight (CUDA,
-    compute capability ≥ 8.0, fp16/bf16); the dense copy of each weight is freed as it is swapped.
+    ``semi_structured=True`` then swaps every target to a 2:4 layer (:class:`~cast_llm.deploy.sparse24.Sparse24Linear`:
+    CUDA, compute capability ≥ 8.0, fp16/bf16), always running its 2:4 kernel; the dense copy of each weight
+    is freed as it is swapped. (For the measured dense/2:4 choice per token count, call
+    :func:`~cast_llm.deploy.sparse24.to_sparse24_` on the dense model instead.)
     """
     index = read_index(path)
     stored = DTYPES.get(index["dtype"], torch.float32)
@@ -142,7 +145,7 @@ def load_compressed(path: str | Path, *, dtype: torch.dtype | None = None, devic
     model = model_from_state_dict(path, decompress_state_dict(path), dtype=dtype, device=device)
     if semi_structured:
         names = set(index["targets"])
-        to_semi_structured_(model, filter_fn=lambda module, fqn: fqn in names)
+        to_sparse24_(model, filter_fn=lambda module, fqn: fqn in names, dispatch=False)
     return model
 
 

@@ -1,0 +1,188 @@
+"""Per-shape dispatch: a layer runs its 2:4 GEMM only where that measures faster than dense.
+
+A 2:4 GEMM halves the weight bytes and the tensor-core work, but at a few tokens it can still lose to dense
+(padding to a row block, a less tuned kernel, host cost per call). So for every
+``(GPU, library versions, mode, dtype, out, in, token bucket)`` the :class:`Dispatcher` times the candidates
+once — ``dense`` (``F.linear``) and each available 2:4 kernel, on random weights of that shape (values do not
+change kernel speed) — and remembers the winner:
+
+* **token bucket** — the power of two at or above the token count (rows of the flattened input), capped at
+  :data:`MAX_BUCKET`; the decision measured at the bucket applies to every count in ``(bucket/2, bucket]``;
+* **mode** — ``eager`` (host time counts: timed as back-to-back calls) or ``graph`` (inside a CUDA graph only
+  the GPU time counts: timed by replaying a captured graph). A kernel with a high per-call host cost (torch's
+  ``_cslt_sparse_mm`` builds a plan per call) can lose in eager mode and win in a graph;
+* **rule** — the fastest sparse kernel wins if it is at least ``min_speedup`` × faster than dense, else the
+  layer runs dense (:func:`choose_kernel`). A candidate that failed or gave wrong results is timed ``inf``.
+
+Decisions live in memory and, with ``cache_path``, in a small JSON file (``{"written_by": CACHE_MARKER,
+"format": 1, "entries": {key: decision}}``). A file that exists without that marker is never read as a cache
+nor overwritten. The timing itself is injected (``measure``), so all of this is tested on CPU with a fake
+timer; the real one is :func:`cast_llm.deploy.sparse24.timing.measure_gemm`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_json
+
+__all__ = ["CACHE_MARKER", "MAX_BUCKET", "MODES", "Decision", "Dispatcher", "choose_kernel", "token_bucket"]
+
+CACHE_MARKER = "cast-llm sparse24 dispatch"
+CACHE_FORMAT = 1
+MAX_BUCKET = 16384
+MODES = ("eager", "graph")
+DENSE = "dense"
+
+# measure(kernel, out_features, in_features, dtype, tokens, mode) -> (seconds per call, note or None)
+Measure = Callable[[str, int, int, torch.dtype, int, str], tuple[float, "str | None"]]
+
+
+def token_bucket(tokens: int) -> int:
+    """The power of two ≥ ``tokens`` (1 for 0 or 1), at most :data:`MAX_BUCKET`."""
+    if tokens < 0:
+        raise ValueError(f"token count must be >= 0, got {tokens}")
+    return min(MAX_BUCKET, 1 << max(0, int(tokens) - 1).bit_length())
+
+
+def choose_kernel(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float = 1.02) -> str:
+    """The kernel to run: the fastest sparse candidate if it beats ``dense`` by ``min_speedup``, else
+    ``dense`` (when it is a candidate). Ties between sparse kernels go to the earlier candidate."""
+    sparse = [c for c in candidates if c != DENSE]
+    best = min(sparse, key=lambda c: seconds.get(c, math.inf), default=None)
+    best_s = math.inf if best is None else seconds.get(best, math.inf)
+    if DENSE in candidates and (best is None or not best_s * min_speedup < seconds.get(DENSE, math.inf)):
+        return DENSE
+    if best is None:
+        raise ValueError("no candidate kernel to choose from")
+    return best
+
+
+@dataclass
+class Decision:
+    kernel: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "seconds": {k: (None if math.isinf(v) else v) for k, v in self.seconds.items()},
+                "notes": self.notes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Decision:
+        return cls(d["kernel"], {k: (math.inf if v is None else float(v)) for k, v in d["seconds"].items()},
+                   dict(d.get("notes", {})))
+
+
+def default_identity(device: torch.device) -> tuple[str, str]:
+    """(GPU name, library versions) that key the decisions: a new GPU, torch or cuSPARSELt re-measures."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+    else:
+        gpu = f"cpu ({device})"
+    cslt = torch.backends.cusparselt.version() if torch.backends.cusparselt.is_available() else None
+    return gpu, f"torch {torch.__version__}, cuSPARSELt {cslt}"
+
+
+class Dispatcher:
+    """Measured, cached choice of kernel per (shape, dtype, token bucket, mode); see the module docstring."""
+
+    def __init__(self, measure: Measure | None = None, *, device: torch.device | str | None = None,
+                 cache_path: str | Path | None = None, gpu: str | None = None, versions: str | None = None,
+                 min_speedup: float = 1.02):
+        if min_speedup < 1.0:
+            raise ValueError(f"min_speedup must be >= 1 (a sparse kernel must not be slower), got {min_speedup}")
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        ident = default_identity(self.device) if gpu is None or versions is None else (gpu, versions)
+        self.gpu = gpu if gpu is not None else ident[0]
+        self.versions = versions if versions is not None else ident[1]
+        self.min_speedup = min_speedup
+        self._measure = measure
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.decisions: dict[str, Decision] = {}
+        self.measured: list[str] = []  # keys measured by this process, in order (for reports)
+        self._dirty = False
+        if self.cache_path is not None:
+            self.decisions.update(_read_cache(self.cache_path))
+
+    def key(self, out_features: int, in_features: int, dtype: torch.dtype, bucket: int, mode: str) -> str:
+        return (f"{self.gpu} | {self.versions} | {mode} | {str(dtype).removeprefix('torch.')} | "
+                f"{out_features}x{in_features} | tokens<={bucket}")
+
+    def measure(self, kernel, out_features, in_features, dtype, tokens, mode) -> tuple[float, str | None]:
+        if self._measure is None:
+            from cast_llm.deploy.sparse24.timing import measure_gemm
+
+            return measure_gemm(kernel, out_features, in_features, dtype, tokens, mode, self.device)
+        return self._measure(kernel, out_features, in_features, dtype, tokens, mode)
+
+    def decide(self, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
+               candidates: Sequence[str]) -> Decision:
+        """The decision for ``tokens`` rows in ``mode`` among ``candidates`` (``"dense"`` and kernel names),
+        measuring the candidates this key has no time for yet."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        bucket = token_bucket(tokens)
+        key = self.key(out_features, in_features, dtype, bucket, mode)
+        found = self.decisions.get(key)
+        seconds = dict(found.seconds) if found else {}
+        notes = dict(found.notes) if found else {}
+        missing = [c for c in candidates if c not in seconds]
+        for c in missing:
+            seconds[c], note = self.measure(c, out_features, in_features, dtype, bucket, mode)
+            if note:
+                notes[c] = note
+        kernel = choose_kernel(seconds, candidates, self.min_speedup)
+        decision = Decision(kernel, seconds, notes)
+        if missing or found is None or found.kernel != kernel:
+            self.decisions[key] = decision
+            self._dirty = True
+            if missing:
+                self.measured.append(key)
+        return decision
+
+    def save(self) -> Path | None:
+        """Write the decisions to ``cache_path`` (merged with what is there), if any were made."""
+        if self.cache_path is None or not self._dirty:
+            return None
+        merged = _read_cache(self.cache_path)
+        merged.update(self.decisions)
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.cache_path, {
+            "written_by": CACHE_MARKER, "format": CACHE_FORMAT,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "entries": {k: d.to_json() for k, d in sorted(merged.items())},
+        })
+        self._dirty = False
+        return self.cache_path
+
+
+def _read_cache(path: Path) -> dict[str, Decision]:
+    import json
+
+    if not path.exists():
+        return {}
+    refuse = (f"{path} exists but was not written by cast-llm's 2:4 dispatch (no \"written_by\": "
+              f"\"{CACHE_MARKER}\"); it is neither read nor overwritten — point the dispatch cache at a new file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise CastError(refuse) from None
+    if not isinstance(data, dict) or data.get("written_by") != CACHE_MARKER:
+        raise CastError(refuse)
+    if data.get("format") != CACHE_FORMAT:
+        raise CastError(f"{path} is a 2:4 dispatch cache of format {data.get('format')!r}, this version reads "
+                        f"format {CACHE_FORMAT}; delete it (it only holds timings) and run again")
+    try:
+        return {k: Decision.from_json(v) for k, v in data.get("entries", {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CastError(f"{path}: a damaged 2:4 dispatch cache ({e}); delete it and run again") from None

@@ -1,0 +1,343 @@
+"""The 2:4 sparse GEMMs a :class:`~cast_llm.deploy.sparse24.Sparse24Linear` can call, behind one interface.
+
+Every kernel computes ``y = x Wᵀ (+ b)`` for a weight ``W (out, in)`` that is exactly 2:4 along ``in``, from a
+compressed form made **once** at load (:meth:`Kernel.compress`). The caller (:func:`sparse_linear`) flattens
+``x`` to ``(n, in)`` rows, pads ``n`` up to the kernel's row multiple, calls :meth:`Kernel.mm` and slices the
+padding off again — a view, no copy.
+
+* ``cusparselt`` — torch's cuSPARSELt op ``torch._cslt_sparse_mm(packed, xᵀ, bias, transpose_result=True,
+  alg_id, …)`` (aten/src/ATen/native/sparse/cuda/cuSPARSELtOps.cpp). ``packed = torch._cslt_compress(W)``
+  holds the kept half and the metadata in one tensor. The weight is the sparse operand ``A (m=out, k=in)``,
+  row-major; ``xᵀ`` is passed as a transposed view, which the op describes as a row-major ``(n, k)`` matrix
+  with ``opB = TRANSPOSE`` (no copy); ``transpose_result=True`` makes the op write ``D = W xᵀ`` column-major,
+  i.e. ``y (n, out)`` row-major — again no copy. Bias is fused (cuSPARSELt's bias pointer, one value per
+  output feature); the output dtype is the input's (``out_dtype`` is for int8/fp8 inputs only). The algorithm
+  is searched once per shape and token count (``torch._C._cusparselt.mm_search`` where torch has it, which
+  also returns split-K settings; ``torch._cslt_sparse_mm_search`` before that) and cached. **Every call still
+  builds and destroys a cuSPARSELt plan inside the op** (≈0.5 ms of host time on the H100 of
+  docs/results/gpu): fine inside a CUDA graph, where only the kernel is replayed, ruinous in eager mode.
+* ``cusparselt-direct`` — the same packed weight and the same cuSPARSELt library, called through
+  :mod:`.cusparselt_direct` with the plan built once per shape (a few µs of host time per call). Probed in a
+  child process before first use, because a wrong C binding would crash rather than raise.
+* ``cutlass`` — torch's CUTLASS ops ``torch._sparse_semi_structured_mm / _addmm`` with
+  ``(values, meta) = torch._to_sparse_semi_structured(W)``. These are Ampere (sm8x) kernels and torch refuses
+  them on any other compute capability, so on Hopper this kernel is unavailable. The op writes ``W xᵀ``
+  row-major, so ``y`` needs one transpose copy.
+* ``emulated`` — a pure-torch reference of the compressed form (kept values + 2-bit positions, decompressed,
+  accumulated in fp32, rounded once): it runs on the CPU so that the padding, slicing, bias and layout logic
+  around the real kernels is tested without a GPU.
+
+Shape rules (``shape_error``) follow torch's own tables (``SparseSemiStructuredTensor*._DTYPE_SHAPE_CONSTRAINTS``)
+and are pure functions, tested on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cast_llm.deploy.sparse24 import cusparselt_direct
+from cast_llm.deploy.sparse24.capture import capturing
+from cast_llm.sparsity.mask import nm_mask
+
+__all__ = [
+    "GPU_KERNELS",
+    "KERNELS",
+    "Kernel",
+    "available_kernels",
+    "padded_rows",
+    "sparse_linear",
+]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def padded_rows(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (at least one multiple: the kernels need ``n ≥ 1``)."""
+    if multiple < 1:
+        raise ValueError(f"row multiple must be >= 1, got {multiple}")
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def _torch_constraints(cls_name: str, dtype: torch.dtype, default: tuple[int, int, int, int]):
+    """(sparse_min_rows, sparse_min_cols, dense_min_rows, dense_min_cols) from torch's own table, where it has
+    one for ``dtype``; ``default`` otherwise (older torch, or a dtype torch does not list)."""
+    try:
+        import torch.sparse as ts
+
+        table = getattr(ts, cls_name)._DTYPE_SHAPE_CONSTRAINTS
+        c = table[dtype]
+        return (c.sparse_min_rows, c.sparse_min_cols, c.dense_min_rows, c.dense_min_cols)
+    except (AttributeError, KeyError, ImportError):
+        return default
+
+
+def _cuda_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"2:4 tensor-core kernels run on CUDA devices only, not on {device}"
+    if not torch.cuda.is_available():
+        return "2:4 tensor-core kernels need a CUDA GPU; no CUDA device is available here"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return (f"2:4 tensor-core kernels need compute capability >= 8.0; {torch.cuda.get_device_name(device)} "
+                f"has {cap[0]}.{cap[1]}")
+    return None
+
+
+class Kernel:
+    """One 2:4 GEMM. ``fmt`` names the compressed form (kernels of one format share a compressed tensor);
+    ``fuses_bias``: the kernel adds the bias in its epilogue (else :func:`sparse_linear` adds it after)."""
+
+    def __init__(self, name: str, fmt: str, fuses_bias: bool = True):
+        self.name, self.fmt, self.fuses_bias = name, fmt, fuses_bias
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    # -- what it can run -------------------------------------------------------------------------
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        raise NotImplementedError
+
+    def shape_error(self, out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+        raise NotImplementedError
+
+    def row_multiple(self, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    # -- the work --------------------------------------------------------------------------------
+    def compress(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def decompress(self, state: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mm(self, x2d: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None,
+           out_features: int) -> torch.Tensor:
+        """``(n, in)`` contiguous rows (``n`` a multiple of :meth:`row_multiple`) → ``(n, out)`` contiguous."""
+        raise NotImplementedError
+
+
+def _multiple_error(out_features: int, in_features: int, rows: int, cols: int, what: str) -> str | None:
+    if out_features % rows or in_features % cols or out_features < rows or in_features < cols:
+        return (f"shape ({out_features}, {in_features}) is not a multiple of ({rows}, {cols}) as {what} "
+                f"requires")
+    return None
+
+
+class _CusparseltBase(Kernel):
+    def unavailable_reason(self, device, dtype):
+        reason = _cuda_reason(torch.device(device))
+        if reason:
+            return reason
+        if not torch.backends.cusparselt.is_available():
+            return "this torch build has no cuSPARSELt (torch.backends.cusparselt.is_available() is False)"
+        if dtype not in HALF_DTYPES:
+            # torch dropped fp32 from its cuSPARSELt path (wrong results on Hopper, pytorch#134022)
+            return f"cuSPARSELt 2:4 kernels take float16 or bfloat16 here, not {dtype}; load the model in bf16/fp16"
+        return None
+
+    def shape_error(self, out_features, in_features, dtype):
+        rows, cols, _, _ = _torch_constraints("SparseSemiStructuredTensorCUSPARSELT", dtype, (16, 16, 8, 8))
+        return _multiple_error(out_features, in_features, rows, cols, "cuSPARSELt")
+
+    def row_multiple(self, dtype):
+        # torch pads the dense operand to this many rows (8 for 16-bit types in torch 2.13); never fewer than 8
+        return max(8, _torch_constraints("SparseSemiStructuredTensorCUSPARSELT", dtype, (16, 16, 16, 16))[2])
+
+    def compress(self, weight):
+        return {"packed": torch._cslt_compress(weight.contiguous())}
+
+    def decompress(self, state, out_features, in_features):
+        # W @ I: every output sums one non-zero product, accumulated in fp32 -> exact (torch's own to_dense)
+        eye = torch.eye(in_features, dtype=state["packed"].dtype, device=state["packed"].device)
+        return torch._cslt_sparse_mm(state["packed"], eye)
+
+
+def _cslt_mm_kwargs() -> tuple[str | None, type]:
+    """The split-K mode argument of this torch's ``_cslt_sparse_mm`` (``split_k_mode: int`` in torch ≥ 2.9,
+    ``split_k_one_kernel: bool`` in 2.6-2.8, none before) and its type."""
+    names = [a.name for a in torch.ops.aten._cslt_sparse_mm.default._schema.arguments]
+    if "split_k_mode" in names:
+        return "split_k_mode", int
+    if "split_k_one_kernel" in names:
+        return "split_k_one_kernel", bool
+    return None, int
+
+
+class CusparseltOpKernel(_CusparseltBase):
+    """torch's ``_cslt_sparse_mm`` with the algorithm searched once per (shape, rows) and cached."""
+
+    def __init__(self):
+        super().__init__(name="cusparselt", fmt="cusparselt", fuses_bias=True)
+        self._configs: dict = {}
+
+    def _search(self, packed: torch.Tensor, dense_t: torch.Tensor) -> dict:
+        mode_name, mode_type = _cslt_mm_kwargs()
+        search = getattr(getattr(torch._C, "_cusparselt", None), "mm_search", None)
+        if search is not None and mode_name is not None:
+            try:
+                alg_id, split_k, mode, _max_alg = search(packed, dense_t, None, None, None, True)
+                return {"alg_id": int(alg_id), "split_k": int(split_k), mode_name: mode_type(mode)}
+            except (RuntimeError, TypeError, ValueError):
+                pass  # fall back to the older search, which only chooses the algorithm
+        try:
+            return {"alg_id": int(torch._cslt_sparse_mm_search(packed, dense_t, transpose_result=True))}
+        except (RuntimeError, AttributeError):
+            return {"alg_id": 0}
+
+    def mm(self, x2d, state, bias, out_features):
+        packed = state["packed"]
+        key = (packed.dtype, out_features, x2d.shape[1], x2d.shape[0], packed.device.index)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            if capturing():
+                cfg = {"alg_id": 0}  # a search times kernels and synchronises: impossible while capturing
+            else:
+                cfg = self._configs[key] = self._search(packed, x2d.t())
+        return torch._cslt_sparse_mm(packed, x2d.t(), bias=bias, transpose_result=True, **cfg)
+
+
+class CusparseltDirectKernel(_CusparseltBase):
+    """The cuSPARSELt library called with plans built once per shape (:mod:`.cusparselt_direct`)."""
+
+    def __init__(self):
+        super().__init__(name="cusparselt-direct", fmt="cusparselt", fuses_bias=False)
+
+    def unavailable_reason(self, device, dtype):
+        reason = super().unavailable_reason(device, dtype)
+        if reason:
+            return reason
+        return cusparselt_direct.unavailable_reason(torch.device(device))
+
+    def mm(self, x2d, state, bias, out_features):
+        return cusparselt_direct.mm(state["packed"], x2d, out_features)
+
+
+class CutlassKernel(Kernel):
+    """torch's CUTLASS 2:4 ops (Ampere only)."""
+
+    def __init__(self):
+        super().__init__(name="cutlass", fmt="cutlass", fuses_bias=True)
+
+    def unavailable_reason(self, device, dtype):
+        reason = _cuda_reason(torch.device(device))
+        if reason:
+            return reason
+        cap = torch.cuda.get_device_capability(device)
+        if cap[0] != 8:
+            # aten/src/ATen/native/sparse/cuda/SparseSemiStructuredOps.cu: "Supported only on GPUs with
+            # compute capability 8.x"
+            return f"torch's CUTLASS 2:4 kernels run on compute capability 8.x only, this GPU has {cap[0]}.{cap[1]}"
+        if dtype not in HALF_DTYPES:
+            return f"the CUTLASS 2:4 kernels are used here for float16/bfloat16 only, not {dtype}"
+        return None
+
+    def shape_error(self, out_features, in_features, dtype):
+        rows, cols, _, _ = _torch_constraints("SparseSemiStructuredTensorCUTLASS", dtype, (32, 64, 8, 8))
+        return _multiple_error(out_features, in_features, rows, cols, "CUTLASS")
+
+    def row_multiple(self, dtype):
+        return max(8, _torch_constraints("SparseSemiStructuredTensorCUTLASS", dtype, (32, 64, 8, 8))[2])
+
+    def compress(self, weight):
+        values, meta = torch._to_sparse_semi_structured(weight.contiguous())
+        return {"values": values, "meta": meta}
+
+    def decompress(self, state, out_features, in_features):
+        from torch.sparse._semi_structured_conversions import sparse_semi_structured_to_dense_cutlass
+
+        return sparse_semi_structured_to_dense_cutlass(state["values"], state["meta"])
+
+    def mm(self, x2d, state, bias, out_features):
+        if bias is None:
+            res = torch._sparse_semi_structured_mm(state["values"], state["meta"], x2d.t())
+        else:
+            res = torch._sparse_semi_structured_addmm(bias, state["values"], state["meta"], x2d.t())
+        return res.t().contiguous()  # the op writes W xᵀ row-major: one transpose copy is unavoidable here
+
+
+class EmulatedKernel(Kernel):
+    """Pure-torch reference of a 2:4 compressed GEMM (CPU or any device; used by the CPU tests).
+
+    Compressed form: ``values (out, in/2)`` — the two kept entries of every group of four, in order — and
+    ``positions (out, in/2)`` uint8 in 0..3 (2 bits of information each, as in the hardware metadata).
+    """
+
+    def __init__(self, row_multiple: int = 8):
+        super().__init__(name="emulated", fmt="emulated", fuses_bias=True)
+        self._rows = row_multiple
+
+    def unavailable_reason(self, device, dtype):
+        if not dtype.is_floating_point:
+            return f"the emulated kernel takes floating-point weights, not {dtype}"
+        return None
+
+    def shape_error(self, out_features, in_features, dtype):
+        return None if in_features % 4 == 0 else f"{in_features} input features are not a multiple of 4"
+
+    def row_multiple(self, dtype):
+        return self._rows
+
+    def compress(self, weight):
+        out_f, in_f = weight.shape
+        keep = nm_mask(weight, 2, 4).reshape(out_f, in_f // 4, 4)  # the non-zeros, ties to the lower index
+        groups = weight.reshape(out_f, in_f // 4, 4)
+        pos = torch.arange(4, device=weight.device).expand_as(groups)
+        values = groups[keep].reshape(out_f, in_f // 2)  # boolean indexing keeps row-major order
+        positions = pos[keep].reshape(out_f, in_f // 2).to(torch.uint8)
+        return {"values": values, "positions": positions}
+
+    def decompress(self, state, out_features, in_features):
+        values = state["values"].reshape(out_features, in_features // 4, 2)
+        pos = state["positions"].reshape(out_features, in_features // 4, 2).long()
+        dense = torch.zeros(out_features, in_features // 4, 4, dtype=values.dtype, device=values.device)
+        return dense.scatter_(2, pos, values).reshape(out_features, in_features)
+
+    def mm(self, x2d, state, bias, out_features):
+        acc = torch.promote_types(x2d.dtype, torch.float32)  # fp32 accumulation, one rounding: like the hardware
+        w = self.decompress(state, out_features, x2d.shape[1]).to(acc)
+        y = x2d.to(acc) @ w.t()
+        if bias is not None:
+            y = y + bias.to(acc)
+        return y.to(x2d.dtype)
+
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (CusparseltDirectKernel(), CusparseltOpKernel(), CutlassKernel(),
+                                                  EmulatedKernel())}
+# preference order when measurements tie (or are not taken): the direct cuSPARSELt path has the least host cost
+GPU_KERNELS = ("cusparselt-direct", "cusparselt", "cutlass")
+
+
+def available_kernels(device, dtype, names=GPU_KERNELS) -> tuple[list[str], dict[str, str]]:
+    """(kernels of ``names`` that can run on ``device`` in ``dtype``, {kernel: why not} for the others)."""
+    ok, why = [], {}
+    for name in names:
+        if name not in KERNELS:
+            raise ValueError(f"unknown 2:4 kernel {name!r}; known: {', '.join(KERNELS)}")
+        reason = KERNELS[name].unavailable_reason(torch.device(device), dtype)
+        if reason is None:
+            ok.append(name)
+        else:
+            why[name] = reason
+    return ok, why
+
+
+def sparse_linear(kernel: Kernel, x: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x Wᵀ + b`` with a 2:4 kernel: flatten to rows, pad the rows to the kernel's multiple, slice back."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    n = x2d.shape[0]
+    if n == 0:
+        return x.new_empty(*lead, out_features)
+    n_pad = padded_rows(n, kernel.row_multiple(x.dtype))
+    if n_pad != n:  # only short inputs (decode) pay this copy: the kernels need whole row blocks
+        x2d = F.pad(x2d, (0, 0, 0, n_pad - n))
+    y = kernel.mm(x2d, state, bias if kernel.fuses_bias else None, out_features)
+    if n_pad != n:
+        y = y[:n]  # leading rows of a row-major tensor: still contiguous, no copy
+    if bias is not None and not kernel.fuses_bias:
+        y.add_(bias)
+    return y.view(*lead, out_features)

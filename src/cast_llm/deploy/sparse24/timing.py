@@ -1,0 +1,137 @@
+"""Timing a GEMM on the GPU it will run on, the way it will run: eager (host cost included) or in a CUDA graph.
+
+* ``eager``: ``calls`` back-to-back calls, then one synchronisation; per-call time = wall time / calls. When
+  the host is slower than the GPU (small GEMMs, or an op with host-side setup per call) this measures the
+  host, exactly as a model running eagerly will experience it.
+* ``graph``: the ``calls`` are captured once into a CUDA graph (after warm-up on a side stream, as
+  ``torch.cuda.graphs`` requires) and the graph is replayed between CUDA events: GPU time only, as inside a
+  graph-captured decode step.
+
+:func:`measure_gemm` times one candidate of the dispatcher on random 2:4 weights and first checks its output
+against ``F.linear`` (max|Δ|/max|y| ≤ 0.02) — in graph mode, the output of a graph replay: a kernel that
+is fast but wrong (or wrong only inside a graph) is never chosen.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cast_llm.sparsity.mask import nm_mask
+
+__all__ = ["measure_gemm", "random_24_weight", "time_call"]
+
+WRONG_RESULT_TOL = 0.02  # max|Δ|/max|y| of a bf16 GEMM vs F.linear is ~0.4 %; 2 % means a wrong kernel
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], *, mode: str, device: torch.device, warmup: int = 3, calls: int | None = None,
+              repeats: int = 5, validate: Callable[[object], str | None] | None = None) -> float:
+    """Median seconds per call of ``fn()`` in ``mode`` (``eager`` or ``graph``); see the module docstring.
+
+    ``validate(output)`` (None = fine, else why not) is applied to an output produced the way it is timed —
+    in graph mode, by a replay of the captured graph — and a complaint raises RuntimeError.
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if calls is None:  # enough calls per repeat to last ~2 ms, so timer and launch jitter stay small
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        calls = int(min(50, max(3, 2e-3 / max(time.perf_counter() - t0, 1e-6))))
+    if mode == "eager":
+        if validate is not None and (why := validate(fn())):
+            raise RuntimeError(why)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / calls)
+        return statistics.median(times)
+    if mode != "graph":
+        raise ValueError(f"mode must be 'eager' or 'graph', got {mode!r}")
+    if device.type != "cuda":
+        raise RuntimeError("graph timing needs a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = fn()
+    graph.replay()
+    _sync(device)
+    if validate is not None and (why := validate(out)):
+        raise RuntimeError(f"inside a CUDA graph: {why}")
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def random_24_weight(out_features: int, in_features: int, dtype: torch.dtype, device, seed: int = 0) -> torch.Tensor:
+    """A random ``(out, in)`` weight, exactly 2:4 (magnitude mask), made on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen, device=device, dtype=torch.float32)
+    return w.masked_fill_(~nm_mask(w, 2, 4), 0).to(dtype)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|y - ref| / max|ref| in float32."""
+    ref = ref.float()
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``x Wᵀ`` by ``kernel`` (``"dense"`` = ``F.linear``) as a no-argument callable; compresses once."""
+    if kernel == "dense":
+        return lambda: F.linear(x, weight)
+    from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
+
+    k = KERNELS[kernel]
+    state = k.compress(weight)
+    out_features = weight.shape[0]
+    return lambda: sparse_linear(k, x, state, None, out_features)
+
+
+def measure_gemm(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
+                 device: torch.device) -> tuple[float, str | None]:
+    """(seconds per call, None) for one dispatch candidate, or (inf, why) if it fails or is wrong."""
+    device = torch.device(device)
+    weight = random_24_weight(out_features, in_features, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, in_features, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    ref = F.linear(x, weight)
+
+    def validate(y) -> str | None:
+        err = rel_err(y, ref)
+        return None if err <= WRONG_RESULT_TOL else f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear"
+
+    try:
+        fn = gemm_fn(kernel, weight, x)
+        return time_call(fn, mode=mode, device=device, validate=None if kernel == "dense" else validate), None
+    except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return math.inf, f"{type(e).__name__}: {first}"
