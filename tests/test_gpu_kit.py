@@ -12,6 +12,7 @@ import ast
 import hashlib
 import importlib.metadata
 import json
+import shlex
 import sys
 import zipfile
 from pathlib import Path
@@ -223,12 +224,11 @@ def test_perf_table_holds_every_target_and_the_issue_commands(tmp_path):
     j = {b.name: f"--json {tmp_path / 'perf' / b.name}.json" for b in perf.PERF_TABLE}
     import shlex
 
-    assert shlex.join(argv["linear24"]) == f"benchmarks/linear24.py --device cuda {j['linear24']}"
-    assert shlex.join(argv["inference24"]) == f"benchmarks/inference24.py --device cuda {j['inference24']}"
-    assert shlex.join(argv["optimizer"]) == ("benchmarks/optimizer_step.py --device cuda --shapes llama7b,smollm2 "
-                                             + j["optimizer"])
-    assert shlex.join(argv["train-step"]) == ("benchmarks/train_step.py --device cuda --dtype bf16 --models "
-                                              f"smollm2,llama1b {j['train-step']} --profile-dir "
+    assert shlex.join(argv["linear24"]) == f"benchmarks/linear24.py {j['linear24']}"  # CUDA by itself
+    assert shlex.join(argv["inference24"]) == f"benchmarks/inference24.py {j['inference24']}"
+    assert shlex.join(argv["optimizer"]) == "benchmarks/optimizer_step.py --device cuda " + j["optimizer"]
+    assert shlex.join(argv["train-step"]) == ("benchmarks/train_step.py --device cuda --dtype bf16 "
+                                              f"{j['train-step']} --profile-dir "
                                               f"{tmp_path / 'perf' / 'train-step-profile'}")
     # the whole stage fits one call beside setup (~25 s), and each step starts only with room for its work
     assert sum(b.timeout_s for b in perf.PERF_TABLE) <= common.CALL_BUDGET_S - 45
@@ -252,7 +252,7 @@ def test_perf_stage_records_every_target_with_gpu_versions_and_command(tmp_path,
     assert lin["direction"] == ">=" and lin["bound"] == 1.3 and lin["gpu"] == "NVIDIA H100 80GB HBM3"
     assert lin["versions"] == {"torch": "2.11.0+cu130", "cuda": "13.0", "cusparselt": 800, "triton": "3.6.0",
                                "driver": "580.159.04"}
-    assert lin["command"] == (f"{Path(sys.executable).name} {fakes}/linear24.py --device cuda --json "
+    assert lin["command"] == (f"{Path(sys.executable).name} {fakes}/linear24.py --json "
                               f"{tmp_path / 'kit' / 'perf' / 'linear24.json'}")
     assert lin["call_command"] == "bash benchmarks/gpu/run.sh setup perf" and lin["bench_device"] == "FAKE GPU"
     assert t["model24_decode_speedup"]["measured"] is None  # garbage: "fast" and NaN
@@ -476,7 +476,7 @@ def test_every_stage_dry_run_on_cpu(tmp_path):
         assert steps[f"perf/{b.name}"]["command"].endswith(f"--json {tmp_path / 'kit' / 'perf' / b.name}.json"
                                                            + (f" --profile-dir {tmp_path / 'kit' / 'perf' / b.name}"
                                                               "-profile" if b.profile else ""))
-        assert f"{fakes}/{b.script} --device cpu --tiny" in steps[f"perf/{b.name}"]["command"]
+        assert f"{fakes}/{b.script} {shlex.join(b.dry_args)} --json" in steps[f"perf/{b.name}"]["command"]
     assert all(e["measured"] is None and e["pass"] is None for e in res["targets"].values())
     assert steps["speed/inference-llama7b"]["result"]["sparse_skipped"]  # no semi-structured kernels on CPU
     assert steps["speed/linear-2to4"]["result"]["skipped"]
