@@ -70,7 +70,7 @@ TIERS: dict[str, dict] = {
                 device="cpu", precision="fp32", adams={},
                 row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}, "naive-kd-sgpt": {"lr": 1e-4},
                         "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
-                        "cast-best-no-kd": {"lr": 1e-4}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
+                        "cast-best-no-kd": {"lr": 1e-4}, "cast-best-no-decay": {"lr": 1e-4, "l1_decay": 0.0}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
                         "cast-mix100": {"lr": 1e-4}, "cast-regrow10": {"lr": 1e-4},
                         "cast-regrow30": {"lr": 1e-4}, "ast-lr1e-4": {"lr": 1e-4}, "ast-lr1e-3": {"lr": 1e-3}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
@@ -165,6 +165,10 @@ DEFAULT_ABLATIONS = [
           mask="learned (SparseGPT start)", seeded=True),
     Entry("cast-best-no-kd", "CAST default w/o KD", "train", ["--method", "cast", *CAST_BEST, "--no-kd"],
           adams=True, weight_update="AdamS", mask="learned (SparseGPT start)", seeded=True),
+    # the default's own optimizer and dense forward, with AdamS's decay (λ = 0) and mask updates taken out
+    Entry("cast-best-no-decay", "CAST default w/o AdamS decay and mask updates (λ 0, fixed mask)", "train",
+          ["--method", "cast", *CAST_BEST, "--fixed-mask"], kd=True, adams=True, weight_update="AdamS (λ 0)",
+          mask="fixed (SparseGPT)", seeded=True),
 ]
 # Candidates for learned masks that beat the best fixed mask (the default's masks never move: its warm start
 # leaves the pruned weights at exactly 0, too far below the kept ones to win a place at lr 1e-4):
