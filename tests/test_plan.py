@@ -119,7 +119,10 @@ def test_memory_terms_follow_the_options():
     assert ac.step["activations (student)"] < fsdp.step["activations (student)"] / 8
     fused = plan_memory(s8, replace(base, fused_head=True))
     assert "student logits" not in fused.step and "teacher logits" not in fused.step
-    assert fused.peak < ddp.peak
+    # it trades three tokens × vocabulary tensors for the head's gradient formed during the forward: a loss at
+    # 4096 tokens per micro-batch of a 128k vocabulary, a large gain at 8 × 4096
+    big = replace(base, batch_size=8)
+    assert plan_memory(s8, replace(big, fused_head=True)).peak < plan_memory(s8, big).peak - 15 * 2**30
     packed = plan_memory(s8, replace(base, packed_masks=True))
     assert packed.persistent["N:M masks (packed)"] == s8.target_params // 8
     fp32_teacher = plan_memory(s8, replace(base, teacher_dtype="fp32"))
@@ -216,14 +219,19 @@ def test_plan_cli_bad_input_one_line_errors(argv, msg, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------- the plan against a measured peak
+@pytest.mark.slow  # ~20 s: a real training run in a subprocess
 def test_plan_against_the_peak_a_small_run_measures(tmp_path):
     """benchmarks/plan_vs_measured.py --quick: a real `cast-llm train` of SmolLM2-135M's widths (2 blocks,
-    vocabulary 8192, KD) in one process; its peak RSS over the steps against the plan. The tolerance is the
-    benchmark's (15%; glibc keeps some freed memory, so the measured side runs a few % high)."""
+    vocabulary 8192, KD) in one process; its peak RSS over the steps against the plan, with glibc returning
+    freed blocks to the system (MALLOC_MMAP_THRESHOLD_, so the resident set follows the tensors). The
+    tensors' part of the peak (the peak less what the process held outside tensors at the first step) is the
+    part the plan predicts: within the benchmark's 15%."""
     out = tmp_path / "q.json"
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plan_vs_measured.py"), "--quick", "--json",
-                        str(out), "--work", str(tmp_path / "w")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plan_vs_measured.py"), "--quick", "--allocator",
+                        "returning", "--json", str(out), "--work", str(tmp_path / "w")], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     row = json.loads(out.read_text())["rows"][0]
-    assert 0.85 <= row["ratio"] <= 1.15, row
     assert row["measured_peak"] > row["framework"] > 0
+    assert 0.85 <= row["tensor_ratio"] <= 1.15, row
+    assert 0.85 <= row["ratio"] <= 1.15, row

@@ -112,6 +112,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~30 s: two torchrun processes
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
 def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path):
     """2 gloo processes, --fsdp with checkpointing, fused head and packed masks (the teacher sharded and its

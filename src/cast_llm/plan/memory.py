@@ -20,12 +20,13 @@ shard under FSDP2, N tokens per micro-batch, V the vocabulary):
 The peak is the largest of three moments of a step: the end of the forward (activations, copies, logits),
 the start of the backward (activations, copies, the logits' gradient, the head's gradient) and its end
 (every gradient, the tied embedding's second gradient). On a GPU the verdict adds the CUDA context and a
-fragmentation margin (:data:`CUDA_CONTEXT`, :data:`FRAGMENTATION`), which the allocator's own peak does not see.
+fragmentation margin (:data:`CUDA_CONTEXT`, :data:`FRAGMENTATION`), which the allocator's own peak does not see;
+on a CPU the heap's retention of freed blocks (:data:`CPU_RETENTION`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cast_llm.plan.activations import activation_bytes
 from cast_llm.plan.shapes import ModelShape
@@ -37,6 +38,9 @@ STRATEGIES = ("single", "ddp", "fsdp")
 # (~0.5-1 GiB on an H100 with torch 2.x), and the caching allocator's unused blocks (a few % of the peak).
 CUDA_CONTEXT = int(1.0 * 2**30)
 FRAGMENTATION = 0.08
+# On a CPU, glibc keeps part of the freed mid-sized blocks (below its mmap threshold) in its heap: the peak
+# resident set measured 5-10% above the plan's tensors (docs/results/plan-vs-measured.md).
+CPU_RETENTION = 0.10
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class MemoryPlan:
         """What the device must hold: the peak, plus on a GPU the context and the fragmentation margin."""
         if self.setup.device == "cuda":
             return int(self.peak * (1 + FRAGMENTATION)) + CUDA_CONTEXT
-        return self.peak
+        return int(self.peak * (1 + CPU_RETENTION))
 
     def fits(self, capacity: int) -> bool:
         return self.needed() <= capacity
@@ -144,7 +148,8 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     acts = activation_bytes(shape, autocast=s.autocast, seq_len=s.seq_len)
     st["activations (student)"] = acts.total(N, shape.layers, checkpointing=s.activation_checkpointing)
     # copies of weights that the matmuls read, whole on every process (not sharded)
-    non_target_linear = shape.linear_params - shape.target_params
+    # (with --fused-head the head's weight is cast inside the loss, not by autocast: counted there)
+    non_target_linear = shape.linear_params - shape.target_params - (shape.head_params if s.fused_head else 0)
     if s.scaling:
         per = shape.target_block_params if s.activation_checkpointing else shape.target_params
         st["scaled weights Diag(A)·W" + (" (one block)" if s.activation_checkpointing else "")] = c * per
@@ -157,7 +162,9 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     if s.fused_head:
         st["logits, one chunk (student" + (", teacher" if s.kd else "") + ", gradient)"] = \
             chunk * V * (2 * logit + (t_logit if s.kd else 0))
-        st["LM head gradient formed in the forward (fp32)"] = 4 * shape.head_params
+        # the head's fp32 gradient, formed chunk by chunk in the forward; under autocast also the head's bf16
+        # copy and one chunk's bf16 product ∂L/∂W before it is summed in
+        st["LM head gradient formed in the forward (fp32)"] = (4 + (4 if s.autocast else 0)) * shape.head_params
         st["hidden-state gradient (fp32)"] = 4 * N * shape.hidden
         if s.kd:
             st["teacher hidden states"] = N * shape.hidden * t_logit
@@ -184,28 +191,31 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     act = st["activations (student)"]
     acc_grads = grads if (s.grad_accum > 1 and s.strategy != "ddp") else 0  # DDP's are in `static` already
     head_grad = 0 if (acc_grads or s.strategy == "ddp") else 4 * shape.head_params
-    if s.fused_head:
-        logits_fwd = (st[next(k for k in st if k.startswith("logits, one chunk"))] + work
-                      + st["LM head gradient formed in the forward (fp32)"] + st["hidden-state gradient (fp32)"]
-                      + st.get("teacher hidden states", 0))
-        bwd_start_extra = st["LM head gradient formed in the forward (fp32)"] + st["hidden-state gradient (fp32)"]
-        head_grad = 0
-    else:
-        teacher_phase = (st.get("teacher logits", 0) + st["loss gradient buffer (logits-sized)"] + work)
-        logits_fwd = st["student logits"] + max(st.get("teacher forward temporaries", 0), teacher_phase)
-        # backward begins with the logits' gradient and the LM head's (autocast: formed in bf16, then cast)
-        bwd_start_extra = st["loss gradient buffer (logits-sized)"] + (2 * shape.head_params if s.autocast else 0)
+    # FSDP2 at each moment: the student's root stays unsharded from its forward to the end of its backward;
+    # its blocks are unsharded one (plus one prefetched) at a time, in the forward while few activations
+    # exist and again from the start of the backward; the teacher's blocks and root only during its forward,
+    # which ends before the loss's logits and work space exist
     teacher_fsdp = st.get("FSDP2 unsharded teacher blocks (2)", 0) + (s.teacher_bytes * shape.root_params
                                                                       if s.strategy == "fsdp" and s.kd else 0)
+    teacher_fwd = st.get("teacher forward temporaries", 0) + teacher_fsdp
+    if s.fused_head:  # the loss: a chunk of logits, work space, and the gradients it forms for the backward
+        loss_phase = (st[next(k for k in st if k.startswith("logits, one chunk"))] + work
+                      + st["LM head gradient formed in the forward (fp32)"] + st["hidden-state gradient (fp32)"]
+                      + st.get("teacher hidden states", 0))
+        fwd_tail = max(teacher_fwd, loss_phase)
+        bwd_start_extra = st["LM head gradient formed in the forward (fp32)"] + st["hidden-state gradient (fp32)"]
+        head_grad = 0
+    else:  # the student's logits, then the teacher's forward, then its logits, the gradient buffer, work space
+        loss_phase = st.get("teacher logits", 0) + st["loss gradient buffer (logits-sized)"] + work
+        fwd_tail = st["student logits"] + max(teacher_fwd, loss_phase)
+        # backward begins with the logits' gradient and the LM head's (autocast: formed in bf16, then cast)
+        bwd_start_extra = st["loss gradient buffer (logits-sized)"] + (2 * shape.head_params if s.autocast else 0)
     m = plan.moments
-    m["end of forward"] = static + act + copies + logits_fwd + acc_grads + fsdp_root + fsdp_blocks + teacher_fsdp
+    m["end of forward"] = static + act + copies + fwd_tail + acc_grads + fsdp_root
     m["start of backward"] = (static + act + copies + bwd_start_extra + head_grad + acc_grads + fsdp_root
-                              + fsdp_blocks)
+                              + fsdp_blocks + fsdp_blocks // 2)  # + one block's unsharded gradients
     tied_extra = 4 * shape.head_params if shape.tied else 0  # the embedding's gradient, before it is summed in
     fsdp_end = 2 * fsdp_root if s.strategy == "fsdp" else 0  # root parameters and their unsharded gradients
     m["end of backward"] = static + (0 if s.strategy == "ddp" else grads) + tied_extra + fsdp_end
     return plan
 
-
-def with_changes(setup: Setup, **changes) -> Setup:
-    return replace(setup, **changes)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from cast_llm.plan.memory import CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
+from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
 from cast_llm.plan.sizes import fmt_size
 
 __all__ = ["plan_lines", "memory_lines", "setup_line", "duration"]
@@ -43,8 +43,8 @@ def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") 
     for note in plan.notes:
         out.append(f"{indent}note: {note}")
     if capacity is not None:
-        extra = (f" + CUDA context {fmt_size(CUDA_CONTEXT)} and {FRAGMENTATION:.0%} fragmentation"
-                 if s.device == "cuda" else "")
+        extra = (f" (+ CUDA context {fmt_size(CUDA_CONTEXT)} and {FRAGMENTATION:.0%} fragmentation)"
+                 if s.device == "cuda" else f" (+ {CPU_RETENTION:.0%} the heap keeps of freed blocks)")
         verdict = "fits" if plan.fits(capacity) else "DOES NOT FIT"
         out.append(f"{indent}needs {fmt_size(plan.needed())}{extra} of {fmt_size(capacity)}: {verdict}")
     return out

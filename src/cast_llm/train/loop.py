@@ -383,6 +383,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         bar.close()
     if start_step < total_steps:
         _report_peak(job, ctx, distribution, peak, results)
+        if is_main:  # the figure survives whatever happens in the export
+            atomic_write_json(out / "results.json", results)
 
     # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation. With
     # checkpoints on, the last step is saved first, so a failure in the export (a full disk, …) costs no
