@@ -170,8 +170,9 @@ def run_case(case: Case, work: Path, *, device: str, steps: int, timeout: int, v
     wall = time.perf_counter() - t0
     if mem is None:
         return {"case": case.name, "allocator": allocator, "error": err, "wall_s": wall}
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rates = [x["tokens_per_s"] for x in recs[1:]] or [recs[-1]["tokens_per_s"]]
+    metrics = out / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    rates = [x["tokens_per_s"] for x in recs[1:]] or [x["tokens_per_s"] for x in recs] or [float("nan")]
     plan = mem["plan"]
     planned = mem.get("planned_peak_with_framework", mem["planned_peak"])
     framework = mem.get("framework_at_first_step", 0)
@@ -186,12 +187,42 @@ def run_case(case: Case, work: Path, *, device: str, steps: int, timeout: int, v
     return row
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (torchrun starts its workers in sessions of their own, so a
+    process-group kill would leave them running), waiting until they are gone."""
+    import signal
+
+    def children(p):
+        try:
+            return [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            return []
+
+    tree, todo = [], children(pid)
+    while todo:
+        c = todo.pop()
+        tree.append(c)
+        todo += children(c)
+    for c in [*tree, pid]:
+        try:
+            os.kill(c, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 60
+    for c in tree:  # gone, or a zombie until its parent reaps it
+        while time.monotonic() < deadline:
+            try:
+                if "State:\tZ" in Path(f"/proc/{c}/status").read_text():
+                    break
+            except OSError:
+                break
+            time.sleep(0.05)
+
+
 def _run_until_measured(cmd, env, results: Path, timeout: int, log: Path):
     """Run ``cmd`` (its own process group) until ``results.json`` holds the steps' peak memory, then stop it:
     the export that follows (the whole fp32 model, gathered, written) only costs time here.
     Returns ``(results["memory"], None)`` or ``(None, the log's tail)``."""
-    import signal
-
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -209,8 +240,7 @@ def _run_until_measured(cmd, env, results: Path, timeout: int, log: Path):
                     mem = json.loads(results.read_text()).get("memory")
                 break
             time.sleep(0.5)
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _kill_tree(p.pid)
         p.wait()
     return (mem, None) if mem else (None, log.read_text()[-3000:] or f"exit {p.returncode}")
 

@@ -129,3 +129,19 @@ def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path):
     a, b = _weights(single), _weights(sharded)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_run_that_will_not_fit_is_warned_with_the_options(monkeypatch):
+    """The plan at the top of `cast-llm train`: when it does not fit the device, a warning names the flags."""
+    import cast_llm.train.memory as memory
+    from cast_llm.plan import Setup, model_shape, plan_memory
+
+    plan = plan_memory(model_shape("llama-3.1-8b"), Setup(device="cuda", world=8, strategy="ddp", seq_len=4096))
+    monkeypatch.setattr(memory, "device_capacity", lambda device, world: 80 * 10**9)
+    said = []
+    memory.warn_if_too_large(plan, torch.device("cpu"), 8, said.append)
+    assert len(said) == 1 and "probably run out of memory" in said[0] and "--fsdp" in said[0]
+    small = plan_memory(model_shape("smollm2-135m"), Setup(device="cuda", seq_len=512))
+    said.clear()
+    memory.warn_if_too_large(small, torch.device("cpu"), 1, said.append)
+    assert said == []

@@ -1,5 +1,5 @@
 """``cast-llm plan``: what a CAST run will need before it runs — memory per GPU term by term, whether it
-fits and with which options, how long it takes, and whether the decay will finish (:mod:`cast_llm.plan`).
+fits and with which options, how long it takes, and whether the decay will finish (the library: ``cast_llm.plan``).
 
 From the model's config alone (a folder, config.json, hub id, or an embedded config for offline use): no
 weights are loaded. Example: ``cast-llm plan --model meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80GB``.

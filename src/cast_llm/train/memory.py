@@ -129,7 +129,7 @@ def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str
     return plan, lines
 
 
-def warn_if_too_large(plan, cfg, device: torch.device, world: int, say) -> None:
+def warn_if_too_large(plan, device: torch.device, world: int, say) -> None:
     """A warning with the options that would make the run fit, when the plan says it does not."""
     from cast_llm.plan.advice import make_it_fit
 

@@ -150,7 +150,7 @@ class PretrainJob(Job):
                                                precision=ctx.precision, framework=framework)
         for line in lines:
             say(line)
-        warn_if_too_large(self.memory_plan, cfg, ctx.device, ctx.world, say)
+        warn_if_too_large(self.memory_plan, ctx.device, ctx.world, say)
         targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         skipped = getattr(targets, "skipped", [])
         if skipped:
