@@ -99,3 +99,22 @@ def test_fused_head_refuses_heads_it_cannot_reproduce():
     m.config.final_logit_softcapping = 30.0
     with pytest.raises(CastError, match="final_logit_softcapping"):
         check_fusable(m)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_autocast_fused_head_matches_float64():
+    hid, w, t_hid, t_w, ids = _data(B=2, T=65, h=64, V=1000, seed=2)
+    ref = causal_kd_loss(hid @ w.t(), t_hid @ t_w.t(), ids, eta=0.5)
+    ref.loss.backward()
+    h = hid.detach().float().cuda().requires_grad_()
+    wc = w.detach().float().cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = fused_head_loss(h, wc, t_hid.cuda().bfloat16(), t_w.cuda().bfloat16(), ids.cuda(), eta=0.5,
+                              chunk_size=48)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.cpu().double(), ref.loss.detach(), rtol=3e-2, atol=0)
+    assert h.grad.dtype == torch.float32 and wc.grad.dtype == torch.float32
+    for got, want in ((h.grad, hid.grad), (wc.grad, w.grad)):
+        cos = torch.nn.functional.cosine_similarity(got.double().cpu().flatten(), want.flatten(), dim=0)
+        assert cos > 0.99

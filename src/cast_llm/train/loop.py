@@ -229,6 +229,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     optimizer = method.build_optimizer(model, cfg, total_steps)
     scheduler = build_scheduler(optimizer, cfg, total_steps, default_warmup=job.default_warmup)
     # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
+    peak = PeakMemory(ctx.device)  # the steps' peak, against the plan printed at the top
+    peak.measure_framework(model, teacher, optimizer)  # before DDP's buckets exist: they are the plan's
     model, optimizer, teacher = distribution.wrap(model, optimizer, teacher)
     raw = accelerator.unwrap_model(model)
     for module in (raw, teacher):
@@ -312,8 +314,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     if resumed_window:
         window.update(resumed_window)
     grad_accum = cfg.grad_accum
-    peak = PeakMemory(ctx.device)  # the steps' peak, against the plan printed at the top
-    peak.start(raw, teacher, raw_opt)
+    peak.start()
     for step in range(start_step, total_steps):
         method.begin_step(raw, raw_opt, step)
         for micro in range(grad_accum):

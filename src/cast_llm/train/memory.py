@@ -77,9 +77,10 @@ def tensor_bytes(*objs) -> int:
 class PeakMemory:
     """Peak memory of this process from :meth:`start` to :meth:`read` (bytes; None where unmeasurable).
 
-    On the CPU, :meth:`start` also measures ``framework``: the resident set less the tensors the memory
+    On the CPU, :meth:`measure_framework` measures ``framework``: the resident set less the tensors the memory
     plan counts that exist at that moment (weights, teacher, optimizer state made so far) — the
-    interpreter, libraries, tokenizer and data, which the plan does not model."""
+    interpreter, libraries, tokenizer and data, which the plan does not model. It is called before the
+    model is wrapped for DDP, whose gradient buckets the plan counts."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -90,16 +91,19 @@ class PeakMemory:
     def what(self) -> str:
         return "max_memory_allocated" if self.device.type == "cuda" else "peak RSS (VmHWM)"
 
-    def start(self, *counted) -> None:
+    def measure_framework(self, *counted) -> None:
+        if self.device.type == "cpu" and _reset_rss_peak():
+            rss = peak_rss()  # = the current resident set, just after the reset
+            if rss is not None:
+                self.framework = max(0, rss - tensor_bytes(*counted))
+
+    def start(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.ok = True
         else:
             self.ok = _reset_rss_peak()
-            rss = peak_rss()
-            if self.ok and rss is not None:
-                self.framework = max(0, rss - tensor_bytes(*counted))
 
     def read(self) -> int | None:
         if not self.ok:
