@@ -19,9 +19,10 @@ shard under FSDP2, N tokens per micro-batch, V the vocabulary):
 
 The peak is the largest of three moments of a step: the end of the forward (activations, copies, logits),
 the start of the backward (activations, copies, the logits' gradient, the head's gradient) and its end
-(every gradient, the tied embedding's second gradient). On a GPU the verdict adds the CUDA context and a
-fragmentation margin (:data:`CUDA_CONTEXT`, :data:`FRAGMENTATION`), which the allocator's own peak does not see;
-on a CPU the heap's retention of freed blocks (:data:`CPU_RETENTION`).
+(every gradient; with a tied embedding, its two gradient contributions while autograd sums them). On a GPU
+the verdict adds the CUDA context and a fragmentation margin (:data:`CUDA_CONTEXT`, :data:`FRAGMENTATION`),
+which the allocator's own peak does not see; on a CPU the heap's retention of freed blocks
+(:data:`CPU_RETENTION`).
 """
 
 from __future__ import annotations
@@ -214,7 +215,9 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     m["end of forward"] = static + act + copies + fwd_tail + acc_grads + fsdp_root
     m["start of backward"] = (static + act + copies + bwd_start_extra + head_grad + acc_grads + fsdp_root
                               + fsdp_blocks + fsdp_blocks // 2)  # + one block's unsharded gradients
-    tied_extra = 4 * shape.head_params if shape.tied else 0  # the embedding's gradient, before it is summed in
+    # a tied head/embedding weight: autograd holds the head's and the embedding's gradient contributions
+    # until it has summed them into a third tensor (measured: docs/results/plan-vs-measured.md)
+    tied_extra = 2 * 4 * shape.head_params if shape.tied else 0
     fsdp_end = 2 * fsdp_root if s.strategy == "fsdp" else 0  # root parameters and their unsharded gradients
     m["end of backward"] = static + (0 if s.strategy == "ddp" else grads) + tied_extra + fsdp_end
     return plan
