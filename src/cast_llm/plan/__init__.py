@@ -98,8 +98,10 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     per_step = setup.batch_size * setup.seq_len * setup.grad_accum * setup.world
     tokens = cfg.tokens or PAPER_STEPS * per_step
     time = plan_time(shape, setup, tokens, tokens_per_s=cfg.tokens_per_s, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu)
+    if cpu and cfg.tokens_per_s is None:  # no FLOP rate to assume for a CPU: only a measured throughput
+        time.tokens_per_s = float("nan")
     fit_time = None
-    if fit is not None and fit.gpus != 0 and cfg.tokens_per_s is None:  # the options change the FLOPs
+    if fit is not None and fit.gpus != 0 and cfg.tokens_per_s is None and not cpu:  # options change the FLOPs
         fit_time = plan_time(shape, fit.setup, tokens, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu)
     decay = None
     if cfg.l1_decay > 0:

@@ -40,8 +40,8 @@ STRATEGIES = ("single", "ddp", "fsdp")
 CUDA_CONTEXT = int(1.0 * 2**30)
 FRAGMENTATION = 0.08
 # On a CPU, glibc keeps part of the freed mid-sized blocks (below its mmap threshold) in its heap: the peak
-# resident set measured 5-10% above the plan's tensors (docs/results/plan-vs-measured.md).
-CPU_RETENTION = 0.10
+# resident set measured 2-30% above the plan (the most with FSDP2 over gloo; docs/results/plan-vs-measured.md)
+CPU_RETENTION = 0.30
 
 
 @dataclass(frozen=True)

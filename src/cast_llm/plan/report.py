@@ -83,15 +83,25 @@ def plan_lines(p) -> list[str]:
     return lines
 
 
+def tokens_text(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
 def _time_line(p) -> str:
     t, cfg = p.time, p.cfg
+    if t.tokens_per_s != t.tokens_per_s:  # NaN: a CPU without a measured throughput
+        return (f"time: {tokens_text(t.tokens)} tokens = {t.steps:,} steps; give --tokens-per-s (a short run's "
+                "tokens_per_s in metrics.jsonl) for the time: there is no FLOP rate to assume for a CPU")
     if t.measured:
         how = "measured throughput (--tokens-per-s)"
     else:
         how = (f"estimated: {t.flops_per_token / 1e9:.1f} GFLOP per token at {cfg.gpu_tflops:g} TFLOP/s × "
                f"{cfg.mfu:.0%} MFU per GPU; --tokens-per-s from a short run replaces it")
     budget = "" if cfg.tokens else " (the paper's 7,500 steps)"
-    return (f"time: {t.tokens / 1e9:.2f}B tokens{budget} = {t.steps:,} steps at {t.tokens_per_s:,.0f} tokens/s "
+    return (f"time: {tokens_text(t.tokens)} tokens{budget} = {t.steps:,} steps at {t.tokens_per_s:,.0f} tokens/s "
             f"→ {duration(t.seconds)} ({how})")
 
 

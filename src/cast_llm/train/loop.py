@@ -430,13 +430,13 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
     if plan is not None:
         entry.update(planned_peak=plan.peak, planned_moment=plan.peak_moment, plan=plan.as_dict())
         planned = plan.peak
-        if framework is not None:  # the plan's framework measured where the steps begin (CPU)
+        if framework is not None:  # the plan's framework, measured before the steps (CPU)
             planned = plan.peak - plan.setup.framework + framework
-            entry.update(framework_at_first_step=framework, planned_peak_with_framework=planned)
+            entry.update(framework_measured=framework, planned_peak_with_framework=planned)
         entry["ratio"] = measured / planned
         line += f"; the plan: {planned / 2**30:.2f} GiB (measured / planned {measured / planned:.2f})"
         if framework is not None:
-            line += f", with the {framework / 2**30:.2f} GiB not held in tensors measured at the first step"
+            line += f", with the {framework / 2**30:.2f} GiB not held in tensors measured before the steps"
     results["memory"] = {**results.get("memory", {}), **entry}
     ctx.say(line)
 
