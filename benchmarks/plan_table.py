@@ -20,13 +20,13 @@ MODELS = ["smollm2-135m", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama
 GPUS = [1, 2, 8]
 
 
-def rows() -> list[str]:
+def rows(models=MODELS, gpus=GPUS) -> list[str]:
     out = ["| model | GPUs | as launched (1 GPU: one process; more: DDP) | fits 80 GB? | what makes it fit | "
            "needs then (per GPU) | time, 7.9B tokens (estimate) |",
            "|---|---|---|---|---|---|---|"]
-    for name in MODELS:
+    for name in models:
         shape = model_shape(name)
-        for g in GPUS:
+        for g in gpus:
             p = make_plan(PlanConfig(model=name, gpus=g, gpu_memory="80GB"), shape=shape)
             ok = p.memory.fits(p.capacity)
             if ok:

@@ -91,7 +91,7 @@ def test_activation_bytes_equal_what_autograd_saves_in_a_llama_block(autocast):
 
 def test_activation_checkpointing_keeps_the_block_inputs_and_one_block():
     m = tiny.model("llama", num_hidden_layers=3).train()
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, tiny.VOCAB, (2, 48))
     s = shape_of(m)
     a = activation_bytes(s, autocast=False, seq_len=48)
@@ -216,6 +216,22 @@ def test_plan_cli_bad_input_one_line_errors(argv, msg, capsys, monkeypatch):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1
+
+
+def test_the_table_of_docs_training_md():
+    """benchmarks/plan_table.py: the rows of the docs' table (here two models) and their verdicts."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import plan_table
+    finally:
+        sys.path.pop(0)
+    lines = plan_table.rows(models=["smollm2-135m", "llama-3.1-8b"], gpus=[1, 8])
+    assert len(lines) == 2 + 4
+    small, big1, big8 = lines[2], lines[4], lines[5]
+    assert "| smollm2-135m | 1 |" in small and "| yes |" in small
+    assert "| no |" in big1 and "(needs 4 GPUs)" in big1 and "--fsdp" in big1
+    assert "| no |" in big8 and "--fsdp --activation-checkpointing" in big8 and "h |" in big8
+    assert (REPO / "docs" / "training.md").read_text().count(big8) == 1  # the docs show the current plan
 
 
 # --------------------------------------------------------------------- the plan against a measured peak
