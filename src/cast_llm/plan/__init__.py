@@ -19,7 +19,7 @@ from cast_llm.plan.advice import Fit, make_it_fit, option_effects
 from cast_llm.plan.config import GRAD_RMS_AT_512, PAPER_GLOBAL_BATCH, PAPER_STEPS, WEIGHT_RMS, PlanConfig
 from cast_llm.plan.decay import DecayPlan, plan_decay
 from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
-from cast_llm.plan.shapes import ModelShape, model_shape, shape_of
+from cast_llm.plan.shapes import ModelShape, embedded_key, model_shape, shape_of
 from cast_llm.plan.sizes import fmt_size, parse_size
 from cast_llm.plan.timing import TimePlan, plan_time
 
@@ -111,8 +111,7 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
         lrs = [cfg.lr * f(k) for k in range(steps)]
         repair = cfg.repair_fraction if cfg.repair_fraction is not None else (0.0 if cfg.paper_exact else 0.2)
         prune_step = steps - round(repair * steps) if repair > 0 else steps
-        key = shape.source.split()[2] if shape.source.startswith("embedded config") else ""
-        weight_rms = cfg.weight_rms or WEIGHT_RMS.get(key, 0.02)
+        weight_rms = cfg.weight_rms or WEIGHT_RMS.get(embedded_key(cfg.model) or "", 0.02)
         grad_rms = cfg.grad_rms or GRAD_RMS_AT_512 * math.sqrt(512 / per_step)
         decay = plan_decay(lrs, total_steps=steps, l1_decay=cfg.l1_decay, grad_rms=grad_rms, weight_rms=weight_rms,
                            warm_start=not cfg.paper_exact, prune_step=prune_step, target=cfg.forecast_target)

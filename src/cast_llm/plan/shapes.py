@@ -67,7 +67,7 @@ class ModelShape:
         return self.target_params // max(1, self.layers)
 
 
-def _embedded_key(name: str) -> str | None:
+def embedded_key(name: str) -> str | None:
     low = name.strip().lower()
     for key, ids in EMBEDDED.items():
         if low == key or low in (i.lower() for i in ids):
@@ -97,7 +97,7 @@ def model_config(name: str):
         return AutoConfig.from_pretrained(str(p)), f"folder {p}"
     if p.suffix == ".gguf" or name.startswith((".", "/", "~")):
         raise CastError(f"model path not found or not a folder / config.json: {name}")
-    key = _embedded_key(name)
+    key = embedded_key(name)
     if key is not None and "/" not in name:
         return _from_dict(embedded_config(key), key), f"embedded config {key}"
     if "/" not in name:
