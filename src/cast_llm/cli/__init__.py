@@ -17,6 +17,7 @@ from cast_llm.errors import CastError
 # sub-command modules, in the order they are listed by --help
 COMMAND_MODULES = [
     "cast_llm.cli.train",
+    "cast_llm.cli.plan",
     "cast_llm.cli.prune",
     "cast_llm.cli.evaluate",
     "cast_llm.cli.export",

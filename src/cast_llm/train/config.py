@@ -36,7 +36,9 @@ RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT = (
     "run", "budget and batch", "optimizer and schedule", "CAST: AdamS, weight scaling, distillation",
     "beyond the paper (short budgets; off with --paper-exact)", "baselines and ablations", "evaluation",
     "mask-learning statistics", "logging and checkpoints")
-SECTIONS = (RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT)  # the order of `train --help`
+MEMORY = "memory for large models (cast-llm plan says which a run needs)"
+SECTIONS = (RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT, MEMORY)  # the order of `train --help`
+TEACHER_DTYPES = ("auto", "bf16", "fp32")
 
 
 def _opt_count(v):
@@ -249,9 +251,23 @@ class TrainConfig(RunConfig, CastSettings):
                                                   "into ratio_hist.npz: fractions of the run (0.5) and/or steps "
                                                   "(500), comma-separated; '' = never", parse=parse_hist_steps,
                                    section=ANALYSIS)
+    # --- memory for large models (docs/training.md, "Large models"; none changes what is computed except
+    # --teacher-dtype, and --fused-head up to float summation order)
+    activation_checkpointing: bool = option(False, "recompute each decoder block of the student in backward instead "
+                                                   "of keeping its activations (~+25% step time); the teacher "
+                                                   "keeps none anyway (its forward runs without a graph)",
+                                            section=MEMORY)
+    teacher_dtype: str = option("auto", "the frozen teacher's weights: auto (bf16 when training in bf16, else "
+                                        "fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY)
+    fused_head: bool = option(False, "LM head and loss (KD or CE) together, --kd-chunk-size tokens at a time: the "
+                                     "full tokens × vocabulary logits of student and teacher never exist (128k "
+                                     "vocabularies; same FLOPs)", section=MEMORY)
+    packed_masks: bool = option(False, "AdamS keeps its N:M masks as bits (1/8 of the bool masks)", section=MEMORY)
 
     def validate(self) -> None:
         super().validate()
+        if self.packed_masks and (self.method != "cast" or self.mask_learner != "adams"):
+            raise CastError("--packed-masks is AdamS's mask storage: it needs --method cast with --mask-learner adams")
         if (self.max_steps is None) == (self.tokens is None):
             raise CastError("give exactly one budget: --max-steps N or --tokens N (e.g. 20M)")
         if self.mask_learner != "adams" and self.method != "cast":

@@ -126,7 +126,7 @@ class Sharded(Distribution):
                 transposed = [t.weight for t in find_targets(module, n=cfg.n, m=cfg.m,
                                                               skip_incompatible=cfg.skip_incompatible)
                               if t.transposed]
-                fsdp.shard_model(module, mesh, transposed_weights=transposed)
+                fsdp.shard_model(module, mesh, transposed_weights=transposed, frozen=module is teacher)
         say(f"FSDP2: student{' and teacher' if teacher is not None else ''} sharded over {self.world} processes "
             "(rows of every weight; N:M groups stay whole on one rank)")
 
@@ -167,6 +167,9 @@ class Sharded(Distribution):
                                                           skip_incompatible=cfg.skip_incompatible)}
         masks = fsdp.gather_masks(optimizer, names, self.is_main)
         full = fsdp.full_model_state(raw)
+        # training is over: AdamS's moments and masks (12-13 bytes per parameter, sharded) make room on the
+        # device for the whole student that rank 0 evaluates and exports
+        optimizer.state.clear()
         if not self.is_main:
             return None
         plain = fsdp.build_plain_student(cfg)

@@ -21,6 +21,7 @@ number of processes. The final model is gathered on rank 0 as a full state dict,
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -67,11 +68,14 @@ def device_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard_model(model: nn.Module, mesh, *, transposed_weights=()) -> nn.Module:
+def shard_model(model: nn.Module, mesh, *, transposed_weights=(), frozen: bool = False) -> nn.Module:
     """``fully_shard`` every decoder block, then the root (embeddings, final norm, head), in place.
 
     Parameters are moved to the mesh's device by FSDP block by block, so a model loaded on the CPU never
-    sits whole on one GPU. ``transposed_weights``: Conv1D target weights, sharded along dim 1.
+    sits whole on one GPU. ``transposed_weights``: Conv1D target weights, sharded along dim 1. ``frozen``
+    (the teacher): the root is resharded after the forward too — FSDP2 keeps a root unsharded for the
+    backward that follows, which a model without a backward never runs, so its embeddings and head would
+    stay whole on every GPU.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
@@ -86,8 +90,27 @@ def shard_model(model: nn.Module, mesh, *, transposed_weights=()) -> nn.Module:
 
     for block in found[1]:
         fully_shard(block, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement, reshard_after_forward=True if frozen else None)
     return model
+
+
+@contextlib.contextmanager
+def unsharded_head(model: nn.Module | None):
+    """The LM head weight of ``model`` as a whole tensor for the duration (None for no model): a sharded
+    (FSDP2) model's root is all-gathered and resharded after; a plain model's weight is just returned."""
+    if model is None:
+        yield None
+        return
+    raw = getattr(model, "module", model)
+    weight = raw.get_output_embeddings().weight
+    if not is_dtensor(weight) or not hasattr(raw, "unshard"):
+        yield weight
+        return
+    raw.unshard()  # the root's own parameters (embeddings, final norm, head); blocks are separate units
+    try:
+        yield raw.get_output_embeddings().weight
+    finally:
+        raw.reshard()
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:

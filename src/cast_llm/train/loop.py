@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -40,9 +39,11 @@ from cast_llm.train.checkpoint import (
     set_rng_state,
 )
 from cast_llm.train.distributed import build_distribution
+from cast_llm.train.memory import PeakMemory
 from cast_llm.train.preemption import Preempted, StopRequest
 from cast_llm.train.rundir import RunLock, prepare_run_dir, record_written, write_marker
 from cast_llm.train.schedule import build_scheduler
+from cast_llm.train.threads import setup_threads
 
 __all__ = ["Job", "run", "build_accelerator", "resolve_precision"]
 
@@ -130,7 +131,12 @@ def build_accelerator(cfg):
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
     precision = resolve_precision(cfg, "cpu" if cpu else "cuda")
-    return Accelerator(cpu=cpu, mixed_precision=precision), precision
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # DDP's gradients as views of its communication buckets: one fp32 copy of the gradients instead of two
+    # (the buckets alone are as large as the gradients); the values are the same
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    return Accelerator(cpu=cpu, mixed_precision=precision, kwargs_handlers=[ddp]), precision
 
 
 def keep_output_dtype(module) -> None:
@@ -223,6 +229,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     optimizer = method.build_optimizer(model, cfg, total_steps)
     scheduler = build_scheduler(optimizer, cfg, total_steps, default_warmup=job.default_warmup)
     # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
+    peak = PeakMemory(ctx.device)  # the steps' peak, against the plan printed at the top
+    peak.measure_framework(model, teacher, optimizer)  # before DDP's buckets exist: they are the plan's
     model, optimizer, teacher = distribution.wrap(model, optimizer, teacher)
     raw = accelerator.unwrap_model(model)
     for module in (raw, teacher):
@@ -306,6 +314,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     if resumed_window:
         window.update(resumed_window)
     grad_accum = cfg.grad_accum
+    peak.start()
     for step in range(start_step, total_steps):
         method.begin_step(raw, raw_opt, step)
         for micro in range(grad_accum):
@@ -373,6 +382,10 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             bar.update(1)
     if bar is not None:
         bar.close()
+    if start_step < total_steps:
+        _report_peak(job, ctx, distribution, peak, results)
+        if is_main:  # the figure survives whatever happens in the export
+            atomic_write_json(out / "results.json", results)
 
     # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation. With
     # checkpoints on, the last step is saved first, so a failure in the export (a full disk, …) costs no
@@ -397,6 +410,35 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     distribution.barrier()
     accelerator.end_training()
     return results
+
+
+def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, Any]) -> None:
+    """The largest per-process peak of the steps (all ranks), beside the plan's, into results.json."""
+    measured = peak.read()
+    if measured is None:
+        return
+    framework = peak.framework
+    if distribution.world > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([float(measured), float(framework or 0)], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        measured, framework = int(t[0].item()), (int(t[1].item()) if framework is not None else None)
+    plan = getattr(job, "memory_plan", None)
+    entry = {"measured_peak": measured, "measured": peak.what, "per_process": True}
+    line = f"peak memory per process over the steps: {measured / 2**30:.2f} GiB ({peak.what})"
+    if plan is not None:
+        entry.update(planned_peak=plan.peak, planned_moment=plan.peak_moment, plan=plan.as_dict())
+        planned = plan.peak
+        if framework is not None:  # the plan's framework, measured before the steps (CPU)
+            planned = plan.peak - plan.setup.framework + framework
+            entry.update(framework_measured=framework, planned_peak_with_framework=planned)
+        entry["ratio"] = measured / planned
+        line += f"; the plan: {planned / 2**30:.2f} GiB (measured / planned {measured / planned:.2f})"
+        if framework is not None:
+            line += f", with the {framework / 2**30:.2f} GiB not held in tensors measured before the steps"
+    results["memory"] = {**results.get("memory", {}), **entry}
+    ctx.say(line)
 
 
 def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
@@ -443,30 +485,3 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
     if "val_loss" in rec:
         out["val"] = f"{rec['val_loss']:.3f}"
     return out
-
-
-def setup_threads(cfg) -> str | None:
-    """``--threads``: torch's intra-op threads. 0 = automatic: the cores this process may use, less the cores
-    other processes keep busy (the 1-minute load average), at least 1 — on a shared machine torch's threads
-    otherwise spin against the other jobs' (a 2-core box measured 19.7 GFLOP/s with 1 thread against 13.7 with
-    2 while another job ran). Returns a line saying what was chosen (None when the user chose)."""
-    n = getattr(cfg, "threads", 0) or 0
-    if n > 0:
-        torch.set_num_threads(n)
-        return None
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None  # the user (or a launcher) chose already
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    try:
-        busy = int(round(os.getloadavg()[0]))
-    except OSError:  # pragma: no cover - no load average
-        busy = 0
-    threads = max(1, cores - busy)
-    torch.set_num_threads(threads)
-    if threads < cores:
-        return (f"threads: {threads} of {cores} cores (other processes keep ~{busy} busy; timings assume an idle "
-                "machine; --threads N to choose)")
-    return None

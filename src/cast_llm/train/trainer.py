@@ -13,21 +13,28 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cast_llm.data import BatchSampler, prepare, steps_for_tokens
 from cast_llm.distill import causal_kd_loss
 from cast_llm.errors import CastError
 from cast_llm.eval.ppl import packed_perplexity, perplexity, tokenize_text, wikitext2_source
 from cast_llm.export import save_sparse_checkpoint
+from cast_llm.head_loss import fused_head_loss, head_inputs
 from cast_llm.io import atomic_write_json
 from cast_llm.models import check_seq_len, load_model, load_tokenizer, max_positions
+from cast_llm.plan import process_rss
 from cast_llm.sparsity.mask import magnitude_mask
 from cast_llm.targets import find_targets
 from cast_llm.train import fsdp as fsdp2
 from cast_llm.train.checkpoint import FINGERPRINT_KEYS
 from cast_llm.train.config import TrainConfig
 from cast_llm.train.loop import Job, run
+from cast_llm.train.memory import plan_for_run, warn_if_too_large
+from cast_llm.train.memory_options import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    teacher_dtype,
+)
 from cast_llm.train.methods import get_method
 from cast_llm.train.observers import default_observers, with_masks_applied
 from cast_llm.train.summary import mask_movement, options_used, summary_table
@@ -36,12 +43,16 @@ from cast_llm.train.teacher import TeacherForward
 
 # ------------------------------------------------------------------------------------------------- the loss
 def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tuple[torch.Tensor, float, float]:
-    """Eq. 13 on next-token prediction; returns (loss, ce, kd) with the parts as floats for logging."""
-    if teacher_logits is None:
-        ce = F.cross_entropy(student_logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
-        return ce, float(ce.detach()), 0.0
-    out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=cfg.eta, temperature=cfg.temperature,
+    """Eq. 13 on next-token prediction; returns (loss, ce, kd) with the parts as floats for logging.
+
+    Without a teacher it is the chunked loss at η = 0 (plain CE, the same mean over the shifted tokens): a
+    plain ``F.cross_entropy`` would keep fp32 log-probabilities of every token for backward (N × V × 4
+    bytes, 16 GiB for 32k tokens of a 128k vocabulary)."""
+    eta = cfg.eta if teacher_logits is not None else 0.0
+    out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=eta, temperature=cfg.temperature,
                          chunk_size=cfg.kd_chunk_size)
+    if teacher_logits is None:
+        return out.loss, float(out.ce), 0.0
     return out.loss, float(out.ce), float(out.kd)
 
 
@@ -135,9 +146,15 @@ class PretrainJob(Job):
         self.say = say
         if cfg.fsdp:
             fsdp2.check_supported(cfg)
+        framework = process_rss() if ctx.device.type == "cpu" else 0  # the plan's "framework" on a CPU
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, dtype=torch.float32)
         check_seq_len(model, cfg.seq_len, cfg.model)
+        self.memory_plan, lines = plan_for_run(cfg, model, world=ctx.world, device=ctx.device,
+                                               precision=ctx.precision, framework=framework)
+        for line in lines:
+            say(line)
+        warn_if_too_large(self.memory_plan, ctx.device, ctx.world, say)
         targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         skipped = getattr(targets, "skipped", [])
         if skipped:
@@ -158,6 +175,14 @@ class PretrainJob(Job):
             f"{self.tokens_per_step} tokens on {ctx.world} process(es), {ctx.device}")
         say(f"evaluation: {self.evaluator.describe()} (--wikitext-windows 0: the full protocol)")
         results.setdefault("perplexity", {"heldout": {}, "wikitext2": {}})
+        # The teacher: the dense model, copied before anything changes the student, and before the baseline
+        # evaluation moves the student to the device (a copy made there would put two fp32 models on a GPU)
+        self.teacher = None
+        if self.method.uses_kd(cfg):
+            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+            dtype = teacher_dtype(cfg, ctx.precision)
+            if dtype != torch.float32:
+                self.teacher.to(dtype)
         if not resuming and cfg.baseline_eval:  # where every run starts from: the dense model, and one-shot N:M
             model.to(ctx.device)
             dense = self.evaluator.both(model, "dense model (the original)")
@@ -169,11 +194,8 @@ class PretrainJob(Job):
                     model, mags, lambda m: self.evaluator.both(m, f"one-shot magnitude {cfg.n}:{cfg.m}"))
                 for split in ("heldout", "wikitext2"):
                     results["perplexity"][split]["magnitude"] = magnitude[split]
-        self.teacher = None
-        if self.method.uses_kd(cfg):
-            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
-            if ctx.precision == "bf16":  # the training dtype: half the memory of
-                self.teacher.to(torch.bfloat16)  # fp32 weights, and no weight casts by autocast at every forward
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.model = model
 
     def after_prepare(self, ctx, model, results, resuming: bool) -> None:
@@ -194,6 +216,8 @@ class PretrainJob(Job):
         return self.data.train[idx].to(self.device)
 
     def loss(self, model, teacher, batch):
+        if self.cfg.fused_head:
+            return self._fused_loss(model, teacher, batch)
         logits = model(input_ids=batch).logits
         t_logits = None
         if teacher is not None:
@@ -204,6 +228,21 @@ class PretrainJob(Job):
             t_logits = self.teacher_forward(batch)
         loss, ce, kd = lm_loss(logits, t_logits, batch, self.cfg)
         return loss, {"ce": ce, "kd": kd}, batch.numel()
+
+    def _fused_loss(self, model, teacher, batch):
+        """--fused-head: the models return their LM heads' inputs; the loss forms the logits chunk by chunk."""
+        cfg = self.cfg
+        with head_inputs(model, teacher):
+            hidden = model(input_ids=batch).logits
+            t_hidden = None
+            if teacher is not None:
+                with torch.no_grad():
+                    t_hidden = teacher(input_ids=batch).logits
+        weight = getattr(model, "module", model).get_output_embeddings().weight
+        with fsdp2.unsharded_head(teacher) as t_weight:
+            out = fused_head_loss(hidden, weight, t_hidden, t_weight, batch, eta=cfg.eta if teacher is not None
+                                  else 0.0, temperature=cfg.temperature, chunk_size=cfg.kd_chunk_size)
+        return out.loss, {"ce": float(out.ce), "kd": float(out.kd) if teacher is not None else 0.0}, batch.numel()
 
     def observers(self, ctx) -> list:
         if self.cfg.fsdp:  # the per-layer analysis observers need whole tensors; mask statistics are summed
@@ -216,6 +255,7 @@ class PretrainJob(Job):
         cfg = self.cfg
         tokens_trained = self.total_steps * self.tokens_per_step
         if ctx.is_main:
+            disable_activation_checkpointing(final)  # nothing of it belongs in the exported model
             final_targets = find_targets(final, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
             save_sparse_checkpoint(final, self.tokenizer, ctx.out, n=cfg.n, m=cfg.m, method=cfg.method,
                                              targets=final_targets,

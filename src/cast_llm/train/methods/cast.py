@@ -120,6 +120,7 @@ class CastMethod(TrainingMethod):
             n=cfg.n,
             m=cfg.m,
             weight_decay=cfg.weight_decay,
+            mask_storage="packed" if getattr(cfg, "packed_masks", False) else "bool",
         )
         if self._init_masks is not None:
             for t in targets:

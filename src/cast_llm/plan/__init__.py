@@ -1,0 +1,132 @@
+"""``cast-llm plan``: what a CAST run will need, before it runs — memory per GPU, whether it fits and with
+which options, how long it takes, and whether the decay will finish.
+
+The parts, each a small pure module: :mod:`~cast_llm.plan.shapes` (the model's counts from its config, on
+the meta device), :mod:`~cast_llm.plan.activations` (bytes autograd keeps per token),
+:mod:`~cast_llm.plan.memory` (the per-GPU breakdown and its peak), :mod:`~cast_llm.plan.advice` (the options
+that make it fit), :mod:`~cast_llm.plan.timing`, :mod:`~cast_llm.plan.decay` (S_T in closed form),
+:mod:`~cast_llm.plan.report` (the text). :func:`make_plan` puts them together for a :class:`PlanConfig`;
+``cast-llm train`` prints the memory part for its own configuration (:func:`setup_for_run`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from cast_llm.plan.advice import Fit, make_it_fit, option_effects
+from cast_llm.plan.config import GRAD_RMS_AT_512, PAPER_GLOBAL_BATCH, PAPER_STEPS, WEIGHT_RMS, PlanConfig
+from cast_llm.plan.decay import DecayPlan, plan_decay
+from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
+from cast_llm.plan.shapes import ModelShape, embedded_key, model_shape, shape_of
+from cast_llm.plan.sizes import fmt_size, parse_size
+from cast_llm.plan.timing import TimePlan, plan_time
+
+__all__ = ["Plan", "PlanConfig", "Setup", "MemoryPlan", "ModelShape", "make_plan", "model_shape", "shape_of",
+           "plan_memory", "parse_size", "fmt_size", "setup_for_run", "process_rss", "machine_ram"]
+
+
+@dataclass
+class Plan:
+    cfg: PlanConfig
+    shape: ModelShape
+    setup: Setup
+    capacity: int  # bytes one process may use
+    memory: MemoryPlan
+    fit: Fit | None  # None when it fits as given
+    effects: list  # [(Option, MemoryPlan)] each option alone
+    time: TimePlan
+    decay: DecayPlan | None
+    fit_time: TimePlan | None = None  # the time with the options of `fit` (they change the FLOPs)
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {"model": self.shape.name, "source": self.shape.source, "shape": asdict(self.shape),
+                "setup": asdict(self.setup), "capacity": self.capacity, "memory": self.memory.as_dict(),
+                "fits": self.memory.fits(self.capacity),
+                "make_it_fit": None if self.fit is None else {
+                    "flags": self.fit.flags, "gpus": self.fit.gpus, "needed": self.fit.plan.needed()},
+                "options": [{"flag": o.flag, "needed": p.needed(), "fits": p.fits(self.capacity)}
+                            for o, p in self.effects],
+                "time": self.time.as_dict(), "time_with_options": self.fit_time and self.fit_time.as_dict(),
+                "decay": None if self.decay is None else self.decay.as_dict()}
+
+
+def process_rss() -> int:
+    """This process's resident set (bytes; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def machine_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0
+
+
+def _setup(cfg: PlanConfig, framework: int) -> Setup:
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cfg.device == "cuda" else "fp32")
+    strategy = "fsdp" if cfg.fsdp else ("ddp" if cfg.gpus > 1 else "single")
+    accum = cfg.grad_accum or max(1, math.ceil(PAPER_GLOBAL_BATCH / (cfg.batch_size * cfg.gpus)))
+    return Setup(device=cfg.device, world=cfg.gpus, strategy=strategy, precision=precision,
+                 batch_size=cfg.batch_size, grad_accum=accum, seq_len=cfg.seq_len, kd=cfg.kd, scaling=cfg.scaling,
+                 scale_groups=cfg.scale_groups, activation_checkpointing=cfg.activation_checkpointing,
+                 teacher_dtype=cfg.teacher_dtype, fused_head=cfg.fused_head, kd_chunk_size=cfg.kd_chunk_size,
+                 packed_masks=cfg.packed_masks, framework=framework)
+
+
+def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
+    """The whole plan for ``cfg`` (``shape``: already known, e.g. from a loaded model)."""
+    from cast_llm.train.schedule import lr_factor
+
+    cfg.validate()
+    shape = shape or model_shape(cfg.model)
+    cpu = cfg.device == "cpu"
+    total = parse_size(cfg.gpu_memory) if cfg.gpu_memory else (machine_ram() if cpu else 80 * 10**9)
+    capacity = total // cfg.gpus if cpu else total  # CPU processes share the machine's RAM
+    setup = _setup(cfg, framework=process_rss() if cpu else 0)
+    memory = plan_memory(shape, setup)
+    fit = None if memory.fits(capacity) else make_it_fit(shape, setup, capacity)
+    effects = option_effects(shape, setup)
+    per_step = setup.batch_size * setup.seq_len * setup.grad_accum * setup.world
+    tokens = cfg.tokens or PAPER_STEPS * per_step
+    time = plan_time(shape, setup, tokens, tokens_per_s=cfg.tokens_per_s, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu)
+    if cpu and cfg.tokens_per_s is None:  # no FLOP rate to assume for a CPU: only a measured throughput
+        time.tokens_per_s = float("nan")
+    fit_time = None
+    if fit is not None and fit.gpus != 0 and cfg.tokens_per_s is None and not cpu:  # options change the FLOPs
+        fit_time = plan_time(shape, fit.setup, tokens, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu)
+    decay = None
+    if cfg.l1_decay > 0:
+        steps = time.steps
+        warm = max(1, round(0.02 * steps))
+        f = lr_factor(cfg.lr_schedule, steps, warm)
+        lrs = [cfg.lr * f(k) for k in range(steps)]
+        repair = cfg.repair_fraction if cfg.repair_fraction is not None else (0.0 if cfg.paper_exact else 0.2)
+        prune_step = steps - round(repair * steps) if repair > 0 else steps
+        weight_rms = cfg.weight_rms or WEIGHT_RMS.get(embedded_key(cfg.model) or "", 0.02)
+        grad_rms = cfg.grad_rms or GRAD_RMS_AT_512 * math.sqrt(512 / per_step)
+        decay = plan_decay(lrs, total_steps=steps, l1_decay=cfg.l1_decay, grad_rms=grad_rms, weight_rms=weight_rms,
+                           warm_start=not cfg.paper_exact, prune_step=prune_step, target=cfg.forecast_target)
+    return Plan(cfg, shape, setup, capacity, memory, fit, effects, time, decay, fit_time)
+
+
+def setup_for_run(cfg, *, world: int, device_type: str, precision: str, framework: int = 0) -> Setup:
+    """The :class:`Setup` of a ``cast-llm train`` configuration (``precision``: the loop's, 'bf16' or 'no')."""
+    return Setup(device="cuda" if device_type == "cuda" else "cpu", world=world,
+                 strategy="fsdp" if cfg.fsdp else ("ddp" if world > 1 else "single"),
+                 precision="bf16" if precision == "bf16" else "fp32", batch_size=cfg.batch_size,
+                 grad_accum=cfg.grad_accum, seq_len=cfg.seq_len, kd=cfg.use_kd, scaling=cfg.use_scaling,
+                 scale_groups=cfg.scale_groups,
+                 activation_checkpointing=getattr(cfg, "activation_checkpointing", False),
+                 teacher_dtype=getattr(cfg, "teacher_dtype", "auto"), fused_head=getattr(cfg, "fused_head", False),
+                 kd_chunk_size=cfg.kd_chunk_size, packed_masks=getattr(cfg, "packed_masks", False),
+                 framework=framework)
+

@@ -1,0 +1,89 @@
+"""``cast-llm plan`` options: the run to plan, as ``cast-llm train`` would be given it, and the assumptions.
+
+Defaults describe the paper's LLaMA run (method.md §5: global batch 256 × 4096 tokens, 7,500 steps, lr 2e-5,
+λ 4e-7) with one sequence per micro-batch, so that ``cast-llm plan --model M --gpus 8`` plans what a user
+of the paper's recipe would launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cast_llm.config import check_ranges, option, parse_count
+from cast_llm.errors import CastError
+from cast_llm.train.config import LR_SCHEDULES
+
+RUN, MEMORY, TIME, DECAY = ("the run", "memory options (cast-llm train flags)", "time", "decay forecast assumptions")
+SECTIONS = (RUN, MEMORY, TIME, DECAY)
+PAPER_GLOBAL_BATCH = 256  # sequences per optimizer step (method.md §5, LLaMA)
+PAPER_STEPS = 7_500
+# gradient-noise rms of a pruned entry measured on SmolLM2-135M (first backward, 512 tokens per batch:
+# 3.9e-4); noise falls as 1/sqrt(tokens per step). Larger models have smaller per-entry gradients, so this
+# is on the pessimistic side for them.
+GRAD_RMS_AT_512 = 3.9e-4
+WEIGHT_RMS = {"smollm2-135m": 0.193}  # measured rms of the target weights; others: --weight-rms (0.02)
+
+
+def _opt_count(v):
+    return None if v is None else parse_count(v)
+
+
+@dataclass
+class PlanConfig:
+    model: str | None = option(None, "model folder, config.json, hub id, or an embedded config (smollm2-135m, "
+                                     "llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-2-7b, llama-2-13b)",
+                               section=RUN)
+    gpus: int = option(1, "processes (GPUs), one per GPU", min=1, section=RUN)
+    gpu_memory: str | None = option(None, "memory of one GPU: 80GB (10⁹ bytes, the card's label) or 80GiB "
+                                          "(default 80GB; with --device cpu: this machine's RAM, shared by "
+                                          "the processes)", section=RUN)
+    device: str = option("cuda", "cuda, or cpu (processes on this machine's RAM)", choices=("cuda", "cpu"),
+                         section=RUN)
+    fsdp: bool = option(False, "FSDP2 (cast-llm train --fsdp); without it several GPUs run DDP", section=RUN)
+    precision: str = option("auto", "auto (bf16 autocast on cuda, fp32 on cpu), bf16, fp32",
+                            choices=("auto", "bf16", "fp32"), section=RUN)
+    batch_size: int = option(1, "sequences per micro-batch per GPU", min=1, section=RUN)
+    grad_accum: int | None = option(None, "micro-batches per step (default: a global batch of 256 sequences, "
+                                          "the paper's)", min=1, section=RUN)
+    seq_len: int = option(4096, "tokens per sequence", min=2, section=RUN)
+    kd: bool = option(True, "distil from the dense teacher (--no-kd: no teacher)", section=RUN)
+    scaling: bool = option(True, "learnable weight scaling (--no-scaling)", section=RUN)
+    scale_groups: int = option(2, "column blocks per row of the weight scale", min=1, section=RUN)
+    activation_checkpointing: bool = option(False, "recompute each decoder block in backward", section=MEMORY)
+    fused_head: bool = option(False, "LM head and loss in token chunks (no full logits)", section=MEMORY)
+    packed_masks: bool = option(False, "N:M masks as bits", section=MEMORY)
+    teacher_dtype: str = option("auto", "teacher weights: auto (the training dtype), bf16, fp32",
+                                choices=("auto", "bf16", "fp32"), section=MEMORY)
+    kd_chunk_size: int = option(1024, "tokens per chunk of the loss", min=1, section=MEMORY)
+    tokens: int | None = option(None, "training tokens (default: the paper's 7,500 steps of the global batch)",
+                                parse=_opt_count, min=1, section=TIME)
+    tokens_per_s: float | None = option(None, "measured throughput over all GPUs (tokens_per_s of a short run's "
+                                              "metrics.jsonl); default: estimated from FLOPs", min=0,
+                                        min_exclusive=True, section=TIME)
+    gpu_tflops: float = option(989.0, "peak dense bf16 TFLOP/s of one GPU for the estimate (H100 SXM: 989)",
+                               min=0, min_exclusive=True, section=TIME)
+    mfu: float = option(0.35, "model-FLOPs utilisation assumed by the estimate", min=0, min_exclusive=True, max=1,
+                        section=TIME)
+    lr: float = option(2e-5, "peak lr (paper, LLaMA: 2e-5)", min=0, min_exclusive=True, section=DECAY)
+    l1_decay: float = option(4e-7, "AdamS λ (paper, LLaMA: 4e-7)", min=0, section=DECAY)
+    lr_schedule: str = option("cosine", "lr after a 2% warm-up", choices=LR_SCHEDULES, section=DECAY)
+    paper_exact: bool = option(False, "dense start and final prune at the last step (default: warm start from "
+                                      "the one-shot model, masked repair over the last 20%)", section=DECAY)
+    repair_fraction: float | None = option(None, "masked-repair fraction (default 0.2; 0 with --paper-exact)",
+                                           min=0, max=0.999, section=DECAY)
+    forecast_target: float = option(0.99, "the sparse-weight ratio S_t the decay should reach", min=0,
+                                    min_exclusive=True, max=1, section=DECAY)
+    weight_rms: float | None = option(None, "rms of the target weights (default: measured for smollm2-135m, "
+                                            "else 0.02, typical of LLaMA-2/3 linears)", min=0, min_exclusive=True,
+                                      section=DECAY)
+    grad_rms: float | None = option(None, "gradient-noise rms of a pruned entry at the run's batch (default: "
+                                          "SmolLM2-135M's 3.9e-4 at 512 tokens, × sqrt(512 / tokens per step))",
+                                    min=0, min_exclusive=True, section=DECAY)
+    json: bool = option(False, "print the plan as one JSON object", section=RUN)
+
+    def validate(self) -> None:
+        if not self.model:
+            raise CastError("--model is required (a folder, config.json, hub id or embedded config name)")
+        check_ranges(self)
+        if self.paper_exact and self.repair_fraction:
+            raise CastError("--paper-exact has no masked repair; it excludes --repair-fraction")

@@ -1,0 +1,128 @@
+"""The plan as text: ``cast-llm plan`` prints :func:`plan_lines`; ``cast-llm train`` prints
+:func:`memory_lines` of its own configuration at the top of every run."""
+
+from __future__ import annotations
+
+from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
+from cast_llm.plan.sizes import fmt_size
+
+__all__ = ["plan_lines", "memory_lines", "setup_line", "duration"]
+
+_STRATEGY = {"single": "one process", "ddp": "DDP", "fsdp": "FSDP2"}
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def setup_line(s: Setup) -> str:
+    prec = "bf16 autocast (fp32 master weights)" if s.precision == "bf16" else "fp32"
+    unit = "GPU" if s.device == "cuda" else "process"
+    return (f"{s.world} {unit}{'s' if s.world > 1 else ''}, {_STRATEGY[s.strategy]}, {prec}; micro-batch "
+            f"{s.batch_size} × {s.seq_len} tokens, grad-accum {s.grad_accum}; KD {'on' if s.kd else 'off'}, "
+            f"weight scaling {'on' if s.scaling else 'off'}")
+
+
+def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") -> list[str]:
+    """The breakdown, the peak and the verdict (``capacity``: bytes one process may use, or None)."""
+    s = plan.setup
+    unit = "GPU" if s.device == "cuda" else "process"
+    rows = [(k, v) for k, v in plan.persistent.items() if v]
+    out = [f"memory per {unit} (persistent):"]
+    out += [f"{indent}{k:<52}{fmt_size(v):>11}" for k, v in rows]
+    out.append(f"memory per {unit} (during a step, each at its largest):")
+    out += [f"{indent}{k:<52}{fmt_size(v):>11}" for k, v in plan.step.items() if v]
+    peaks = ", ".join(f"{k} {fmt_size(v)}" for k, v in plan.moments.items())
+    out.append(f"{indent}{'peak (' + plan.peak_moment + ')':<52}{fmt_size(plan.peak):>11}   [{peaks}]")
+    for note in plan.notes:
+        out.append(f"{indent}note: {note}")
+    if capacity is not None:
+        extra = (f" (+ CUDA context {fmt_size(CUDA_CONTEXT)} and {FRAGMENTATION:.0%} fragmentation)"
+                 if s.device == "cuda" else f" (+ {CPU_RETENTION:.0%} the heap keeps of freed blocks)")
+        verdict = "fits" if plan.fits(capacity) else "DOES NOT FIT"
+        out.append(f"{indent}needs {fmt_size(plan.needed())}{extra} of {fmt_size(capacity)}: {verdict}")
+    return out
+
+
+def plan_lines(p) -> list[str]:
+    """All of ``cast-llm plan``'s report for a :class:`cast_llm.plan.Plan`."""
+    sh, s = p.shape, p.setup
+    unit = "GPU" if s.device == "cuda" else "process"
+    lines = [
+        f"model {sh.name} ({sh.source}): {sh.params / 1e9:.2f}B parameters, {sh.target_params / 1e9:.2f}B of them "
+        f"in the 2:4 targets; {sh.layers} blocks, hidden {sh.hidden}, vocabulary {sh.vocab}, LM head "
+        f"{'tied' if sh.tied else 'untied'}",
+        f"run: {setup_line(s)}; {fmt_size(p.capacity)} per {unit}",
+        "",
+        *memory_lines(p.memory, p.capacity),
+    ]
+    if p.fit is not None:
+        f = p.fit
+        if f.gpus == 0:
+            lines.append(f"to make it fit: nothing up to 4096 GPUs with {' '.join(f.flags) or 'every option'}")
+        else:
+            more = f" on {f.gpus} GPUs" if f.gpus else ""
+            lines.append(f"to make it fit: {' '.join(f.flags)}{more} → needs {fmt_size(f.plan.needed())} per {unit}")
+    if p.effects:
+        lines.append("each memory option alone:")
+        for opt, mp in p.effects:
+            ok = "fits" if mp.fits(p.capacity) else "does not fit"
+            lines.append(f"  {opt.flag:<34}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
+    lines += ["", _time_line(p)]
+    if p.fit_time is not None:
+        lines.append(f"  with the options above: {duration(p.fit_time.seconds)} "
+                     f"({p.fit_time.tokens_per_s:,.0f} tokens/s, estimated)")
+    if p.decay is not None:
+        lines += _decay_lines(p)
+    return lines
+
+
+def tokens_text(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _time_line(p) -> str:
+    t, cfg = p.time, p.cfg
+    if t.tokens_per_s != t.tokens_per_s:  # NaN: a CPU without a measured throughput
+        return (f"time: {tokens_text(t.tokens)} tokens = {t.steps:,} steps; give --tokens-per-s (a short run's "
+                "tokens_per_s in metrics.jsonl) for the time: there is no FLOP rate to assume for a CPU")
+    if t.measured:
+        how = "measured throughput (--tokens-per-s)"
+    else:
+        how = (f"estimated: {t.flops_per_token / 1e9:.1f} GFLOP per token at {cfg.gpu_tflops:g} TFLOP/s × "
+               f"{cfg.mfu:.0%} MFU per GPU; --tokens-per-s from a short run replaces it")
+    budget = "" if cfg.tokens else " (the paper's 7,500 steps)"
+    return (f"time: {tokens_text(t.tokens)} tokens{budget} = {t.steps:,} steps at {t.tokens_per_s:,.0f} tokens/s "
+            f"→ {duration(t.seconds)} ({how})")
+
+
+def _decay_lines(p) -> list[str]:
+    d = p.decay
+    start = "warm start (pruned weights start at 0)" if d.warm_start else "dense start"
+    where = "the last step" if d.prune_step == d.total_steps else f"step {d.prune_step:,} (the masked repair starts)"
+    verdict = "reaches" if d.finishes else "does NOT reach"
+    lines = [f"decay: S_t at the final prune ({where}; {start}) forecast {d.ratio:.4f}: {verdict} {d.target}"]
+    cap = ("any noise level" if d.max_grad_rms == float("inf") else
+           f"gradient noise ≤ {d.max_grad_rms:.2g}" if d.max_grad_rms else "no noise level ≤ 1000× smaller")
+    lines.append(f"  assumed: target-weight rms {d.weight_rms:g}, pruned-entry gradient noise {d.grad_rms:.2g} "
+                 f"(--weight-rms, --grad-rms); it reaches {d.target} with {cap}. The decay can move a pruned "
+                 f"weight {d.drift:.2g} in all; the noise spreads it by {d.spread:.2g}.")
+    if not d.finishes:
+        tips = []
+        if d.lr_factor:
+            tips.append(f"--lr {p.cfg.lr * d.lr_factor:.3g}")
+        if d.l1_factor:
+            tips.append(f"--l1-decay {p.cfg.l1_decay * d.l1_factor:.3g}")
+        if tips:
+            lines.append(f"  forecast to reach it with {' or '.join(tips)}; the trainer's own forecast after the "
+                         "first backward (measured noise) supersedes this one")
+    return lines

@@ -1,0 +1,147 @@
+"""The memory plan of a training run (printed at its top) and the peak it actually reached (at its end).
+
+:func:`plan_for_run` is :mod:`cast_llm.plan` applied to the model ``cast-llm train`` loaded, with the run's
+own options; :class:`PeakMemory` measures the same quantity over the training steps:
+
+* on CUDA, ``torch.cuda.max_memory_allocated`` — what the caching allocator handed out, the quantity the
+  plan predicts (the CUDA context and the allocator's cached-but-free blocks are outside it; the plan's
+  verdict adds them);
+* on the CPU, the process's peak resident set (``VmHWM``, reset at the first step through
+  ``/proc/self/clear_refs``): torch's CPU allocator returns large blocks to the system when they are freed, so
+  the resident set follows the live tensors, plus the interpreter and libraries the plan counts as
+  ``framework`` (the resident set measured before the model was loaded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cast_llm.plan import fmt_size, machine_ram, plan_memory, setup_for_run, shape_of
+from cast_llm.plan.report import memory_lines
+
+__all__ = ["PeakMemory", "plan_for_run", "device_capacity", "peak_rss"]
+
+
+def peak_rss() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := the current RSS (Linux ≥ 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct storages of the tensors in modules / optimizers / tensors (DTensors: local shard)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t):
+        nonlocal total
+        if torch.is_tensor(t):
+            t = _local(t)
+            if t.device.type == "meta":
+                return
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+
+    for obj in objs:
+        if obj is None:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            for t in list(obj.parameters()) + list(obj.buffers()):
+                add(t)
+        elif hasattr(obj, "state") and hasattr(obj, "param_groups"):
+            for st in obj.state.values():
+                for v in st.values():
+                    add(v)
+        else:
+            add(obj)
+    return total
+
+
+class PeakMemory:
+    """Peak memory of this process from :meth:`start` to :meth:`read` (bytes; None where unmeasurable).
+
+    On the CPU, :meth:`measure_framework` measures ``framework``: the resident set less the tensors the memory
+    plan counts that exist at that moment (weights, teacher, optimizer state made so far) — the
+    interpreter, libraries, tokenizer and data, which the plan does not model. It is called before the
+    model is wrapped for DDP, whose gradient buckets the plan counts."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ok = False
+        self.framework: int | None = None
+
+    @property
+    def what(self) -> str:
+        return "max_memory_allocated" if self.device.type == "cuda" else "peak RSS (VmHWM)"
+
+    def measure_framework(self, *counted) -> None:
+        if self.device.type == "cpu" and _reset_rss_peak():
+            rss = peak_rss()  # = the current resident set, just after the reset
+            if rss is not None:
+                self.framework = max(0, rss - tensor_bytes(*counted))
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.ok = True
+        else:
+            self.ok = _reset_rss_peak()
+
+    def read(self) -> int | None:
+        if not self.ok:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return peak_rss()
+
+
+def device_capacity(device: torch.device, world: int) -> int:
+    """Bytes one process may use: the GPU's memory, or this machine's RAM shared by the processes."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return machine_ram() // max(1, world)
+
+
+def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str, framework: int):
+    """``(MemoryPlan, lines to print)`` for the run about to start on ``model`` (before any wrapping)."""
+    shape = shape_of(model, name=cfg.model, source="loaded", n=cfg.n, m=cfg.m)
+    setup = setup_for_run(cfg, world=world, device_type=device.type, precision=precision, framework=framework)
+    plan = plan_memory(shape, setup)
+    capacity = device_capacity(device, world)
+    lines = [f"memory plan (cast-llm plan; {fmt_size(framework)} of it measured before loading the model):"
+             if device.type == "cpu" else "memory plan (cast-llm plan):"]
+    lines += memory_lines(plan, capacity)
+    return plan, lines
+
+
+def warn_if_too_large(plan, device: torch.device, world: int, say) -> None:
+    """A warning with the options that would make the run fit, when the plan says it does not."""
+    from cast_llm.plan.advice import make_it_fit
+
+    capacity = device_capacity(device, world)
+    if plan.fits(capacity):
+        return
+    fit = make_it_fit(plan.shape, plan.setup, capacity)
+    fix = (f"; it would fit with {' '.join(fit.flags)}" + (f" on {fit.gpus} GPUs" if fit.gpus else "")
+           if fit.gpus != 0 else "")
+    say(f"warning: the memory plan needs {fmt_size(plan.needed())} per process and {fmt_size(capacity)} are "
+        f"available: this run will probably run out of memory{fix} (cast-llm plan shows the options)")
