@@ -27,6 +27,8 @@ import os
 import torch
 from torch import nn
 
+from cast_llm.nn.scaled_weight import matmul_dtype
+
 __all__ = ["group_by_block_", "ungroup_"]
 
 MEMBERS = "_cast_scaled_members"  # attribute of a block: its ScaledLinear layers (a plain list)
@@ -115,9 +117,8 @@ def _scaled_weights(members: list) -> tuple | None:
     kernel = _kernel()
     if kernel is None or kernel.grouped_unsupported_reason(weights, scales, first.n_groups) is not None:
         return None
-    from cast_llm.nn.scaled_linear import _matmul_dtype
 
-    meta = (first.n_groups, first.transposed, _matmul_dtype(w0))
+    meta = (first.n_groups, first.transposed, matmul_dtype(w0))
     return _GroupedScaledWeights.apply(meta, *weights, *scales)
 
 

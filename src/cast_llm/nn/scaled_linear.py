@@ -53,6 +53,7 @@ from torch import nn
 from cast_llm.errors import CastError
 from cast_llm.layers import linear_features, linear_forward, set_submodule
 from cast_llm.nn.scaled_group import group_by_block_, ungroup_
+from cast_llm.nn.scaled_weight import matmul_dtype
 from cast_llm.nn.scaled_weight import scaled_weight as _scaled_weight
 from cast_llm.targets import select_targets
 
@@ -141,7 +142,7 @@ class ScaledLinear(nn.Module):
             return linear_forward(x, grouped, self.base_layer.bias, self.transposed)
         weight = self.base_layer.weight
         if _is_plain(weight) and _is_plain(self.scale):
-            weight = _scaled_weight(weight, self.scale, self.n_groups, self.transposed, _matmul_dtype(weight))
+            weight = _scaled_weight(weight, self.scale, self.n_groups, self.transposed, matmul_dtype(weight))
         else:  # tensor subclasses (DTensor shards, ...): the plain autograd version of the same product
             weight = self.scaled_weight()
         return linear_forward(x, weight, self.base_layer.bias, self.transposed)
@@ -182,18 +183,6 @@ class ScaledLinear(nn.Module):
 
 def _is_plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter)
-
-
-def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype the matmul will see the weight in: the autocast dtype where autocast would cast it."""
-    device = weight.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device)
-    except TypeError:  # pragma: no cover - torch < 2.4: no per-device query
-        enabled = torch.is_autocast_enabled() if device == "cuda" else False
-    if enabled and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):  # autocast leaves fp64 alone
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
 
 
 def wrap_scaling_(

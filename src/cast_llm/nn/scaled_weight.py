@@ -122,3 +122,15 @@ class _ScaledWeight(torch.autograd.Function):
         if need_a and transposed:
             grad_a = grad_a.t()
         return grad_w, grad_a, None, None, None
+
+
+def matmul_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the matmul will see the weight in: the autocast dtype where autocast would cast it."""
+    device = weight.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except TypeError:  # pragma: no cover - torch < 2.4: no per-device query
+        enabled = torch.is_autocast_enabled() if device == "cuda" else False
+    if enabled and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):  # autocast leaves fp64 alone
+        return torch.get_autocast_dtype(device)
+    return weight.dtype

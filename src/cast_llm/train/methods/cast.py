@@ -78,6 +78,8 @@ class CastMethod(TrainingMethod):
         self.repair_start = None  # optimizer steps done when the masked repair begins (None: no repair)
         self.prune_report: dict | None = None  # what the final prune removed (recorded in results.json)
         self.start_forecast: dict | None = None  # the decay forecast made before the first update
+        self.regrow_steps = 0  # steps whose pruned-entry updates are scaled (--regrow-factor)
+        self._before_step = None  # the sparse weights before the optimizer step (regrow phase only)
 
     def prepare_model(self, model, cfg, *, data=None, device=None):
         if cfg.mask_learner == "srste":
@@ -150,7 +152,7 @@ class CastMethod(TrainingMethod):
 
     def in_regrow(self, step: int) -> bool:
         """Whether optimizer step ``step + 1`` scales the pruned entries' updates (``--regrow-factor``)."""
-        return self._srste is None and step < getattr(self, "regrow_steps", 0) and not self.in_repair(step)
+        return self._srste is None and step < self.regrow_steps and not self.in_repair(step)
 
     def end_step(self, model, optimizer, step: int) -> None:
         if self._before_step is not None:
