@@ -177,7 +177,10 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     st["KD loss work space" if s.kd else "loss work space"] = work
     if s.kd:  # the teacher's largest temporaries inside one block (no graph: nothing is kept)
         st["teacher forward temporaries"] = N * (3 * shape.intermediate + 2 * shape.hidden) * s.teacher_bytes
-    st["gradients (fp32)"] = grads
+    if s.strategy == "ddp":  # the gradients ARE the buckets counted above: listed here, not added twice
+        st["gradients (fp32; the DDP buckets above, counted once)"] = grads
+    else:
+        st["gradients (fp32)"] = grads
     fsdp_root = fsdp_blocks = 0
     if s.strategy == "fsdp":
         fsdp_root = 4 * shape.root_params  # the root stays unsharded through forward and backward
