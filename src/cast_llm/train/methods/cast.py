@@ -13,8 +13,11 @@ Beyond the paper, for budgets too short for the decay to finish (docs/training.m
 ``--paper-exact``):
 
 * ``--warm-start``: start from the ``--init-mask`` one-shot *model* (pruned weights exactly 0, SparseGPT's
-  reconstructed kept weights), not only its mask. The forward stays dense, so a pruned weight the gradient
-  wants back regrows and can flip the mask while α_t is small; AdamS never has to decay large weights.
+  reconstructed kept weights), not only its mask. AdamS never has to decay large weights. The forward stays
+  dense, so a pruned weight the gradient wants back could regrow and flip the mask while α_t is small — but
+  it moves ~lr per step, and at short budgets the mask stays the one-shot one (measured: method.md §10).
+* ``--warm-start-mix f``: begin from ``(1-f)·one-shot + f·dense`` (pruned entries at f of their dense value).
+* ``--regrow-factor k --regrow-fraction p``: the pruned entries' updates × k during the first p of the steps.
 * ``--repair-fraction f``: for the last ``f`` of the steps the masks are frozen, the model is pruned (as
   ``--final-prune`` says) and trained as the sparse model it will be exported as: pruned entries are reset
   to exactly 0 after every step, so the dense forward is the sparse forward.
