@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -30,12 +31,15 @@ def _num(v, fmt="{:.2f}") -> str:
 
 
 def portable(text: str) -> str:
-    """``text`` with this checkout's absolute path removed (commands and folders read from the repository root),
+    """``text`` with this checkout's absolute path removed (commands and folders read from the repository root;
+    a ``…/runs/compare/`` folder of another checkout becomes ``runs/compare/``),
     and an explicit ``--wikitext-file`` of the packaged WikiText-2 copy (what earlier versions passed) dropped:
     every run resolves that same copy by itself."""
     from cast_llm.eval.ppl import wikitext2_source
 
     text = text.replace(str(REPO) + "/", "")
+    # a run made in another checkout of the repository (a worktree) names its runs folder absolutely
+    text = re.sub(r"(?<![\w./-])/[^\s'\"]*?/(runs/compare/)", r"\1", text)
     try:
         packaged = str(wikitext2_source().path)
     except Exception:

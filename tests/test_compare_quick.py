@@ -128,3 +128,14 @@ def test_fresh_redoes_only_the_rows_it_runs(tmp_path):
     assert ran == [("naive", 0)]
     rows = {r["name"]: r for r in json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["rows"]}
     assert rows["naive"]["heldout"] == 30.0 and rows["cast"]["heldout"] == 40.5 and len(rows["cast"]["seeds"]) == 2
+
+
+def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from compare_report import portable
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cmd = "cast-llm train --output-dir /elsewhere/wt/runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
+    assert portable(cmd) == "cast-llm train --output-dir runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
+    assert portable(f"{REPO}/docs/results/x.json") == "docs/results/x.json"
