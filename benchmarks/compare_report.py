@@ -62,18 +62,20 @@ def _ppl(r: dict, split: str) -> str:
     return f"{r[split]:.2f}<br>({rng[0]:.2f}–{rng[1]:.2f}, {len(r['seeds'])} seeds)"
 
 
-def _pct(v, digits=2) -> str:
-    return "—" if v is None else f"{100 * v:.{digits}f} %"
-
-
 def movement(r: dict) -> str:
     """'i_T / groups changed' of a row: whether its masks moved (— where the run did not record it)."""
     if r.get("kind") != "train":
         return "—"
     i, g = r.get("initial_flip_rate"), r.get("changed_groups")
+    if str(r.get("mask", "")).startswith("fixed") and not (i or g):
+        return "fixed"
     if i is None and g is None:
-        return "fixed" if str(r.get("mask", "")).startswith("fixed") else "—"
-    return f"{_pct(i, 3)} / {_pct(g, 2)}"
+        return "—"
+
+    def pct(v):  # two significant digits: 7.2e-6 reads 0.00072 %, not 0.000 %
+        return "—" if v is None else f"{100 * v:.2g} %"
+
+    return f"{pct(i)} / {pct(g)}"
 
 
 def against_fixed_mask(rows: list[dict]) -> list[str]:
