@@ -118,8 +118,8 @@ CORE = [
           mask="learned", seeded=True),
     Entry("cast", "CAST (paper-exact)", "train", ["--method", "cast", "--paper-exact"], kd=True, adams=True,
           weight_update="AdamS", mask="learned", seeded=True),
-    Entry("cast-best", "CAST (best configuration)", "train", ["--method", "cast", *CAST_BEST], kd=True,
-          adams=True, weight_update="AdamS", mask="learned (SparseGPT start)", seeded=True),
+    Entry("cast-best", "CAST (default: warm start from SparseGPT)", "train", ["--method", "cast", *CAST_BEST],
+          kd=True, adams=True, weight_update="AdamS", mask="Eq. 6 every T1 (SparseGPT start)", seeded=True),
 ]
 # SR-STE's λ_W was tuned for SGD; under AdamW its effect scales with λ_W·|w| / |g| (method.md §6): swept
 SRSTE_SWEEP = [Entry(f"srste-{lw}", f"SR-STE, λ_W {lw}", "train", ["--method", "srste", "--srste-decay", lw],
@@ -162,9 +162,9 @@ DEFAULT_ABLATIONS = [
           weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
     Entry("cast-best-no-scaling", "CAST default w/o weight scaling", "train",
           ["--method", "cast", *CAST_BEST, "--no-scaling"], kd=True, adams=True, weight_update="AdamS",
-          mask="learned (SparseGPT start)", seeded=True),
+          mask="Eq. 6 every T1 (SparseGPT start)", seeded=True),
     Entry("cast-best-no-kd", "CAST default w/o KD", "train", ["--method", "cast", *CAST_BEST, "--no-kd"],
-          adams=True, weight_update="AdamS", mask="learned (SparseGPT start)", seeded=True),
+          adams=True, weight_update="AdamS", mask="Eq. 6 every T1 (SparseGPT start)", seeded=True),
     # the default's own optimizer and dense forward, with AdamS's decay (λ = 0) and mask updates taken out
     Entry("cast-best-no-decay", "CAST default w/o AdamS decay and mask updates (λ 0, fixed mask)", "train",
           ["--method", "cast", *CAST_BEST, "--fixed-mask"], kd=True, adams=True, weight_update="AdamS (λ 0)",
@@ -175,12 +175,12 @@ DEFAULT_ABLATIONS = [
 MASK_CANDIDATES = [
     Entry(f"cast-mix{int(100 * f)}", f"CAST, warm start mixed {f:g}·dense (pruned entries start at {f:g}·dense)",
           "train", ["--method", "cast", *CAST_BEST, "--warm-start-mix", f"{f:g}"], kd=True, adams=True,
-          weight_update="AdamS", mask=f"learned (SparseGPT mask, {f:g}·dense start)", seeded=True)
+          weight_update="AdamS", mask=f"Eq. 6 every T1 (SparseGPT mask, {f:g}·dense start)", seeded=True)
     for f in (0.25, 0.5, 1.0)
 ] + [
     Entry(f"cast-regrow{k}", f"CAST, regrow ×{k} for the first half", "train",
           ["--method", "cast", *CAST_BEST, "--regrow-factor", str(k), "--regrow-fraction", "0.5"], kd=True,
-          adams=True, weight_update="AdamS", mask="learned (SparseGPT start, regrow)", seeded=True)
+          adams=True, weight_update="AdamS", mask="Eq. 6 every T1 (SparseGPT start, regrow)", seeded=True)
     for k in (10, 30)
 ]
 ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + LR_SWEEPS + ABLATIONS + DEFAULT_ABLATIONS + MASK_CANDIDATES
@@ -488,10 +488,13 @@ class Comparison:
                     # the seeds that finished, aggregated without running (--fresh redoes only the rows it runs)
                     rows.append(self.aggregate([json.loads((self.runs / e.key / f"seed-{x}" / "compare_row.json")
                                                            .read_text()) for x in seeds]))
+                if rows and rows[-1]["key"] == e.key:  # the entry describes the row; its runs give the numbers
+                    rows[-1].update(label=e.label, weight_update=e.weight_update, mask=e.mask)
                 continue
             print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} ...", flush=True)
             rows.append(self.run_entry(e))
             r = rows[-1]
+            r.update(label=e.label, weight_update=e.weight_update, mask=e.mask)
             if r["status"] == "ok":
                 print(f"          held-out {r['heldout']}  WikiText-2 {r['wikitext2']}  ({r['wall_s']:.0f} s)",
                       flush=True)

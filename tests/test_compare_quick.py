@@ -23,7 +23,7 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     assert md.is_file() and png.is_file() and png.stat().st_size > 10_000
     text = md.read_text()
     for label in ("Dense", "Magnitude", "Wanda", "SparseGPT", "Naive retraining", "Naive retraining from SparseGPT",
-                  "SR-STE", "AST", "CAST (paper-exact)", "CAST (best configuration)"):
+                  "SR-STE", "AST", "CAST (paper-exact)", "CAST (default: warm start from SparseGPT)"):
         assert f"| {label} |" in text, label
     assert "## The best CAST configuration against the strongest alternatives" in text
     assert "failed" not in text and "## The paper's ordering" in text and "cast-llm train" in text
