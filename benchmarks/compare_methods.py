@@ -227,6 +227,8 @@ class Comparison:
                 raise SystemExit(f"--only: unknown row(s) {', '.join(sorted(unknown))}; rows: "
                                  f"{', '.join(e.key for e in ALL_ENTRIES)}")
             self.entries = [e for e in ALL_ENTRIES if e.key in self.only or e in self.entries]
+        if opts.report_only:  # nothing runs: the table is rewritten from the rows that already finished
+            self.entries, self.only = [], None
         self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
         if opts.tier == "quick":
             self._build_quick_model(root)
@@ -566,6 +568,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs-dir", help="where the runs go (default runs/compare)")
     p.add_argument("--docs-dir", help="where the report goes (default docs/results)")
     p.add_argument("--fresh", action="store_true", help="redo runs that already finished")
+    p.add_argument("--report-only", action="store_true", help="run nothing: rewrite the table, its JSON and its "
+                                                               "chart from the rows that already finished")
     p.add_argument("--threads", type=int, help="CPU threads per run (default: torch's); 1 is fastest for the "
                                                "quick tier and on a crowded machine")
     opts = p.parse_args(argv)
@@ -584,7 +588,7 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[str]:
             skip = False
         elif a in ("--only", "--seeds"):
             skip = True
-        elif not a.startswith(("--only=", "--seeds=")) and a != "--fresh":
+        elif not a.startswith(("--only=", "--seeds=")) and a not in ("--fresh", "--report-only"):
             out.append(a)
     seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", [])})
     return out + ["--seeds", ",".join(map(str, seeds or [0])), "--only", ",".join(r["key"] for r in rows)]

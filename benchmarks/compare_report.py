@@ -239,7 +239,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     if earlier:
         lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
                   + "; ".join(f"`{x}`" for x in sorted(earlier))
-                  + " (the same command with `--fresh` runs it again; runs are deterministic per seed)."]
+                  + " (the same command with `--fresh` runs it again; runs are deterministic per seed and thread count; another thread count moves the last digits)."]
     if png is not None:
         lines += ["", f"![perplexities]({png.name})"]
     lines += ["", "## The paper's ordering", "",

@@ -130,6 +130,33 @@ def test_fresh_redoes_only_the_rows_it_runs(tmp_path):
     assert rows["naive"]["heldout"] == 30.0 and rows["cast"]["heldout"] == 40.5 and len(rows["cast"]["seeds"]) == 2
 
 
+def test_report_only_runs_nothing_and_keeps_every_finished_row(tmp_path):
+    """``--report-only`` rewrites the table from the finished rows; no row runs, not even one --seeds names."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    argv = ["--tier", "cpu", "--tokens", "1k", "--seeds", "0,1", "--report-only", "--runs-dir",
+            str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]
+    cmp = compare_methods.Comparison(compare_methods.parse_args(argv))
+    for key, seed in (("naive-kd-sgpt", 0), ("cast-best", 0), ("cast-best", 1)):
+        out = cmp.runs / key / f"seed-{seed}"
+        out.mkdir(parents=True)
+        (out / "compare_row.json").write_text(json.dumps(
+            {"key": key, "label": key, "kind": "train", "kd": True, "weight_update": "-", "mask": "-", "tokens": 1,
+             "seed": seed, "status": "ok", "heldout": 40.0 + seed, "wikitext2": 140.0, "wall_s": 10.0,
+             "command": f"cast-llm train --seed {seed}"}))
+    ran = []
+    cmp._run_one = lambda e, out, seed: ran.append((e.key, seed))
+    cmp.run()
+    assert ran == []  # seed 1 of naive-kd-sgpt is missing, and still nothing ran
+    data = json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert set(rows) == {"naive-kd-sgpt", "cast-best"} and len(rows["cast-best"]["seeds"]) == 2
+    assert "--report-only" not in data["regenerate"] and "naive-kd-sgpt" in data["regenerate"]
+
+
 def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
