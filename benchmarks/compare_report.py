@@ -147,10 +147,17 @@ def best_check(rows: list[dict]) -> list[str]:
 
 
 def _paired(a: dict, b: dict, split: str) -> str:
-    """'; seed by seed 2/2 (...)' when both rows ran the same two or more seeds (same data order: paired)."""
+    """'; seed by seed 2/2 (...)' when both rows ran the same two or more seeds (same data order: paired); the
+    one seed they share when only one is; a warning when they share none."""
     sa = {r["seed"]: r[split] for r in a.get("seeds", []) if r.get("status") == "ok"}
     sb = {r["seed"]: r[split] for r in b.get("seeds", []) if r.get("status") == "ok"}
     common = sorted(set(sa) & set(sb))
+    if not common and sa and sb:  # the means come from different data orders: say so, they are not paired
+        return f"; no seed in common (seeds {', '.join(map(str, sorted(sa)))} against " \
+               f"{', '.join(map(str, sorted(sb)))}): not paired"
+    if len(common) == 1 and (len(sa) > 1 or len(sb) > 1):
+        x = common[0]
+        return f"; same seed alone (seed {x}): {sa[x]:.2f} vs {sb[x]:.2f}"
     if len(common) < 2:
         return ""
     wins = sum(sa[x] < sb[x] for x in common)

@@ -89,6 +89,11 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     assert _ppl(naive, "heldout") == "42.00<br>(40.00–44.00, 2 seeds)"
     other = {**naive, "seeds": [{**x, "heldout": x["heldout"] + d} for x, d in zip(naive["seeds"], (1.0, -1.0))]}
     assert _paired(naive, other, "heldout") == "; seed by seed 1/2 (seed 0: 40.00 vs 41.00, seed 1: 44.00 vs 43.00)"
+    one = {**naive, "seeds": [{**naive["seeds"][1], "heldout": 45.0}]}
+    assert _paired(naive, one, "heldout") == "; same seed alone (seed 1): 44.00 vs 45.00"
+    assert _paired(one, {**one, "seeds": [{**naive["seeds"][0]}]}, "heldout") == (
+        "; no seed in common (seeds 1 against 0): not paired")
+    assert _paired(one, one, "heldout") == ""  # one seed each, the same: the means are the pair
     cast = cmp.run_entry(entry["cast"], cmp.finished_seeds(entry["cast"]))
     assert len(cast["seeds"]) == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
     argv = ["--tier", "cpu", "--tokens", "192k", "--only", "naive", "--seeds=0", "--fresh", "--threads", "2"]
