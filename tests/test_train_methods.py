@@ -112,3 +112,15 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(workdir, tmp_path, method
         assert torch.equal(a[k], b[k]), k
     strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
     assert strip(_records(full)) == strip(_records(cut))
+
+
+def test_mask_freedom_options_train_and_export_exact_24(workdir, tmp_path):
+    """--warm-start-mix and --regrow-factor/--regrow-fraction end to end: the export is exactly 2:4, records
+    both options, and the mask the warm start hands over moves (these options exist to free it)."""
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--method", "cast", "--warm-start", "--init-mask", "magnitude", "--no-kd",
+                  "--warm-start-mix", "0.5", "--regrow-factor", "5", "--regrow-fraction", "0.5",
+                  "--repair-fraction", "0", steps=6) == 0
+    training = _check_export(out, "cast")["training"]
+    assert training["warm_start_mix"] == 0.5 and training["regrow_factor"] == 5 and training["regrow_fraction"] == 0.5
+    assert any(r["initial_flip_rate"] > 0 for r in _records(out)), "half-dense pruned entries must win places"
