@@ -202,7 +202,8 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"({meta['total_wall_s']:.0f} s in all, runs in `{meta['runs_dir']}`)"
         + ("; rows finished by earlier invocations were reused (each row's own command is listed under "
            "Commands, its wall time in the table). The one command that runs every row of this table from "
-           f"scratch: `{meta['regenerate']}`." if "--only" in meta["command"] and meta.get("regenerate") else "."),
+           f"scratch: `{meta['regenerate']}`." if ("--only" in meta["command"] or "--report-only" in meta["command"]) and meta.get("regenerate")
+           else "."),
         "",
         f"Model `{meta['model']}`, data `{meta['data']}`, training sequences of {s['seq_len']} tokens, "
         f"{s['batch_size'] * s['grad_accum']} sequences per step, {s.get('lr_schedule', 'cosine')} schedule after a "

@@ -160,6 +160,8 @@ def test_report_only_runs_nothing_and_keeps_every_finished_row(tmp_path):
     rows = {r["name"]: r for r in data["rows"]}
     assert set(rows) == {"naive-kd-sgpt", "cast-best"} and len(rows["cast-best"]["seeds"]) == 2
     assert "--report-only" not in data["regenerate"] and "naive-kd-sgpt" in data["regenerate"]
+    head = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text().splitlines()[2]
+    assert f"from scratch: `{data['regenerate']}`" in head  # the table names the command that runs all its rows
 
 
 def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
