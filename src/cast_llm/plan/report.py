@@ -6,7 +6,7 @@ from __future__ import annotations
 from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
 from cast_llm.plan.sizes import fmt_size
 
-__all__ = ["plan_lines", "memory_lines", "setup_line", "duration"]
+__all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "duration"]
 
 _STRATEGY = {"single": "one process", "ddp": "DDP", "fsdp": "FSDP2"}
 
@@ -47,6 +47,24 @@ def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") 
                  if s.device == "cuda" else f" (+ {CPU_RETENTION:.0%} the heap keeps of freed blocks)")
         verdict = "fits" if plan.fits(capacity) else "DOES NOT FIT"
         out.append(f"{indent}needs {fmt_size(plan.needed())}{extra} of {fmt_size(capacity)}: {verdict}")
+    return out
+
+
+def startup_lines(sp, s: Setup, *, indent: str = "  ") -> list[str]:
+    """Around the steps (:mod:`cast_llm.plan.startup`): start-up and end peaks, host memory per node, the
+    checkpoint per rank, rank 0's own work and the timeouts derived from it."""
+    unit = "GPU" if s.device == "cuda" else "process"
+    out = [f"around the steps (per {unit}; estimates at stated rates: cast_llm/plan/startup.py):"]
+    out += [f"{indent}{k:<52}{fmt_size(v):>11}" for k, v in sp.memory.items()]
+    node = sp.per_node
+    out.append(f"host memory per node ({node} process{'es' if node > 1 else ''}):")
+    out += [f"{indent}{k:<52}{fmt_size(v):>11}" for k, v in sp.host_per_node.items()]
+    out.append("work and waits:")
+    out += [f"{indent}{k:<52}{duration(v):>11}" for k, v in sp.seconds.items()]
+    t = sp.timeouts
+    out.append(f"{indent}{'timeouts: training collectives / waiting for rank 0':<52}"
+               f"{duration(t.collective):>11} / {duration(t.wait)}")
+    out += [f"{indent}note: {n}" for n in sp.notes]
     return out
 
 
