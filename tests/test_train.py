@@ -291,12 +291,16 @@ def _data_args(workdir):
 
 
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks():
+def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path):
     """AdamS on DTensor parameters sharded like FSDP2 (rows; Conv1D-style weights by columns), uneven shards
     and tied magnitudes included: every rank's mask == the full tensor's mask on its rows, at every step;
     gathered masks == full masks; a full-tensor set_mask keeps the local rows; the per-rank optimizer state
-    (moments, masks, packed or not) round-trips exactly."""
-    r = _torchrun([str(REPO / "tests" / "fsdp_worker.py")])
+    (moments, masks, packed or not) round-trips exactly. In the same launch (tests/fsdp_worker.py): a model
+    loaded by rank 0 alone reaches every rank's shards (rank 1 never holds a whole tensor), the teacher in
+    bf16 likewise; between micro-batches no rank holds more than its gradient shards, and the accumulated
+    gradients equal one process's; rank 0's errors reach rank 1 as one line, a checkpoint failing on rank 0
+    alone fails everywhere."""
+    r = _torchrun([str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK 0" in r.stdout and "OK 1" in r.stdout
 
