@@ -20,6 +20,7 @@ start, ``job.finish``) is bracketed by ``distribution.waiting_for_main``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -269,6 +270,11 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         job.after_prepare(ctx, model, results, resuming=resuming)
         if work.main:
             work.shared["start_s"] = time.perf_counter() - t0
+    if resuming:
+        say("start: the one-shot start (warm start, initial masks) is in the checkpoint; not computed again")
+    else:
+        say(f"start: model prepared for {method.name}, its one-shot start included, in {work.shared['start_s']:.1f} s"
+            + (" on rank 0 alone" if ctx.world > 1 else ""))
     model.train()
     teacher = job.teacher
     with ctx.phases("student: sharded" if cfg_fsdp(cfg) else "student: to the device"):
@@ -540,7 +546,8 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
 
 
 def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
-    """A finished run needs no checkpoint to resume: remove them (ours), unless asked to keep them."""
+    """A finished run needs no checkpoint to resume: remove them (ours only: complete checkpoints and partial
+    ones with our marker; anything else in the folder stays), unless asked to keep them."""
     found = list_checkpoints(out)
     if not found:
         return
@@ -550,7 +557,11 @@ def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
     import shutil
 
     size = sum(f.stat().st_size for c in found for f in c.iterdir() if f.is_file())
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for c in found:
+        shutil.rmtree(c, ignore_errors=True)
+    remove_stale_partials(out)
+    with contextlib.suppress(OSError):  # (left in place when something else is in it)
+        (out / "checkpoints").rmdir()
     say(f"removed the run's {len(found)} checkpoint(s) ({size / 2**30:.1f} GiB): the run is complete "
         "(--keep-checkpoints-after keeps them)")
 
