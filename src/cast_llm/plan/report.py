@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
-from cast_llm.plan.sizes import fmt_size
+from cast_llm.plan.sizes import fmt_size, parse_size
 
 __all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "duration"]
 
@@ -92,6 +92,18 @@ def plan_lines(p) -> list[str]:
         for opt, mp in p.effects:
             ok = "fits" if mp.fits(p.capacity) else "does not fit"
             lines.append(f"  {opt.flag:<34}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
+    if p.startup is not None:
+        from cast_llm.plan import startup_fits
+
+        lines += ["", *startup_lines(p.startup, s)]
+        host = p.cfg.host_memory and parse_size(p.cfg.host_memory, "--host-memory")
+        f = startup_fits(p.startup, s, p.capacity, host)
+        verdict = "fits" if f["device_fits"] else "DOES NOT FIT (--no-baseline-eval, or more memory per GPU)"
+        lines.append(f"  start-up and end: needs {fmt_size(f['device_needed'])} of {fmt_size(p.capacity)} per {unit}: "
+                     f"{verdict}")
+        if f["host_fits"] is not None:
+            lines.append(f"  host per node: {fmt_size(p.startup.host_peak_per_node)} of {fmt_size(host)}: "
+                         + ("fits" if f["host_fits"] else "DOES NOT FIT"))
     lines += ["", _time_line(p)]
     if p.fit_time is not None:
         lines.append(f"  with the options above: {duration(p.fit_time.seconds)} "

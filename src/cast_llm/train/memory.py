@@ -157,13 +157,24 @@ def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str
     return plan, startup, lines
 
 
-def refuse_if_too_large(plan, device: torch.device, world: int) -> None:
+def refuse_if_too_large(plan, device: torch.device, world: int, startup=None) -> None:
     """Before anything is loaded: a :class:`CastError` with the options that would make the run fit, when the
-    plan says it does not (``cast-llm train --no-memory-check`` starts anyway)."""
+    plan says it does not — its steps, or (``startup``) rank 0's start-up and end on the device (``cast-llm
+    train --no-memory-check`` starts anyway)."""
     from cast_llm.errors import CastError
+    from cast_llm.plan import startup_fits
     from cast_llm.plan.advice import make_it_fit
 
     capacity = device_capacity(device, world)
+    if startup is not None and device.type == "cuda":
+        f = startup_fits(startup, plan.setup, capacity, None)
+        if not f["device_fits"]:
+            worst = max((k for k in startup.memory if "device" in k), key=startup.memory.get)
+            fix = ("--no-baseline-eval leaves the whole model off the GPU" if "baseline" in worst
+                   else "a GPU with more memory is needed")
+            raise CastError(f"the memory plan's start-up needs {fmt_size(f['device_needed'])} on one GPU ({worst}) "
+                            f"and {fmt_size(capacity)} are available; {fix} (cast-llm plan shows every term; "
+                            "--no-memory-check starts anyway)")
     if plan.fits(capacity):
         return
     fit = make_it_fit(plan.shape, plan.setup, capacity)

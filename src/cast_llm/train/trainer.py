@@ -180,7 +180,7 @@ class PretrainJob(Job):
             fits=lambda b, a: plan(b, a)[0].fits(capacity))
         self.memory_plan, self.startup_plan, self.plan_lines = plan(cfg.batch_size, cfg.grad_accum)
         if cfg.memory_check:
-            refuse_if_too_large(self.memory_plan, device, world)
+            refuse_if_too_large(self.memory_plan, device, world, startup=self.startup_plan)
         return self.startup_plan.timeouts
 
     def setup(self, ctx, results, resuming: bool) -> None:
