@@ -446,6 +446,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             if bar is not None:
                 bar.close()
             results["phases"] = ctx.phases.gathered(distribution)
+            _report_peak(job, ctx, distribution, peak, results)  # this segment's steps (before the save's copy)
             path = save(done, required=True)
             if tb is not None:
                 tb.close()
@@ -476,6 +477,9 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         for ob in observers:
             ob.on_end(end_ctx)
     job.before_finalize(ctx, raw, results)
+    teacher = job.teacher = None  # training is over: its memory goes to gathering and evaluating the final model
+    if getattr(job, "teacher_forward", None) is not None:
+        job.teacher_forward = None
     with ctx.phases("final model: gathered and folded" if cfg_fsdp(cfg) else "final model: folded"):
         final = distribution.finish(raw, raw_opt, method, cfg, out)
     results.update(method.results())
@@ -522,14 +526,14 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
     if measured is None:
         return
     framework = peak.framework
-    if distribution.world > 1:
-        import torch.distributed as dist
-
-        t = torch.tensor([float(measured), float(framework or 0)], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        measured, framework = int(t[0].item()), (int(t[1].item()) if framework is not None else None)
+    every = distribution.gather((int(measured), framework))  # (the CPU group: no device sync)
+    per_rank = [m for m, _ in every]
+    measured = max(per_rank)
+    if framework is not None:
+        framework = max(f or 0 for _, f in every)
     plan = getattr(job, "memory_plan", None)
-    entry = {"measured_peak": measured, "measured": peak.what, "per_process": True}
+    entry = {"measured_peak": measured, "measured": peak.what, "per_process": True,
+             "measured_per_rank": per_rank, "framework_per_rank": [f for _, f in every]}
     line = f"peak memory per process over the steps: {measured / 2**30:.2f} GiB ({peak.what})"
     if plan is not None:
         entry.update(planned_peak=plan.peak, planned_moment=plan.peak_moment, plan=plan.as_dict())
