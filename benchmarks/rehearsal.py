@@ -71,7 +71,8 @@ def make_model(folder: Path) -> Path:
 
     if (folder / "config.json").is_file():
         return folder
-    d = {**embedded_config("llama-3.1-8b"), **SHAPE, "max_position_embeddings": 2048}
+    # the tokenizer's one special token (id 0) as BOS/EOS/pad: the 8B's ids are outside an 8192 vocabulary
+    d = {**embedded_config("llama-3.1-8b"), **SHAPE, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_from_dict(d, "rehearsal"), dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -178,7 +179,8 @@ def the_plan(out: Path, framework: int):
     skeleton = empty_model(cfg.model)
     memory, startup, _ = plan_for_run(cfg, skeleton, world=2, device=torch.device("cpu"), precision="no",
                                       framework=framework, native_bytes=2)
-    return cfg, memory, startup, sum(p.numel() for p in skeleton.parameters())
+    return (cfg, memory, startup, sum(p.numel() for p in skeleton.parameters()),
+            max(p.numel() for p in skeleton.parameters()))
 
 
 def plan_8b() -> list[str]:
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--shutdown-timeout", "600", "-m", "cast_llm.cli", *tail]
 
     ck = out / "checkpoints"
+    load_before = os.getloadavg()
     t_all = time.perf_counter()
     segs = [segment("1: torchrun --shutdown-timeout 600, SIGTERM to torchrun", [torchrun(train)], [env], out, work / "seg1.log",
                     stop_at=ck / f"step-{third:08d}", timeout=3600)]
@@ -236,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                         stop_at=None, timeout=3600))
     total = time.perf_counter() - t_all
     frameworks = segs[-1]["memory"]["framework_per_rank"]  # measured before the steps of the last segment
-    cfg, memory, startup, params = the_plan(out, max(frameworks))
+    cfg, memory, startup, params, largest = the_plan(out, max(frameworks))
     exported = json.loads((out / "config.json").read_text())
-    result = {"machine": machine(), "load_before": os.getloadavg(), "params": params, "segments": segs,
+    result = {"machine": machine(), "load_before": load_before, "params": params, "largest_tensor": largest,
+              "segments": segs,
               "total_s": total, "batch": [cfg.batch_size, cfg.grad_accum, 2],
               "export_dtype": exported.get("dtype") or exported.get("torch_dtype"),
               "plan": {"steps": memory.as_dict(), "startup": startup.as_dict(), "frameworks": frameworks},
@@ -254,29 +258,22 @@ def _mb(x) -> str:
     return "—" if x is None else f"{x / MiB:,.0f}"
 
 
-def planned_host(r: dict) -> dict[str, list[int | None]]:
-    """The plan's resident set of each rank in each phase (a CPU's host memory holds everything): that
-    rank's measured framework plus the tensors the plan says it holds then."""
+def planned_growth(r: dict) -> dict[str, list[int | None]]:
+    """What the plan says each phase adds to each rank's resident set (a CPU's host memory holds everything):
+    the tensors it creates (loading rank 0's fp32 copy; the teacher's and the student's shards, with one whole
+    tensor at a time in flight; SparseGPT's block; the gathered model at the end)."""
     plan, P4 = r["plan"], 4 * r["params"]
     st, pers = plan["startup"]["memory"], plan["steps"]["persistent"]
-    fw = plan["frameworks"]
     teacher = next((v for k, v in pers.items() if k.startswith("teacher")), 0)
     student = pers["weights (fp32 master)"]
-    state = sum(v for k, v in pers.items() if k != "framework")  # shards: weights, moments, masks, teacher
-    steps = plan["steps"]["peak"] - pers.get("framework", 0)
-    ckpt = st["each rank host: a checkpoint's copy of its shards"]
+    largest = 4 * r["largest_tensor"]
     return {
-        "load the model": [fw[0] + P4, fw[1]],
-        "baseline evaluation (rank 0)": [fw[0] + st.get("rank 0 device: baseline evaluation (whole fp32 model)", 0),
-                                         None],
-        "teacher: sharded from rank 0": [fw[0] + P4 + teacher, fw[1] + teacher],
-        "one-shot start": [fw[0] + P4 + teacher + st.get("rank 0 device: SparseGPT warm start (one block)", 0),
-                           fw[1] + teacher],
-        "student: sharded": [fw[0] + P4 + teacher + student, fw[1] + teacher + student],
-        "the steps": [fw[0] + steps, fw[1] + steps],
-        "the steps, with a checkpoint's host copy": [fw[0] + steps + ckpt, fw[1] + steps + ckpt],
-        "final model: gathered and folded": [fw[0] + state + st["rank 0 host: the end (gathered fp32 model)"],
-                                             fw[1] + state],
+        "load the model": [P4, 0],
+        "baseline evaluation (rank 0)": [st["rank 0 device: baseline evaluation (whole fp32 model)"] - P4, None],
+        "teacher: sharded from rank 0": [teacher + largest, teacher + largest],
+        "one-shot start": [st["rank 0 device: SparseGPT warm start (one block)"], 0],
+        "student: sharded": [student + largest, student + largest],
+        "final model: gathered and folded": [st["rank 0 host: the end (gathered fp32 model)"], largest],
     }
 
 
@@ -307,37 +304,40 @@ def render(r: dict) -> str:
               "non-zero exit as its own failure (1). A SIGTERM needs the step in flight plus a checkpoint: the "
               "trainer prints that figure at its first checkpoint.", "",
               "## Host memory per rank (MiB): measured against the plan", "",
-              "Measured: the trainer's own peak resident set of each phase (`results.json` → `phases`, `memory`). "
-              "Planned: that rank's framework measured before the steps (rank 0 "
-              f"{_mb(plan['frameworks'][0])}, rank 1 {_mb(plan['frameworks'][1])} MiB: interpreter, libraries, "
-              "tokenizer, data) plus the tensors the plan says it holds then. `—`: the rank does not run the phase.",
-              "", "| phase | rank 0 measured | rank 0 plan | rank 1 measured | rank 1 plan |", "|---|---:|---:|---:|---:|"]
-    planned = planned_host(r)
-    first = segs[0]["phases"]
-    for name in ("load the model", "baseline evaluation (rank 0)", "teacher: sharded from rank 0", "one-shot start",
-                 "student: sharded"):
-        if name in first:
-            m, pl = first[name]["host_peak"], planned[name]
-            lines.append(f"| {name} | {_mb(m[0])} | {_mb(pl[0])} | {_mb(m[1] if len(m) > 1 else None)} | "
-                         f"{_mb(pl[1])} |")
+              "Around the steps, each phase's growth of the resident set (its peak less the resident set when it "
+              "began: the trainer's own `phases` in `results.json`) against the tensors the plan says the phase "
+              "creates on that rank. The steps: the peak over the steps per rank against the plan's peak plus "
+              f"that rank's framework measured before the steps (rank 0 {_mb(plan['frameworks'][0])}, rank 1 "
+              f"{_mb(plan['frameworks'][1])} MiB: interpreter, libraries, tokenizer, data). `—`: the rank does not "
+              "run the phase.", "",
+              "| phase | rank 0 measured | rank 0 plan | rank 1 measured | rank 1 plan |", "|---|---:|---:|---:|---:|"]
+    planned = planned_growth(r)
+
+    def growth(rec, i):
+        if len(rec["host_peak"]) <= i or rec["host_peak"][i] is None:
+            return None
+        return rec["host_peak"][i] - rec["host_start"][i]
+
+    first, last = segs[0]["phases"], segs[-1]["phases"]
+    for name, where in [("load the model", first), ("baseline evaluation (rank 0)", first),
+                        ("teacher: sharded from rank 0", first), ("one-shot start", first),
+                        ("student: sharded", first), ("final model: gathered and folded", last)]:
+        if name in where:
+            pl = planned[name]
+            lines.append(f"| {name} | +{_mb(growth(where[name], 0))} | +{_mb(pl[0])} | "
+                         f"+{_mb(growth(where[name], 1))} | +{_mb(pl[1])} |".replace("+—", "—"))
+    steps = plan["steps"]["peak"] - plan["steps"]["persistent"].get("framework", 0)
     for s in segs:
         mem = s["memory"]
         if mem.get("measured_per_rank"):
-            m = mem["measured_per_rank"]
-            pl, plc = planned["the steps"], planned["the steps, with a checkpoint's host copy"]
-            lines.append(f"| the steps, segment {s['name'][0]} | {_mb(m[0])} | {_mb(pl[0])} – {_mb(plc[0])} | "
-                         f"{_mb(m[1])} | {_mb(pl[1])} – {_mb(plc[1])} |")
-    last = segs[-1]["phases"]
-    for name in ("final model: gathered and folded", "export (rank 0)", "final evaluation (rank 0)"):
-        if name in last:
-            m, pl = last[name]["host_peak"], planned.get(name, [None, None])
-            lines.append(f"| {name} | {_mb(m[0])} | {_mb(pl[0])} | {_mb(m[1] if len(m) > 1 else None)} | "
-                         f"{_mb(pl[1])} |")
+            m, fws = mem["measured_per_rank"], mem["framework_per_rank"]
+            lines.append(f"| the steps, segment {s['name'][0]} | {_mb(m[0])} | {_mb(fws[0] + steps)} | "
+                         f"{_mb(m[1])} | {_mb(fws[1] + steps)} |")
     lines.append("| whole run, sampled from outside every 0.1 s | "
                  + " | — | ".join(_mb(max(s["rss_sampled_peak"].get(k, s["rss_sampled_peak"].get(str(k), 0))
                                          for s in segs)) for k in (0, 1)) + " | — |")
-    lines += ["", "The steps' plan is given without and with a checkpoint's host copy of the rank's shards: "
-              "checkpoints are written between steps, inside the measured span.", "",
+    lines += ["", "The plan's verdict on a CPU adds 30 % to the steps' peak for glibc's retention of freed blocks "
+              "(`cast_llm/plan/memory.py`, `CPU_RETENTION`); the processes here return blocks from 128 KiB.", "",
               "## Phases (seconds per rank) against the plan's estimates", "",
               "The estimates use the stated CPU rates of `cast_llm/plan/startup.py` (pessimistic: timeouts are "
               "derived from them — × 4, never below torch's defaults).", "",

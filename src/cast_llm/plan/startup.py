@@ -8,8 +8,8 @@ under ``cast-llm train --fsdp`` (:mod:`cast_llm.train.trainer`), per process unl
   teacher, then the student, are broadcast from rank 0 one tensor at a time, each rank keeping its shard;
   the SparseGPT warm start runs on rank 0, one decoder block at a time on its GPU, with the calibration
   activations of that block;
-* **checkpoints** — each rank copies its shards of the weights, AdamS's moments and the masks to host
-  memory and writes (and hashes) its own files;
+* **checkpoints** — each rank copies its shards of the weights, AdamS's moments and the masks from its GPU
+  to host memory and writes (and hashes) its own files, one tensor at a time;
 * **the end** — rank 0 gathers the trained model (fp32, host), folds and casts it to the model's own dtype,
   exports it and evaluates it on its GPU.
 
@@ -130,7 +130,11 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
         calib_acts = 2 * work.calib_tokens * shape.hidden * 4  # one block's inputs and outputs, fp32
         hessians = 2 * 4 * max(shape.hidden, shape.intermediate) ** 2  # the widest target's Hessian and inverse
         m["rank 0 device: SparseGPT warm start (one block)"] = 4 * shape.block_params + calib_acts + hessians
-    m["each rank host: a checkpoint's copy of its shards"] = plan.checkpoint_bytes
+    # a checkpoint copies each rank's shards from the GPU to host memory, then writes them one tensor at a time
+    # (on a CPU the tensors are written where they are: no copy)
+    ckpt_host = plan.checkpoint_bytes if gpu else 0
+    if gpu:
+        m["each rank host: a checkpoint's copy of its shards"] = ckpt_host
     m["rank 0 host: the end (gathered fp32 model)"] = 4 * trainable
     m["rank 0 device: final evaluation (exported dtype)"] = work.native_bytes * P + eval_act
 
@@ -139,11 +143,11 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
     node = plan.host_per_node
     if sharded:
         node["start-up (rank 0 holds the model)"] = 4 * P + local * framework
-        node["a checkpoint"] = local * (plan.checkpoint_bytes + framework)
+        node["a checkpoint"] = local * (ckpt_host + framework)
         node["the end (rank 0 gathers the model)"] = 4 * trainable + local * framework
     else:  # every process loads the model; a replicated checkpoint is written by rank 0 alone
         node["start-up (every process loads the model)"] = local * (4 * P + framework)
-        node["a checkpoint (rank 0 copies the state)"] = plan.checkpoint_bytes + local * framework
+        node["a checkpoint (rank 0 copies the state)"] = ckpt_host + local * framework
     if work.host_memory and plan.host_peak_per_node > work.host_memory:
         plan.notes.append(f"the node's memory ({work.host_memory / 2**30:.0f} GiB) is below the host peak per node")
 

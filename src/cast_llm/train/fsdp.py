@@ -168,10 +168,11 @@ def fill_from_main(model: nn.Module, full: dict[str, torch.Tensor] | None, devic
 
 # ------------------------------------------------------------------------------------- sharded state
 def _to_local_cpu(obj):
+    """Local shards on the CPU: a copy from a GPU, the tensor itself on a CPU (a checkpoint writes it at once)."""
     if is_dtensor(obj):
-        return obj.to_local().detach().cpu().clone()
+        return obj.to_local().detach().cpu()
     if torch.is_tensor(obj):
-        return obj.detach().cpu().clone()
+        return obj.detach().cpu()
     if isinstance(obj, dict):
         return {k: _to_local_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -231,6 +231,9 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
                       model=getattr(cfg, "model", None), kind=job.kind)
         prepare_run_dir(out, is_main=False, **folder)  # every refusal before anything is written
         lock.acquire()
+        if lock.unsupported:
+            say(f"warning: the filesystem of {out} cannot lock {lock.path.name} ({lock.unsupported}); the run goes "
+                "on unlocked: a second job on this folder would not be refused")
     try:
         with StopRequest(say) as stop:
             return _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder, timeouts)
@@ -242,13 +245,13 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False),
                                       wait_timeout_s=timeouts.wait if timeouts else None)
     is_main = distribution.is_main
-    if is_main:
-        prepare_run_dir(out, is_main=True, **folder)
-        removed, size = remove_stale_partials(out)  # what a killed save of ours left behind
-        if removed:
-            say(f"removed {len(removed)} partial checkpoint folder(s) a killed save left ({size / 2**30:.2f} GiB): "
-                + ", ".join(p.name for p in removed))
-    distribution.barrier()
+    with distribution.waiting_for_main("preparing the run folder"):
+        if is_main:
+            prepare_run_dir(out, is_main=True, **folder)
+            removed, size = remove_stale_partials(out)  # what a killed save of ours left behind
+            if removed:
+                say(f"removed {len(removed)} partial checkpoint folder(s) a killed save left ({size / 2**30:.2f} "
+                    "GiB): " + ", ".join(p.name for p in removed))
     if not is_main:
         found = list_checkpoints(out) if cfg.resume else []
         checkpoint = found[-1] if found else None
@@ -490,9 +493,9 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         atomic_write_json(out / "results.json", results)
     if tb is not None:
         tb.close()
-    if is_main:
-        _drop_checkpoints(out, say, keep=getattr(cfg, "keep_checkpoints_after", False))
-    distribution.barrier()
+    with distribution.waiting_for_main("removing the run's checkpoints"):
+        if is_main:
+            _drop_checkpoints(out, say, keep=getattr(cfg, "keep_checkpoints_after", False))
     accelerator.end_training()
     return results
 

@@ -1,7 +1,7 @@
 """How long each phase of a run took and how much memory it needed, on every process.
 
 A phase (``with phases("load the model"): ...``) records its wall time and this process's peak memory over
-it: the host's peak resident set (``VmHWM``, reset when the phase begins), and on CUDA
+it: the host's resident set when it begins and its peak (``VmHWM``, reset when the phase begins), and on CUDA
 ``torch.cuda.max_memory_allocated`` (reset too). Phases run outside the training steps, whose own peak
 :class:`~cast_llm.train.memory.PeakMemory` measures; a phase nested in another records its own figures
 and leaves the outer one's host peak as the larger of the two. :meth:`Phases.gathered` collects every
@@ -41,6 +41,7 @@ class Phases:
         frame = {"host": 0, "device": 0}
         self._open.append(frame)
         reset_rss_peak()
+        start = peak_rss()  # = the resident set now: what the phase starts from
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -52,13 +53,14 @@ class Phases:
                 torch.cuda.synchronize(self.device)
             now = self._peaks()
             self._open.pop()
-            self.records[name] = {"seconds": round(time.perf_counter() - t0, 3),
+            self.records[name] = {"seconds": round(time.perf_counter() - t0, 3), "host_start": start,
                                   "host_peak": max(now["host"], frame["host"]),
                                   "device_peak": max(now["device"], frame["device"]) if cuda else None}
 
     def gathered(self, distribution) -> dict[str, dict[str, list]]:
-        """``{phase: {"seconds": [per rank], "host_peak": [...], "device_peak": [...]}}`` (collective)."""
+        """``{phase: {"seconds": [per rank], "host_start": [...], "host_peak": [...], "device_peak": [...]}}``
+        (collective)."""
         every = distribution.gather(self.records)
         names = list(dict.fromkeys(n for r in every for n in r))
-        return {n: {k: [r.get(n, {}).get(k) for r in every] for k in ("seconds", "host_peak", "device_peak")}
-                for n in names}
+        return {n: {k: [r.get(n, {}).get(k) for r in every]
+                    for k in ("seconds", "host_start", "host_peak", "device_peak")} for n in names}
