@@ -180,7 +180,7 @@ def the_plan(out: Path, framework: int):
     memory, startup, _ = plan_for_run(cfg, skeleton, world=2, device=torch.device("cpu"), precision="no",
                                       framework=framework, native_bytes=2)
     return (cfg, memory, startup, sum(p.numel() for p in skeleton.parameters()),
-            max(p.numel() for p in skeleton.parameters()))
+            max(p.numel() for p in skeleton.parameters()), memory.shape.block_params)
 
 
 def plan_8b() -> list[str]:
@@ -239,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                         stop_at=None, timeout=3600))
     total = time.perf_counter() - t_all
     frameworks = segs[-1]["memory"]["framework_per_rank"]  # measured before the steps of the last segment
-    cfg, memory, startup, params, largest = the_plan(out, max(frameworks))
+    cfg, memory, startup, params, largest, block = the_plan(out, max(frameworks))
     exported = json.loads((out / "config.json").read_text())
     result = {"machine": machine(), "load_before": load_before, "params": params, "largest_tensor": largest,
+              "block_params": block,
               "segments": segs,
               "total_s": total, "batch": [cfg.batch_size, cfg.grad_accum, 2],
               "export_dtype": exported.get("dtype") or exported.get("torch_dtype"),
@@ -268,12 +269,14 @@ def planned_growth(r: dict) -> dict[str, list[int | None]]:
     student = pers["weights (fp32 master)"]
     largest = 4 * r["largest_tensor"]
     return {
-        "load the model": [P4, 0],
+        "load the model": [st["rank 0 host: loading the model (fp32, and its file)"], 0],
         "baseline evaluation (rank 0)": [st["rank 0 device: baseline evaluation (whole fp32 model)"] - P4, None],
         "teacher: sharded from rank 0": [teacher + largest, teacher + largest],
-        "one-shot start": [st["rank 0 device: SparseGPT warm start (one block)"], 0],
+        # (on a CPU the block is already in host memory: the rest of SparseGPT's working set, and its masks)
+        "one-shot start": [st["rank 0 device: SparseGPT warm start (one block)"] - 4 * r["block_params"]
+                           + st["rank 0 host: SparseGPT's masks (bool)"], 0],
         "student: sharded": [student + largest, student + largest],
-        "final model: gathered and folded": [st["rank 0 host: the end (gathered fp32 model)"], largest],
+        "final model: gathered and folded": [st["rank 0 host: the end (gathered fp32 model, its masks)"], largest],
     }
 
 

@@ -265,7 +265,7 @@ def test_plan_around_the_steps_8b_on_8_gpus(capsys, monkeypatch):
     trainable = s8.params + s8.target_rows * 2
     assert s8.native_bytes == 2  # the config's bf16: what the export is written in
     assert sp.checkpoint_bytes == (12 * trainable + s8.target_params) // 8
-    assert sp.memory["rank 0 host: the model loaded (fp32)"] == 4 * s8.params
+    assert sp.memory["rank 0 host: loading the model (fp32, and its file)"] == (4 + 2) * s8.params
     assert sp.host_per_node["a checkpoint"] > 8 * sp.checkpoint_bytes
     assert sp.timeouts.collective >= MIN_COLLECTIVE_S and sp.timeouts.wait >= MIN_WAIT_S
     assert sp.timeouts.wait >= 4 * sp.seconds["SparseGPT warm start (rank 0)"]

@@ -95,16 +95,30 @@ class StartupPlan:
 def sparsegpt_flops(shape: ModelShape, calib_tokens: int) -> float:
     """Matmul FLOPs of SparseGPT over the whole model: per block two forwards of the calibration tokens
     (inputs, then the pruned block's outputs), per target its Hessian ``2·T·in²``, a Cholesky inverse (~in³)
-    and the OBS sweep (~2·out·in²). The targets' widths are those of a LLaMA block (q, k, v, o: hidden in;
-    gate, up: hidden in; down: intermediate in)."""
-    h, i = shape.hidden, shape.intermediate
-    q = shape.heads * shape.head_dim
-    kv = shape.kv_heads * shape.head_dim
-    targets = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]  # (out, in)
+    and the OBS sweep (~2·out·in²), for a LLaMA block's targets."""
     per_block = 4.0 * calib_tokens * shape.block_params
-    for out, inn in targets:
+    for out, inn in _targets(shape):
         per_block += 2.0 * calib_tokens * inn * inn + inn ** 3 + 2.0 * out * inn * inn
     return per_block * shape.layers
+
+
+def _targets(shape: ModelShape) -> list[tuple[int, int]]:
+    """(out, in) of a LLaMA block's targets: q, k, v, o, gate, up, down."""
+    h, i = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+
+
+def sparsegpt_bytes(shape: ModelShape, calib_tokens: int) -> int:
+    """Memory of the SparseGPT warm start where it runs (:mod:`cast_llm.prune.blockwise`): one block (fp32),
+    its calibration inputs and outputs, the Hessian statistics of all its targets at once (``in²`` fp32
+    each), and while its widest layer is pruned ~7 more ``in × in`` fp32 matrices (the finalised Hessian,
+    its damped copy, the identity, the Cholesky factor, the inverse, its upper factor) and ~3 ``out × in``
+    (the working copy, its lazy blocks, the mask). Checked against the rehearsal: docs/results/rehearsal.md."""
+    targets = _targets(shape)
+    out, widest = max(targets, key=lambda t: t[1])
+    return (4 * shape.block_params + 2 * calib_tokens * shape.hidden * 4 + sum(4 * c * c for _, c in targets)
+            + 7 * 4 * widest * widest + 3 * 4 * out * widest)
 
 
 def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupPlan:
@@ -123,30 +137,30 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
     eval_act = work.eval_window * (V * (c + 4) + (3 * shape.intermediate + 4 * shape.hidden) * c)
     m = plan.memory
     sharded = s.strategy == "fsdp"
-    m["rank 0 host: the model loaded (fp32)"] = 4 * P
+    # loading: the fp32 model, and the pages of its file while they are read (in the model's own dtype)
+    m["rank 0 host: loading the model (fp32, and its file)"] = (4 + work.native_bytes) * P
     if work.baseline_eval:
         m["rank 0 device: baseline evaluation (whole fp32 model)"] = 4 * P + eval_act
     if work.warm_start:
-        calib_acts = 2 * work.calib_tokens * shape.hidden * 4  # one block's inputs and outputs, fp32
-        hessians = 2 * 4 * max(shape.hidden, shape.intermediate) ** 2  # the widest target's Hessian and inverse
-        m["rank 0 device: SparseGPT warm start (one block)"] = 4 * shape.block_params + calib_acts + hessians
+        m["rank 0 device: SparseGPT warm start (one block)"] = sparsegpt_bytes(shape, work.calib_tokens)
+        m["rank 0 host: SparseGPT's masks (bool)"] = shape.target_params
     # a checkpoint copies each rank's shards from the GPU to host memory, then writes them one tensor at a time
     # (on a CPU the tensors are written where they are: no copy)
     ckpt_host = plan.checkpoint_bytes if gpu else 0
     if gpu:
         m["each rank host: a checkpoint's copy of its shards"] = ckpt_host
-    m["rank 0 host: the end (gathered fp32 model)"] = 4 * trainable
+    m["rank 0 host: the end (gathered fp32 model, its masks)"] = 4 * trainable + shape.target_params
     m["rank 0 device: final evaluation (exported dtype)"] = work.native_bytes * P + eval_act
 
     framework = HOST_FRAMEWORK if gpu else s.framework
     local = plan.per_node = min(work.gpus_per_node, s.world)
     node = plan.host_per_node
     if sharded:
-        node["start-up (rank 0 holds the model)"] = 4 * P + local * framework
+        node["start-up (rank 0 holds the model)"] = (4 + work.native_bytes) * P + local * framework
         node["a checkpoint"] = local * (ckpt_host + framework)
-        node["the end (rank 0 gathers the model)"] = 4 * trainable + local * framework
+        node["the end (rank 0 gathers the model)"] = 4 * trainable + shape.target_params + local * framework
     else:  # every process loads the model; a replicated checkpoint is written by rank 0 alone
-        node["start-up (every process loads the model)"] = local * (4 * P + framework)
+        node["start-up (every process loads the model)"] = local * ((4 + work.native_bytes) * P + framework)
         node["a checkpoint (rank 0 copies the state)"] = ckpt_host + local * framework
     if work.host_memory and plan.host_peak_per_node > work.host_memory:
         plan.notes.append(f"the node's memory ({work.host_memory / 2**30:.0f} GiB) is below the host peak per node")

@@ -310,6 +310,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         ctx.elapsed_before = float(meta.get("elapsed_s", 0.0))
         for ob in observers:
             ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
+        del states  # the model's copy was copied into its parameters: a second one for the whole run otherwise
         say(f"resumed from {checkpoint} at step {start_step}")
     if is_main:
         dump_yaml(cfg, out / "config.yaml")
