@@ -198,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--md", default=str(REPO / "docs/results/rehearsal.md"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--render", default=None, metavar="JSON", help="only write --md from a --json of an earlier run")
     args = ap.parse_args(argv)
+    if args.render:
+        Path(args.md).write_text(render(json.loads(Path(args.render).read_text())))
+        return 0
     sys.path.insert(0, str(REPO / "src"))
     from _common import machine
 
@@ -310,9 +314,9 @@ def render(r: dict) -> str:
               "Around the steps, each phase's growth of the resident set (its peak less the resident set when it "
               "began: the trainer's own `phases` in `results.json`) against the tensors the plan says the phase "
               "creates on that rank. The steps: the peak over the steps per rank against the plan's peak plus "
-              f"that rank's framework measured before the steps (rank 0 {_mb(plan['frameworks'][0])}, rank 1 "
-              f"{_mb(plan['frameworks'][1])} MiB: interpreter, libraries, tokenizer, data). `—`: the rank does not "
-              "run the phase.", "",
+              "that rank's framework, measured by the trainer just before the steps of that segment (interpreter, "
+              "libraries, tokenizer, data: the resident set less the tensors the plan counts). `—`: the rank does "
+              "not run the phase.", "",
               "| phase | rank 0 measured | rank 0 plan | rank 1 measured | rank 1 plan |", "|---|---:|---:|---:|---:|"]
     planned = planned_growth(r)
 
@@ -330,17 +334,22 @@ def render(r: dict) -> str:
             lines.append(f"| {name} | +{_mb(growth(where[name], 0))} | +{_mb(pl[0])} | "
                          f"+{_mb(growth(where[name], 1))} | +{_mb(pl[1])} |".replace("+—", "—"))
     steps = plan["steps"]["peak"] - plan["steps"]["persistent"].get("framework", 0)
+    ratios = []
     for s in segs:
-        mem = s["memory"]
-        if mem.get("measured_per_rank"):
-            m, fws = mem["measured_per_rank"], mem["framework_per_rank"]
+        m, fws = s["memory"].get("measured_per_rank"), s["memory"].get("framework_per_rank")
+        if m:
+            ratios.append(max(m[0] / (fws[0] + steps), m[1] / (fws[1] + steps)))
             lines.append(f"| the steps, segment {s['name'][0]} | {_mb(m[0])} | {_mb(fws[0] + steps)} | "
                          f"{_mb(m[1])} | {_mb(fws[1] + steps)} |")
     lines.append("| whole run, sampled from outside every 0.1 s | "
                  + " | — | ".join(_mb(max(s["rss_sampled_peak"].get(k, s["rss_sampled_peak"].get(str(k), 0))
                                          for s in segs)) for k in (0, 1)) + " | — |")
-    lines += ["", "The plan's verdict on a CPU adds 30 % to the steps' peak for glibc's retention of freed blocks "
-              "(`cast_llm/plan/memory.py`, `CPU_RETENTION`); the processes here return blocks from 128 KiB.", "",
+    lines += ["", "The steps measured " + ", ".join(f"{x:.2f}" for x in ratios) + " × the plan (segments 1, 2, "
+              "3; the larger rank): inside the 30 % that the plan's verdict adds on a CPU (`cast_llm/plan/memory.py`, "
+              "`CPU_RETENTION`; the processes here return freed blocks from 128 KiB to the system). The peak is the "
+              "same in every segment; a resumed segment measures a smaller framework before its steps (it loaded "
+              "and freed nothing), so what its ratio adds is memory outside the plan's tensors that the framework "
+              "measure misses, not a term of the plan.", "",
               "## Phases (seconds per rank) against the plan's estimates", "",
               "The estimates use the stated CPU rates of `cast_llm/plan/startup.py` (pessimistic: timeouts are "
               "derived from them — × 4, never below torch's defaults).", "",
