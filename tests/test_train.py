@@ -549,3 +549,25 @@ def test_fsdp2_a_nan_on_one_rank_stops_every_rank_with_one_line(workdir, tmp_pat
     assert "error: loss became nan at step 3; stopped (no checkpoint was written)" in r.stderr, r.stderr[-3000:]
     assert "error: the loss became non-finite on another rank at step 3" in r.stderr
     assert "cast_llm/train" not in r.stderr and not (out / "model.safetensors").exists()  # no traceback of ours
+
+
+def test_a_slow_one_shot_start_is_saved_at_once_and_checkpoints_follow_the_clock(workdir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A one-shot start slower than START_CHECKPOINT_S is saved at once (a step-0 checkpoint: a run stopped
+    before its first periodic checkpoint never computes it again); without --save-every a checkpoint is
+    written whenever AUTO_SAVE_S of wall time has passed (here 0: after every step), the last step's too; the
+    first checkpoint says what a SIGTERM's grace must cover."""
+    import cast_llm.train.loop as loop
+
+    monkeypatch.setattr(loop, "START_CHECKPOINT_S", 0.0)
+    monkeypatch.setattr(loop, "AUTO_SAVE_S", 0.0)
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--max-steps", "3", "--keep-last", "10", "--keep-checkpoints-after") == 0
+    assert [c.name for c in list_checkpoints(out)] == [f"step-{s:08d}" for s in range(4)]
+    said = capsys.readouterr().out
+    assert said.count("a SIGTERM needs") == 1 and "start: model prepared for cast" in said
+    assert json.loads((out / "results.json").read_text())["checkpoint"]["seconds"] >= 0
+    monkeypatch.setattr(loop, "AUTO_SAVE_S", 3600.0)  # a short run with a quick start: no checkpoint at all
+    monkeypatch.setattr(loop, "START_CHECKPOINT_S", 60.0)
+    assert _train(workdir, tmp_path / "short", "--max-steps", "3", "--keep-checkpoints-after") == 0
+    assert list_checkpoints(tmp_path / "short") == []

@@ -370,9 +370,6 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         last_good = list_checkpoints(out)[-1] if is_main else out / "checkpoints" / f"step-{step:08d}"
         return last_good
 
-    if not resuming and cfg.save_every != 0 and work.shared.get("start_s", 0.0) >= START_CHECKPOINT_S:
-        save(0, required=False)  # the one-shot start is saved with the run: a resume never computes it again
-
     # ---- the loop
     bar = None
     if is_main and cfg.progress:
@@ -382,6 +379,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     window = _new_window()
     if resumed_window:
         window.update(resumed_window)
+    if not resuming and cfg.save_every != 0 and work.shared.get("start_s", 0.0) >= START_CHECKPOINT_S:
+        save(0, required=False)  # the one-shot start is saved with the run: a resume never computes it again
     grad_accum = cfg.grad_accum
     save_every = cfg.save_every
     peak.start()
