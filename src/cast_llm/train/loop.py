@@ -508,9 +508,11 @@ def _report_save_cost(ctx, distribution, folder: Path, seconds: float, step_s: f
                       results: dict[str, Any]) -> None:
     """The first checkpoint of a segment: what it cost (the slowest rank), which is what a SIGTERM's grace
     period must cover after the step in flight; into results.json (``checkpoint``) and the log."""
-    mine = sum(f.stat().st_size for f in folder.glob(f"*-rank{ctx.rank:05d}.*")) if folder.is_dir() else 0
-    if ctx.world == 1 and folder.is_dir():
-        mine = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    mine = 0
+    if folder.is_dir():
+        sharded = any(folder.glob("*-rank00000.*"))  # FSDP2: every rank's own files; else rank 0 wrote it all
+        files = folder.glob(f"*-rank{ctx.rank:05d}.*") if sharded else (folder.iterdir() if ctx.is_main else [])
+        mine = sum(f.stat().st_size for f in files if f.is_file())
     every = distribution.gather((seconds, mine))
     slowest = max(s for s, _ in every)
     largest = max(b for _, b in every)
