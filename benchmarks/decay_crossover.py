@@ -59,7 +59,7 @@ def forecast_curve(budgets: list[int], tier: dict, seed: int = 0) -> list[dict]:
     cfg.validate()
     tok = load_tokenizer(cfg.model)
     model = load_model(cfg.model, dtype=torch.float32)
-    data = prepare(cfg.data, tok, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction)
+    data = prepare(cfg.data, tok, cfg.seq_len, train_sequences=cfg.batch_size, calib_samples=cfg.calib_samples)
     teacher = copy.deepcopy(model).eval().requires_grad_(False)
     method = get_method("cast")
     method.prepare_model(model, cfg, data=data)
