@@ -244,11 +244,15 @@ class Comparison:
                 raise SystemExit("--tune takes lr=V1,V2,... (the grid of learning rates)")
             self.grid = (name, [float(x) for x in values.split(",")])
         self.tuning_from = {}
-        if opts.tuning_from:
-            for row in json.loads(Path(opts.tuning_from).read_text()).get("rows", []):
+        src = Path(opts.tuning_from) if opts.tuning_from else None
+        if src is not None and src.is_dir():  # a runs folder of another budget: its rows' tuning.json
+            for f in src.glob("*/tuning.json"):
+                self.tuning_from[f.parent.name] = {**json.loads(f.read_text()), "from": portable(str(src))}
+        elif src is not None:  # a compare-*.json
+            for row in json.loads(src.read_text()).get("rows", []):
                 t = row.get("tuning") or {}
                 if t.get("chosen_setting"):
-                    self.tuning_from[row["name"]] = {**t, "from": portable(opts.tuning_from)}
+                    self.tuning_from[row["name"]] = {**t, "from": portable(str(src))}
         if opts.tier == "quick":
             self._build_quick_model(root)
         # Other tiers: every run resolves WikiText-2 the same way ($CAST_WIKITEXT2, else the copy packaged with
@@ -446,7 +450,7 @@ class Comparison:
         # test = the held-out test split (kept under "heldout" too, the key earlier tables used)
         row.update(heldout=ppl["heldout"], test=ppl["heldout"], validation=ppl.get("validation"),
                    wikitext2=ppl["wikitext2"], wall_s=round(time.perf_counter() - t0, 1), status="ok",
-                   machine=machine.finish())
+                   machine=machine.finish(), code=code_version())
         done.write_text(json.dumps(row, indent=2))
         return row
 
@@ -606,6 +610,18 @@ class Comparison:
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
 
 
+def code_version() -> str | None:
+    """The commit the rows were run with (``+dirty`` when the checkout had uncommitted changes)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks"],
+                               cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("+dirty" if dirty else "")) or None
+
+
 class MachineLoad:
     """What else ran during a row: the cores the whole machine kept busy (``/proc/stat``) less the CPU this
     script and its children used, averaged over the row's wall time — 0 on an otherwise idle machine."""
@@ -698,8 +714,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                "quick tier and on a crowded machine")
     p.add_argument("--tune", help="lr=V1,V2,V3: tune each training row named by --only on this grid at the first "
                                   "seed (choice: lowest validation perplexity), then run its seeds at the choice")
-    p.add_argument("--tuning-from", help="a compare-*.json whose rows' tuning choices this invocation reuses "
-                                         "(192k takes 48k's)")
+    p.add_argument("--tuning-from", help="a compare-*.json, or the runs folder of another budget, whose rows' "
+                                         "tuning choices this invocation reuses (192k takes 48k's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a tier setting for this invocation, e.g. wikitext_windows=0 (every window)")
     opts = p.parse_args(argv)
