@@ -15,7 +15,8 @@ source only until each split holds the tokens asked for (:class:`Need`); a later
 rebuilds it from the start — the order is fixed (:mod:`cast_llm.data.split`), so what was read before is a
 prefix of what is read now, and runs with a smaller budget see exactly the same tokens.
 
-``<cache>`` is ``$CAST_LLM_CACHE``, else ``$XDG_CACHE_HOME/cast-llm``, else ``~/.cache/cast-llm``.
+``<cache>`` is :func:`cast_llm.io.cache_dir`: ``$CAST_LLM_CACHE``, else ``$XDG_CACHE_HOME/cast-llm``, else
+``~/.cache/cast-llm``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from cast_llm.data.sources import iter_documents, source_fingerprint
 from cast_llm.data.split import SPLITS, shuffled, split_of
 from cast_llm.data.stream import TokenStream
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json, fsync_path, read_json
+from cast_llm.io import atomic_write_json, cache_dir, fsync_path, read_json
 
 __all__ = ["CACHE_MARKER", "Need", "TokenCache", "cache_root", "tokenizer_digest"]
 
@@ -49,11 +50,8 @@ DOC_BATCH = 256  # documents per tokenizer call
 
 
 def cache_root() -> Path:
-    """The user's cache folder for cast-llm (``$CAST_LLM_CACHE``, ``$XDG_CACHE_HOME/cast-llm``, ``~/.cache/cast-llm``)."""
-    if os.environ.get("CAST_LLM_CACHE"):
-        return Path(os.environ["CAST_LLM_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "cast-llm"
+    """The folder of the token caches: ``tokens/`` in the user's cast-llm cache (:func:`cast_llm.io.cache_dir`)."""
+    return cache_dir() / "tokens"
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -100,7 +98,7 @@ class TokenCache:
                            "tokenizer_sha256": tokenizer_digest(tokenizer), "val_fraction": val_fraction,
                            "test_fraction": test_fraction, "max_documents": max_documents}
         self.key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()[:24]
-        self.root = Path(root) if root is not None else cache_root() / "tokens"
+        self.root = Path(root) if root is not None else cache_root()
         self.dir = self.root / self.key
 
     # ------------------------------------------------------------------------------------------ reading

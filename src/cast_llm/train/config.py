@@ -180,6 +180,10 @@ class TrainConfig(RunConfig, CastSettings):
                                          "SparseGPT's reconstructed weights; otherwise only the mask is taken); "
                                          "default: sparsegpt for a warm-started run, else magnitude",
                                    choices=INIT_MASKS, section=CAST)
+    mask_file: str | None = option(None, "initial N:M mask from a file instead of --init-mask: a cast-llm mask "
+                                         "file (.safetensors) or a sparse model folder (its zeros); only the mask "
+                                         "is taken (naive: dense weights ⊙ mask) — to retrain one recipe under "
+                                         "different masks", section=CAST)
     calib_samples: int = option(128, "training sequences that calibrate Wanda / SparseGPT / the compensated prune "
                                      "(paper 128)", min=1, section=CAST)
     fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
@@ -288,6 +292,10 @@ class TrainConfig(RunConfig, CastSettings):
                   "--final-prune": self.final_prune, "--warm-start-mix": self.warm_start_mix,
                   "--regrow-factor": None if self.regrow_factor == 1 else self.regrow_factor,
                   "--regrow-fraction": self.regrow_fraction}
+        if self.mask_file and (self.init_mask is not None or self.paper_exact or self.method == "maskllm"):
+            which = "--init-mask" if self.init_mask is not None else ("--paper-exact" if self.paper_exact else
+                                                                     "--method maskllm")
+            raise CastError(f"--mask-file gives the initial mask: it excludes {which}")
         if self.paper_exact and self.init_mask not in (None, "magnitude"):
             raise CastError(f"--paper-exact starts from Eq. 6's magnitude mask; it excludes --init-mask {self.init_mask}")
         given = [flag for flag, v in beyond.items() if v not in (None, False, 0, 0.0, "hard")]
@@ -347,6 +355,8 @@ class TrainConfig(RunConfig, CastSettings):
 
     @property
     def effective_init_mask(self) -> str:
+        if self.mask_file:
+            return "file"
         if self.init_mask is not None:
             return self.init_mask
         return "sparsegpt" if self.use_warm_start else "magnitude"

@@ -19,7 +19,9 @@ MOVED_GROUPS = 1e-3
 def options_used(cfg) -> str:
     """The method and the options that made this run what it is, in one line (for the summary and README)."""
     if cfg.method != "cast":
-        return f"--method {cfg.method}" + (" with KD" if cfg.use_kd else "") + (" and weight scaling" if cfg.use_scaling else "")
+        return (f"--method {cfg.method}" + (" with KD" if cfg.use_kd else "")
+                + (" and weight scaling" if cfg.use_scaling else "")
+                + (f", initial mask from {cfg.mask_file}" if cfg.mask_file else ""))
     if cfg.mask_learner != "adams":
         return f"CAST with the {cfg.mask_learner} mask learner (ablation)"
     parts = ["AdamS", "weight scaling" if cfg.use_scaling else "no weight scaling",

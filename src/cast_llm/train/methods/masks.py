@@ -2,8 +2,9 @@
 refreshes (Eq. 6, :func:`cast_llm.sparsity.mask.magnitude_mask`) are due, and the names under which a method
 reports its masks to the loop.
 
-The initial mask is magnitude (Eq. 6) by default, or Wanda / SparseGPT (method.md §6) calibrated on
-``--calib-samples`` sequences of the run's own training data through :func:`cast_llm.prune.prune_model`.
+The initial mask is magnitude (Eq. 6) by default, Wanda / SparseGPT (method.md §6) calibrated on
+``--calib-samples`` sequences of the run's own training data through :func:`cast_llm.prune.prune_model`, or
+a mask from a file (``--mask-file``: :mod:`cast_llm.sparsity.mask_io`; only the mask is taken).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cast_llm.data import calibration_samples
 from cast_llm.errors import CastError
 from cast_llm.prune import prune_model
 from cast_llm.sparsity.mask import magnitude_mask
+from cast_llm.sparsity.mask_io import masks_from
 from cast_llm.targets import find_targets
 
 __all__ = ["initial_masks", "mask_keys", "refresh_due"]
@@ -30,8 +32,9 @@ def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool 
     untouched (the mask learners start from the dense weights and take only the mask).
     """
     targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
-    if cfg.effective_init_mask == "magnitude":
-        masks = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets}
+    if cfg.effective_init_mask in ("magnitude", "file"):
+        masks = (masks_from(cfg.mask_file, targets, cfg.n, cfg.m) if cfg.effective_init_mask == "file" else
+                 {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets})
         if apply:
             with torch.no_grad():
                 for t in targets:
