@@ -145,9 +145,9 @@ def test_a_larger_budget_extends_the_cache_and_smaller_runs_see_the_same_tokens(
     big = prepare(str(src), tok, 16, train_sequences=6000, val_sequences=2, test_sequences=2, cache_root=tmp_path)
     assert tok.docs > first
     assert torch.equal(big.train[:30], small.train[:]) and torch.equal(big.test, small.test)
-    idx = TokenCache(str(src), tok, val_fraction=0.02, test_fraction=0.02, root=tmp_path).index()
-    assert len(idx["splits"]["train"]["shards"]) > 1
-    builds = [d for d in next(tmp_path.iterdir()).iterdir() if d.is_dir()]
+    cache = TokenCache(str(src), tok, val_fraction=0.02, test_fraction=0.02, root=tmp_path)
+    assert len(cache.index()["splits"]["train"]["shards"]) > 1
+    builds = [d for d in cache.dir.iterdir() if d.is_dir()]
     assert len(builds) == 1, "the superseded build is removed"
     again = prepare(str(src), tok, 16, train_sequences=30, val_sequences=2, test_sequences=2, cache_root=tmp_path)
     assert torch.equal(again.train[:], small.train[:])
@@ -227,6 +227,17 @@ def test_hf_sources_are_streamed_and_read_only_as_far_as_the_budget(tmp_path, mo
     assert len(served) < 40_000  # the 16k shuffle buffer, and the 1,024-window read, then it stopped
 
 
+def test_a_ten_times_larger_source_with_the_same_budget_reads_the_same_documents(tmp_path):
+    docs = _docs(2000)
+    small, large = _jsonl(tmp_path / "x1.jsonl", docs), _jsonl(tmp_path / "x10.jsonl", docs * 10)
+    reads = []
+    for src in (small, large):
+        tok = CountingTokenizer()
+        prepare(str(src), tok, 16, train_sequences=64, val_sequences=2, test_sequences=2, cache_root=tmp_path / "k")
+        reads.append(tok.docs)
+    assert reads[0] == reads[1] < 2000
+
+
 def _build_in_child(args):
     src, root, q = args
     tok = CountingTokenizer()
@@ -247,6 +258,8 @@ def test_processes_starting_together_build_the_cache_once(tmp_path):
         assert p.exitcode == 0
     assert sorted(x[0] > 0 for x in out) == [False, False, True], "exactly one process tokenised"
     assert len({x[1:] for x in out}) == 1
+    builds = list((tmp_path / "k").glob("*/builds.jsonl"))
+    assert len(builds) == 1 and len(builds[0].read_text().splitlines()) == 1
 
 
 def test_need_is_met_by_an_exhausted_source_whatever_was_asked():

@@ -377,8 +377,10 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     from cast_llm.errors import CastError
     from cast_llm.train.checkpoint import fingerprint, load_checkpoint
 
+    tokens = tmp_path / "token-cache"  # of these runs alone: its builds are counted below
     common = ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, "--max-steps", "8",
-              "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2", "--keep-last", "10"]
+              "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2", "--keep-last", "10",
+              "--data-cache", str(tokens)]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     r = _torchrun([*common, "--output-dir", str(ref)])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -410,6 +412,9 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
     _assert_same_run(ref, cut)
+    # three 2-process jobs (uninterrupted, killed, resumed) tokenised the corpus once: the first job's first rank
+    builds = list(tokens.glob("*/builds.jsonl"))
+    assert len(builds) == 1 and len(builds[0].read_text().splitlines()) == 1, [b.read_text() for b in builds]
 
 
 def test_fsdp_refuses_unsupported_setups_with_one_line_errors(workdir, tmp_path, capsys):

@@ -4,6 +4,7 @@ Layout (``cast-llm prepare-data`` builds it ahead of a cluster job; ``train`` bu
 
     <cache>/tokens/<key>/index.json          what the shards hold; written last (atomically), so a killed
                                              build leaves the previous index or none
+    <cache>/tokens/<key>/builds.jsonl        one line per build (host, pid, rank, seconds)
     <cache>/tokens/<key>/<build>/train-00000.u16   token ids, little-endian uint16 (uint32 when the
     <cache>/tokens/<key>/<build>/val-00000.u16     vocabulary needs it), each document followed by EOS
     <cache>/tokens/<key>.lock                one builder at a time; the others wait, then read
@@ -27,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,7 +41,7 @@ from cast_llm.data.sources import iter_documents, source_fingerprint
 from cast_llm.data.split import SPLITS, shuffled, split_of
 from cast_llm.data.stream import TokenStream
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json, cache_dir, fsync_path, read_json
+from cast_llm.io import append_jsonl, atomic_write_json, cache_dir, fsync_path, read_json
 
 __all__ = ["CACHE_MARKER", "Need", "TokenCache", "cache_root", "tokenizer_digest"]
 
@@ -180,6 +182,10 @@ class TokenCache:
                             for s in SPLITS}}
         fsync_path(out)
         atomic_write_json(self.dir / "index.json", index)
+        # one line per build: who tokenised the source and when (a job's ranks share one build)
+        append_jsonl(self.dir / "builds.jsonl", {"build": build, "host": socket.gethostname(), "pid": os.getpid(),
+                                                 "rank": os.environ.get("RANK"), "time": time.time(),
+                                                 "seconds": index["build_s"], "documents": docs})
         if locked:  # earlier builds (and killed ones) of this key: ours, no longer referenced
             for d in self.dir.glob("build-*"):
                 if d.is_dir() and d.name != build:
