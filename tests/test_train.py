@@ -438,3 +438,30 @@ def test_accelerate_use_fsdp_launch_turns_on_our_fsdp2(workdir, tmp_path, capsys
     import os
 
     assert os.environ["ACCELERATE_USE_FSDP"] == "false"
+
+
+def test_split_is_the_same_for_every_seed_and_a_one_file_corpus_gets_a_sequence_split(workdir, tmp_path, capsys):
+    """Seeds 0 and 1 are scored on the same test text (one split digest); one .txt file (one document) is split
+    by sequences, scores its held-out windows (not 'n/a') and says which split it made."""
+    digests = []
+    for seed in (0, 1):
+        out = tmp_path / f"s{seed}"
+        assert _train(workdir, out, "--max-steps", "1", "--seed", str(seed), "--no-baseline-eval",
+                      "--test-sequences", "2", "--val-fraction", "0.15", "--test-fraction", "0.15") == 0
+        res = json.loads((out / "results.json").read_text())
+        digests.append(res["data_split"]["sha256"])
+        assert res["data_split"]["kind"] == "documents" and res["perplexity"]["heldout"]["sparse"] > 1
+        assert res["perplexity"]["validation"]["sparse"] > 1
+    assert digests[0] == digests[1]
+    capsys.readouterr()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join([tiny.CORPUS] * 30))
+    out = tmp_path / "txt"
+    assert main(["train", "--model", str(workdir / "llama"), "--data", str(corpus), "--output-dir", str(out),
+                 "--wikitext-file", str(workdir / "eval.txt"), *BASE, "--max-steps", "1", "--no-baseline-eval",
+                 "--val-sequences", "4", "--test-sequences", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "data split: sequence split" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["data_split"]["kind"] == "sequences" and res["heldout_sequences"] >= 1
+    assert res["perplexity"]["heldout"]["sparse"] > 1 and "n/a" not in printed.split("test ppl")[-1].split("\n")[0]
