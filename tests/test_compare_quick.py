@@ -179,3 +179,48 @@ def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
     cmd = "cast-llm train --output-dir /elsewhere/wt/runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
     assert portable(cmd) == "cast-llm train --output-dir runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
     assert portable(f"{REPO}/docs/results/x.json") == "docs/results/x.json"
+
+
+def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
+    """benchmarks/mask_swap.py on the quick tier: SparseGPT + KD tuned first (its lr is the recipe), then every
+    mask (magnitude, Wanda, SparseGPT, a run's learned one) as a file, each retrained under exactly itself."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+        import mask_swap
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from safetensors.torch import load_file
+
+    from cast_llm.sparsity.mask_io import load_masks
+
+    runs, docs = tmp_path / "c", tmp_path / "d"
+    assert compare_methods.main(["--tier", "quick", "--only", "naive-kd-sgpt,cast", "--tune", "lr=1e-3,3e-3",
+                                 "--tune-only", "naive-kd-sgpt", "--runs-dir", str(runs), "--docs-dir", str(docs)]) == 0
+    tuning = json.loads((runs / "tiny-llama-256" / "naive-kd-sgpt" / "tuning.json").read_text())
+    learned = runs / "tiny-llama-256" / "cast" / "seed-0" / "model"
+    assert mask_swap.main(["--tier", "quick", "--tokens", "256", "--seeds", "0,1", "--recipe-from",
+                           str(runs / "tiny-llama-256"), "--learned", f"paper-exact CAST={learned}", "--runs-dir",
+                           str(tmp_path / "m"), "--docs-dir", str(docs)]) == 0
+    data = json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())
+    by = {r["name"]: r for r in data["rows"]}
+    assert set(by) == {"magnitude", "wanda", "sparsegpt", "learned-paper-exact-cast"}
+    assert data["recipe"]["lr"] == tuning["chosen_setting"]["lr"]
+    for name, r in by.items():
+        assert [x["seed"] for x in r["seeds"]] == [0, 1] and all(x["test_ppl"] > 1 for x in r["seeds"])
+        assert len({x["split_sha256"] for x in r["seeds"]}) == 1
+        assert (name == "sparsegpt") == ("paired" not in r)
+        # each run kept exactly its mask: the export's zeros are the mask file's
+        masks = load_masks(tmp_path / "m" / "tiny-llama-256" / "masks" / f"{name}.safetensors")[0]
+        state = load_file(tmp_path / "m" / "tiny-llama-256" / f"mask-{name}" / "seed-0" / "model" / "model.safetensors")
+        assert all(torch_equal(state[f"{k}.weight"] != 0, v) for k, v in masks.items())
+    assert by["sparsegpt"]["groups_vs_sparsegpt"] == 0 and by["magnitude"]["groups_vs_magnitude"] == 0
+    pair = by["wanda"]["paired"]["test"]
+    assert pair["n"] == 2 and pair["verdict"] in ("better", "worse", "level")
+    assert f"**{pair['verdict']}**" in (docs / "mask-swap-tiny-llama-256.md").read_text()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

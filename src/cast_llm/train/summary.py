@@ -126,8 +126,8 @@ def movement_line(results: dict[str, Any]) -> str | None:
     i_t, groups = m.get("initial_flip_rate"), m.get("changed_groups")
     if i_t is None and groups is None:
         return None
-    start = {"sparsegpt": "SparseGPT's", "wanda": "Wanda's"}.get(results.get("oneshot_method"),
-                                                                  "the first (Eq. 6) one")
+    start = {"sparsegpt": "SparseGPT's", "wanda": "Wanda's", "file": "the mask file's"}.get(
+        results.get("oneshot_method") or results.get("init_mask"), "the first (Eq. 6) one")
     facts = f"{100 * (i_t or 0):.4f} % of the mask entries differ from the first mask"
     if groups is not None:
         facts += f", {100 * groups:.3f} % of the {results.get('pattern', 'N:M')} groups changed"

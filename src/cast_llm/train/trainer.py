@@ -308,6 +308,7 @@ class PretrainJob(Job):
             if self.teacher_forward is not None:
                 results["teacher_forward"] = self.teacher_forward.mode
             results["options"] = options_used(cfg)
+            results["init_mask"] = cfg.effective_init_mask
             results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
             results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
             atomic_write_json(ctx.out / "results.json", results)  # the report reads it
