@@ -41,8 +41,9 @@ def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dic
 
     from cast_llm.io import sha256_file
     from cast_llm.models import load_model
-    from cast_llm.sparsity.mask_io import load_masks, masks_from, save_masks
+    from cast_llm.sparsity.mask_io import load_masks, save_masks
     from cast_llm.targets import find_targets
+    from cast_llm.train.methods.masks import masks_from
 
     folder = cmp.runs / "masks"
     folder.mkdir(parents=True, exist_ok=True)

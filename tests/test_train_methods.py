@@ -132,8 +132,9 @@ def test_mask_file_retrains_the_dense_model_under_exactly_that_mask(workdir, tmp
     """--mask-file: the run starts from dense ⊙ mask (naive: fixed mask), so its export has exactly the file's
     zeros; a sparse model folder gives the same mask as the file written from it."""
     from cast_llm.models import load_model
-    from cast_llm.sparsity.mask_io import load_masks, masks_from, save_masks
+    from cast_llm.sparsity.mask_io import load_masks, save_masks
     from cast_llm.targets import find_targets
+    from cast_llm.train.methods.masks import masks_from
 
     # a mask that is not the dense model's own magnitude mask: the magnitude mask of another random model
     other = tiny.model(arch, seed=7)

@@ -3,8 +3,8 @@ the one a CAST run learned) can be swapped under one and the same retraining rec
 
 A mask file is a ``.safetensors`` of bool tensors keyed by target name (``model.layers.0.mlp.up_proj``), in
 the weight's own layout, with ``{"written_by": "cast-llm masks", "n", "m", "source"}`` in its metadata.
-A sparse model folder (any checkpoint :func:`cast_llm.models.load_model` reads: a ``cast-llm train`` /
-``prune`` export) works too: its mask is where its target weights are not zero.
+A sparse model folder (a ``cast-llm train`` / ``prune`` export) works too: its mask is where its target
+weights are not zero (:func:`mask_of_zeros`; read by :func:`cast_llm.train.methods.masks.masks_from`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor
 from cast_llm.errors import CastError
 from cast_llm.sparsity.mask import magnitude_mask
 
-__all__ = ["MASKS_MARKER", "mask_of_zeros", "save_masks", "load_masks", "masks_from"]
+__all__ = ["MASKS_MARKER", "mask_of_zeros", "save_masks", "load_masks"]
 
 MASKS_MARKER = "cast-llm masks"
 
@@ -60,36 +60,3 @@ def load_masks(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         raise
     except Exception as e:  # a damaged or foreign file
         raise CastError(f"{path}: cannot be read as a mask file ({type(e).__name__}: {e})") from None
-
-
-def masks_from(source: str | Path, targets, n: int, m: int) -> dict[str, Tensor]:
-    """``{fqn: bool mask}`` for ``targets`` (:func:`cast_llm.targets.find_targets`) from a mask file or a sparse
-    model folder, checked against every target's shape and the N:M pattern."""
-    source = Path(source).expanduser()
-    if source.is_file():
-        masks, meta = load_masks(source)
-        if (meta.get("n"), meta.get("m")) != (str(n), str(m)):
-            raise CastError(f"{source}: a {meta.get('n')}:{meta.get('m')} mask file; this run is {n}:{m}")
-    elif source.is_dir():
-        from cast_llm.models import load_model
-        from cast_llm.targets import find_targets
-
-        sparse = load_model(str(source), dtype=torch.float32)
-        masks = {t.fqn: mask_of_zeros(t.weight, t.transposed, n, m, name=f"{source}: {t.fqn}")
-                 for t in find_targets(sparse, n=n, m=m, skip_incompatible=True)}
-        del sparse
-    else:
-        raise CastError(f"--mask-file {source}: no such file or folder (a mask file or a sparse model folder)")
-    out = {}
-    for t in targets:
-        mask = masks.get(t.fqn)
-        if mask is None:
-            raise CastError(f"{source} holds no mask for target {t.fqn} (it has {len(masks)} masks: was it made for "
-                            "this model?)")
-        if tuple(mask.shape) != tuple(t.weight.shape):
-            raise CastError(f"{source}: the mask of {t.fqn} is {tuple(mask.shape)}, the weight {tuple(t.weight.shape)}")
-        counts = (mask.t() if t.transposed else mask).reshape(-1, m).sum(1)
-        if not bool((counts == n).all()):
-            raise CastError(f"{source}: the mask of {t.fqn} does not keep exactly {n} of every {m}")
-        out[t.fqn] = mask.to(t.weight.device)
-    return out
