@@ -108,8 +108,8 @@ def fit_prune_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def fit_scaling(points: list[tuple[int, float]]):
-    """ln ppl = A + B·D^−β over (tokens, ppl) points (cast_llm.scaling_law, β fixed)."""
-    from cast_llm.scaling_law import fit_token_scaling
+    """ln ppl = A + B·D^−β over (tokens, ppl) points (cast_llm.scaling, β fixed)."""
+    from cast_llm.scaling import fit_token_scaling
 
     return fit_token_scaling([d / 1e9 for d, _ in points], [p for _, p in points])
 
