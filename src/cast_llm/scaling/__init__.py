@@ -7,6 +7,15 @@
 * :mod:`~cast_llm.scaling.budget_sweep` — one training run per budget, then the fit.
 """
 
+from cast_llm.scaling.budget_sweep import (
+    SWEEP_OWNED,
+    format_count,
+    parse_budgets,
+    run_command,
+    run_sweep,
+    sweep,
+    train_command,
+)
 from cast_llm.scaling.fit import (
     CHINCHILLA_BETA,
     LeaveOneOut,
@@ -25,15 +34,6 @@ from cast_llm.scaling.points import (
     write_points_csv,
 )
 from cast_llm.scaling.report import FitReport, fit_report
-from cast_llm.scaling.budget_sweep import (
-    SWEEP_OWNED,
-    format_count,
-    parse_budgets,
-    run_command,
-    run_sweep,
-    sweep,
-    train_command,
-)
 
 __all__ = ["CHINCHILLA_BETA", "LeaveOneOut", "TokenScalingFit", "fit_token_scaling", "format_billions",
            "plot_token_scaling", "METRICS", "Point", "collect", "load_results", "read_points_csv", "read_runs",
