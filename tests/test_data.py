@@ -272,3 +272,11 @@ def test_too_small_data_names_what_to_change(tmp_path):
     src = write_corpus(tmp_path / "c.jsonl", docs=3)
     with pytest.raises(CastError, match="too small.*--seq-len"):
         prepare(str(src), tokenizer(), 64, min_train_sequences=50, cache_root=tmp_path / "k")
+
+
+def test_an_unwritable_cache_folder_is_a_one_line_error_naming_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    src = _jsonl(tmp_path / "c.jsonl", _docs(50))
+    with pytest.raises(CastError, match="cannot create the token cache folder .*CAST_LLM_CACHE"):
+        prepare(str(src), tokenizer(), 16, cache_root=blocker / "tokens")

@@ -130,7 +130,11 @@ class TokenCache:
                 say: Callable[[str], None] = lambda s: None) -> tuple[dict[str, TokenStream], dict]:
         """The train / val / test token streams holding at least ``need`` (built or extended first when the
         cache holds less), and the cache's index. Processes that call this together build it once."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CastError(f"cannot create the token cache folder {self.root} ({e.strerror}); point "
+                            "$CAST_LLM_CACHE or --data-cache at a writable folder") from None
         with _lock(self.root / f"{self.key}.lock", say) as locked:
             index = None if rebuild else self.index()
             if index is not None and need.met_by(index):
