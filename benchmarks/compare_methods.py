@@ -56,7 +56,7 @@ from cast_llm.train.summary import mask_movement  # noqa: E402
 TIERS: dict[str, dict] = {
     # a tiny random LLaMA built locally; seconds in all, so that the test suite runs it
     "quick": dict(tokens=256, seq_len=32, batch_size=2, grad_accum=1, lr=3e-3, l1_decay=1e-4, eta=1 / 3,
-                  log_every=2, mask_interval=2, val_sequences=1, wikitext_windows=1, eval_seq_len=32,
+                  log_every=2, mask_interval=2, val_sequences=1, test_sequences=2, wikitext_windows=1, eval_seq_len=32,
                   calib_samples=4, device="cpu", precision="fp32", adams={}),
     # SmolLM2-135M on the embedded corpus (100-150 training tok/s on 2 idle cores). Short sequences (128) buy
     # more optimizer steps for the same tokens: 94 steps without KD, 71 with at 48k. Evaluation: 64 held-out
@@ -66,7 +66,7 @@ TIERS: dict[str, dict] = {
     # second moment from the momentum, so noise moves every weight ~lr per step and 5e-4 damages a warm start.
     "cpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=48_000, seq_len=128, batch_size=4,
                 grad_accum=1, lr=5e-4, l1_decay=1e-4, eta=0.5, lr_schedule="cosine", log_every=10,
-                mask_interval=10, val_sequences=64, wikitext_windows=64, eval_seq_len=512, calib_samples=128,
+                mask_interval=10, val_sequences=64, test_sequences=64, wikitext_windows=64, eval_seq_len=512, calib_samples=128,
                 device="cpu", precision="fp32", adams={},
                 row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}, "naive-kd-sgpt": {"lr": 1e-4},
                         "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
@@ -78,7 +78,7 @@ TIERS: dict[str, dict] = {
     # covers the typical |pruned w| (SmolLM2-135M: median 0.060, p90 0.16). Not yet run.
     "gpu": dict(model="smollm2-135m", data="wiki-summaries", tokens=40_000_000, seq_len=2048, batch_size=4,
                 grad_accum=1, lr=1e-4, l1_decay=2e-5, eta=0.5, lr_schedule="cosine", log_every=10,
-                mask_interval=10, val_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128,
+                mask_interval=10, val_sequences=64, test_sequences=64, wikitext_windows=0, eval_seq_len=2048, calib_samples=128,
                 device="cuda", precision="bf16", adams={}),
 }
 SHARED_KEYS = ("model", "data", "seq_len", "seed")  # what the one-shot runs share with the training runs
@@ -107,12 +107,18 @@ CAST_BEST = ["--warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0
 CORE = [
     Entry("dense", "Dense", "dense"),
     Entry("magnitude", "Magnitude", "oneshot", ["--method", "magnitude"], mask="one-shot"),
-    Entry("wanda", "Wanda", "oneshot", ["--method", "wanda"], mask="one-shot"),
-    Entry("sparsegpt", "SparseGPT", "oneshot", ["--method", "sparsegpt"], weight_update="OBS", mask="one-shot"),
+    # calibrated one-shot methods draw their calibration samples with the seed: seeded like the training rows
+    Entry("wanda", "Wanda", "oneshot", ["--method", "wanda"], mask="one-shot", seeded=True),
+    Entry("sparsegpt", "SparseGPT", "oneshot", ["--method", "sparsegpt"], weight_update="OBS", mask="one-shot",
+          seeded=True),
     Entry("naive", "Naive retraining", "train", ["--method", "naive"], weight_update="AdamW", mask="fixed",
           seeded=True),
     Entry("naive-sgpt", "Naive retraining from SparseGPT", "train", ["--method", "naive", "--init-mask", "sparsegpt"],
           weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
+    # the recipe of the public 2:4 models, and what the default CAST configuration is held against seed by seed
+    Entry("naive-kd-sgpt", "SparseGPT + KD (fixed mask)", "train",
+          ["--method", "naive", "--kd", "--init-mask", "sparsegpt"], kd=True, weight_update="AdamW",
+          mask="fixed (SparseGPT)", seeded=True),
     Entry("srste", "SR-STE", "train", ["--method", "srste"], weight_update="AdamW + STE", mask="learned"),
     Entry("ast", "AST", "train", ["--method", "ast"], kd=True, weight_update="AdamS-additive + STE",
           mask="learned", seeded=True),
@@ -154,9 +160,6 @@ ABLATIONS = [
 # What each part of CAST's default buys (issue: Table-6 ablations under the final protocol): the default
 # configuration with one component taken out, and the strongest cheap recipe it must beat.
 DEFAULT_ABLATIONS = [
-    Entry("naive-kd-sgpt", "Naive + KD from SparseGPT (fixed mask)", "train",
-          ["--method", "naive", "--kd", "--init-mask", "sparsegpt"], kd=True, weight_update="AdamW",
-          mask="fixed (SparseGPT)", seeded=True),
     Entry("naive-kd-scaling-sgpt", "Naive + KD + scaling from SparseGPT (= default w/o AdamS decay, mask updates)",
           "train", ["--method", "naive", "--kd", "--scaling", "--init-mask", "sparsegpt"], kd=True,
           weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
@@ -230,6 +233,28 @@ class Comparison:
         if opts.report_only:  # nothing runs: the table is rewritten from the rows that already finished
             self.entries, self.only = [], None
         self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
+        for kv in opts.set or []:  # tier settings of this invocation (e.g. wikitext_windows=0: the full protocol)
+            k, _, v = kv.partition("=")
+            if k not in self.tier:
+                raise SystemExit(f"--set {kv}: no tier setting {k!r} (settings: {', '.join(self.tier)})")
+            self.tier[k] = type(self.tier[k])(v) if self.tier[k] is not None else v
+        self.grid = None
+        if opts.tune:
+            name, _, values = opts.tune.partition("=")
+            if name != "lr" or not values:
+                raise SystemExit("--tune takes lr=V1,V2,... (the grid of learning rates)")
+            self.grid = (name, [float(x) for x in values.split(",")])
+        self.tune_only = set(opts.tune_only.split(",")) if opts.tune_only else None
+        self.tuning_from = {}
+        src = Path(opts.tuning_from) if opts.tuning_from else None
+        if src is not None and src.is_dir():  # a runs folder of another budget: its rows' tuning.json
+            for f in src.glob("*/tuning.json"):
+                self.tuning_from[f.parent.name] = {**json.loads(f.read_text()), "from": portable(str(src))}
+        elif src is not None:  # a compare-*.json
+            for row in json.loads(src.read_text()).get("rows", []):
+                t = row.get("tuning") or {}
+                if t.get("chosen_setting"):
+                    self.tuning_from[row["name"]] = {**t, "from": portable(str(src))}
         if opts.tier == "quick":
             self._build_quick_model(root)
         # Other tiers: every run resolves WikiText-2 the same way ($CAST_WIKITEXT2, else the copy packaged with
@@ -298,11 +323,11 @@ class Comparison:
             argv += ["--save-every", str(self.opts.save_every)]
         return argv + extra + shlex.split(self.opts.train_args or "")
 
-    def prune_argv(self, extra: list[str], out: Path) -> list[str]:
+    def prune_argv(self, extra: list[str], out: Path, seed: int | None = None) -> list[str]:
         t = self.tier
         return ["prune", *extra, "--model", t["model"], "--data", t["data"], "--seq-len", str(t["seq_len"]),
-                "--calib-samples", str(t["calib_samples"]), "--seed", str(t["seed"]), "--device", t["device"],
-                "--output-dir", str(out), "--overwrite"]
+                "--calib-samples", str(t["calib_samples"]), "--seed", str(t["seed"] if seed is None else seed),
+                "--device", t["device"], "--output-dir", str(out), "--overwrite"]
 
     # ------------------------------------------------------------------------------------------ running
     def _run_cli(self, argv: list[str], log: Path) -> int:
@@ -328,10 +353,17 @@ class Comparison:
 
             cfg = self.train_config(self.budget, [], self.runs / "_eval")
             tok = load_tokenizer(cfg.model)
-            data = prepare(cfg.data, tok, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
-                           max_documents=cfg.max_documents)
-            self._evaluator = Evaluator(cfg, tok, data.val, None)
+            data = prepare(cfg.data, tok, cfg.seq_len, train_sequences=1, val_sequences=cfg.val_sequences,
+                           test_sequences=cfg.test_sequences, val_fraction=cfg.val_fraction,
+                           test_fraction=cfg.test_fraction, max_documents=cfg.max_documents)
+            self._evaluator = Evaluator(cfg, tok, data.test, None, val=data.val)
+            self.split_sha256 = data.split_sha256
         return self._evaluator
+
+    def current_split(self) -> str:
+        """The digest of the validation and test windows every row of this budget is scored on."""
+        self.evaluator()
+        return self.split_sha256
 
     def evaluate_checkpoint(self, path: str) -> dict:
         import torch
@@ -341,10 +373,13 @@ class Comparison:
         device = "cuda" if self.tier["device"] == "cuda" else "cpu"
         model = load_model(path, dtype=torch.float32).to(device).eval()
         with torch.no_grad():
-            return self.evaluator().both(model)
+            return self.evaluator().both(model, validation=True)
 
     def run_entry(self, e: Entry, seeds: list[int] | None = None) -> dict:
         """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
+        if (self.grid and e.kind == "train" and (not self.tune_only or e.key in self.tune_only)
+                and not (self.runs / e.key / "tuning.json").is_file()):
+            self.tune(e)
         if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
         return self.aggregate([self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in seeds or self.seeds])
@@ -376,47 +411,102 @@ class Comparison:
         row["command"] = ok[0]["command"] + f"  (and with --seed {', '.join(str(r['seed']) for r in ok[1:])})"
         return row
 
-    def _run_one(self, e: Entry, out: Path, seed: int | None) -> dict:
+    def _run_one(self, e: Entry, out: Path, seed: int | None, hp_override: dict | None = None) -> dict:
         done = out / "compare_row.json"
         if done.is_file() and not self.opts.fresh:
             return json.loads(done.read_text())
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        machine = MachineLoad()
         row = {"key": e.key, "label": e.label, "kind": e.kind, "kd": e.kd, "weight_update": e.weight_update,
                "mask": e.mask, "tokens": 0, "seed": seed}
         if e.kind == "dense":
             row["command"] = f"(evaluation of {self.tier['model']})"
             ppl = self.evaluate_checkpoint(self.tier["model"])
         elif e.kind == "oneshot":
-            argv = self.prune_argv(e.args, out / "model")
+            argv = self.prune_argv(e.args, out / "model", seed if e.seeded else None)
             row["command"] = "cast-llm " + shlex.join(argv)
             if self._run_cli(argv, out / "log.txt") != 0:
                 return self._failed(row, out)
             ppl = self.evaluate_checkpoint(str(out / "model"))
             row["calib_tokens"] = self.tier["calib_samples"] * self.tier["seq_len"]
         else:
-            argv, hp = self.entry_train_argv(e, out, seed)
+            argv, hp = self.entry_train_argv(e, out, seed, hp_override)
             row["lr"] = hp["lr"]
+            row["hyperparameters"] = hp
             row["command"] = "cast-llm " + shlex.join(argv)
             if self._run_cli(argv, out / "log.txt") != 0:
                 return self._failed(row, out)
             res = json.loads((out / "model" / "results.json").read_text())
-            ppl = {split: res["perplexity"][split]["sparse"] for split in ("heldout", "wikitext2")}
+            ppl = {split: res["perplexity"].get(split, {}).get("sparse") for split in ("heldout", "validation",
+                                                                                      "wikitext2")}
             row["tokens"] = res["tokens_trained"]
             row["train_wall_s"] = res["wall_time_s"]
+            row["threads"] = res.get("threads")
+            row["split_sha256"] = (res.get("data_split") or {}).get("sha256")
+            row["wikitext_windows"] = res.get("wikitext_windows")
             row.update(run_statistics(out / "model", res))
-        row.update(heldout=ppl["heldout"], wikitext2=ppl["wikitext2"],
-                   wall_s=round(time.perf_counter() - t0, 1), status="ok")
+        if e.kind != "train":
+            self.evaluator()
+            row["split_sha256"] = self.split_sha256
+            row["threads"] = self.opts.threads or None
+        # test = the held-out test split (kept under "heldout" too, the key earlier tables used)
+        row.update(heldout=ppl["heldout"], test=ppl["heldout"], validation=ppl.get("validation"),
+                   wikitext2=ppl["wikitext2"], wall_s=round(time.perf_counter() - t0, 1), status="ok",
+                   machine=machine.finish(), code=code_version())
         done.write_text(json.dumps(row, indent=2))
         return row
 
-    def entry_train_argv(self, e: Entry, out: Path, seed: int | None) -> tuple[list[str], dict]:
-        """The `cast-llm train` argv of training row ``e`` (and its lr/λ): equal compute, the row's own lr."""
+    def entry_train_argv(self, e: Entry, out: Path, seed: int | None,
+                         hp_override: dict | None = None) -> tuple[list[str], dict]:
+        """The `cast-llm train` argv of training row ``e`` (and its lr/λ): equal compute, the row's own lr — the
+        one its tuning chose on the validation split when it was tuned (``hp_override``: a grid point)."""
         tokens = self.budget * 3 // 4 if e.kd else self.budget  # equal compute: KD costs 4/3 (§4)
         hp = {**{k: self.tier[k] for k in ("lr", "l1_decay")}, **(self.tier["adams"] if e.adams else {})}
         hp.update(self.tier.get("row_lr", {}).get(e.key, {}))  # a row's own best lr (docs: the sweep)
+        hp.update(self.tuned(e.key).get("chosen_setting", {}))
+        hp.update(hp_override or {})
         argv = self.train_argv(tokens, e.args + [x for k, v in hp.items() for x in _flag(k, v)], out / "model", seed)
         return argv, hp
+
+    # ------------------------------------------------------------------------------------------ tuning
+    def tuned(self, key: str) -> dict:
+        """The tuning record of row ``key``: this runs folder's ``tuning.json`` (a grid run here), else the
+        one ``--tuning-from`` names (192k reuses 48k's choice); {} when the row was not tuned."""
+        local = self.runs / key / "tuning.json"
+        if local.is_file():
+            return json.loads(local.read_text())
+        return self.tuning_from.get(key, {})
+
+    def tune(self, e: Entry) -> dict:
+        """Run ``--tune``'s grid for training row ``e`` at the first seed, choose the setting with the lowest
+        validation perplexity, record it in ``tuning.json``, and make the grid run at the chosen setting the
+        row's run of that seed."""
+        seed = self.seeds[0]
+        name, values = self.grid
+        results = {}
+        for v in values:
+            print(f"          grid {e.key} {name}={v:g} (seed {seed}) ...", flush=True)
+            r = self._run_one(e, self.runs / e.key / "grid" / f"{name}-{v:g}" / f"seed-{seed}", seed, {name: v})
+            results[f"{v:g}"] = {"validation": r.get("validation"), "test": r.get("test"),
+                                 "wikitext2": r.get("wikitext2"), "status": r.get("status")}
+        ok = {k: r["validation"] for k, r in results.items() if r["status"] == "ok" and r["validation"] is not None}
+        if not ok:
+            raise SystemExit(f"--tune {e.key}: no grid run finished; see {self.runs / e.key / 'grid'}")
+        best = min(ok, key=ok.get)
+        record = {"grid": {name: [f"{v:g}" for v in values]}, "chosen": {name: best},
+                  "chosen_setting": {name: float(best)}, "metric": f"validation perplexity, seed {seed}",
+                  "results": results}
+        (self.runs / e.key / "tuning.json").write_text(json.dumps(record, indent=2))
+        src = self.runs / e.key / "grid" / f"{name}-{best}" / f"seed-{seed}" / "compare_row.json"
+        dst = self.runs / e.key / f"seed-{seed}"
+        if not (dst / "compare_row.json").is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            row = json.loads(src.read_text())
+            row["from_grid"] = f"{name}={best}"
+            (dst / "compare_row.json").write_text(json.dumps(row, indent=2))
+        print(f"          {e.key}: chose {name}={best} (validation {ok[best]:.2f}; grid {ok})", flush=True)
+        return record
 
     def expected_command(self, e: Entry, seed: int | None) -> str | None:
         """The command row ``e`` (seed ``seed``) runs with today's settings, without its output folder (the
@@ -425,7 +515,7 @@ class Comparison:
         if e.kind == "train":
             argv = self.entry_train_argv(e, out, seed)[0]
         elif e.kind == "oneshot":
-            argv = self.prune_argv(e.args, out / "model")
+            argv = self.prune_argv(e.args, out / "model", seed if e.seeded else None)
         else:
             return None
         return _without_output_dir("cast-llm " + shlex.join(argv))
@@ -445,12 +535,18 @@ class Comparison:
             e = entries.get(row.get("name"))
             if e is None:
                 continue
+            tuning = row.get("tuning") or {}
+            if tuning.get("chosen_setting") and not (self.runs / e.key / "tuning.json").is_file():
+                (self.runs / e.key).mkdir(parents=True, exist_ok=True)  # the choice the recorded seeds ran with
+                (self.runs / e.key / "tuning.json").write_text(json.dumps(tuning, indent=2))
             for run in row.get("seeds", []):
                 out = self.runs / e.key / (f"seed-{run.get('seed')}" if e.seeded else "")
                 want = self.expected_command(e, run.get("seed"))
                 if (out / "compare_row.json").is_file() or run.get("status") != "ok" or (
                         want is not None and _without_output_dir(run.get("command", "")) != want):
                     continue
+                if run.get("split_sha256") is None or run.get("split_sha256") != self.current_split():
+                    continue  # scored on other text (the seed-dependent split of earlier versions)
                 out.mkdir(parents=True, exist_ok=True)
                 run.setdefault("recorded_in", portable(str(path)))
                 (out / "compare_row.json").write_text(json.dumps(run, indent=2))
@@ -500,6 +596,11 @@ class Comparison:
             if r["status"] == "ok":
                 print(f"          held-out {r['heldout']}  WikiText-2 {r['wikitext2']}  ({r['wall_s']:.0f} s)",
                       flush=True)
+        for r in rows:  # how each training row's setting was chosen (on the validation split), or that it was not
+            if r.get("kind") == "train":
+                t = self.tuned(r["key"])
+                r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "results", "from")
+                                if k in t} if t else {"chosen": "not retuned", "setting": {"lr": r.get("lr")}})
         docs.mkdir(parents=True, exist_ok=True)
         meta = {"tier": self.opts.tier, "model": self.tier["model"], "data": self.tier["data"],
                 "budget": self.budget, "settings": self.tier, "total_wall_s": round(time.perf_counter() - t0, 1),
@@ -515,6 +616,53 @@ class Comparison:
 
 
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
+
+
+def code_version() -> str | None:
+    """The commit the rows were run with (``+dirty`` when the checkout had uncommitted changes)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks"],
+                               cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("+dirty" if dirty else "")) or None
+
+
+class MachineLoad:
+    """What else ran during a row: the cores the whole machine kept busy (``/proc/stat``) less the CPU this
+    script and its children used, averaged over the row's wall time — 0 on an otherwise idle machine."""
+
+    def __init__(self):
+        import resource
+
+        self._res = resource
+        self.t0, self.stat0, self.cpu0 = time.perf_counter(), _proc_stat(), self._cpu()
+
+    def _cpu(self) -> float:
+        r = self._res
+        return sum(getattr(r.getrusage(who), f) for who in (r.RUSAGE_SELF, r.RUSAGE_CHILDREN)
+                   for f in ("ru_utime", "ru_stime"))
+
+    def finish(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        stat1, cpus = _proc_stat(), os.cpu_count() or 1
+        out = {"cores": cpus, "own_cores": round((self._cpu() - self.cpu0) / wall, 2) if wall > 0 else None}
+        if self.stat0 and stat1 and stat1[1] > self.stat0[1]:
+            busy = cpus * (stat1[0] - self.stat0[0]) / (stat1[1] - self.stat0[1])
+            out["busy_cores"] = round(busy, 2)
+            out["other_cores"] = round(max(0.0, busy - (out["own_cores"] or 0)), 2)
+        return out
+
+
+def _proc_stat() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(v) - v[3] - v[4], sum(v)
 
 
 def _without_output_dir(cmd: str) -> str:
@@ -572,6 +720,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                "chart from the rows that already finished")
     p.add_argument("--threads", type=int, help="CPU threads per run (default: torch's); 1 is fastest for the "
                                                "quick tier and on a crowded machine")
+    p.add_argument("--tune", help="lr=V1,V2,V3: tune each training row named by --only on this grid at the first "
+                                  "seed (choice: lowest validation perplexity), then run its seeds at the choice")
+    p.add_argument("--tune-only", help="comma-separated rows that --tune tunes (default: every training row run)")
+    p.add_argument("--tuning-from", help="a compare-*.json, or the runs folder of another budget, whose rows' "
+                                         "tuning choices this invocation reuses (192k takes 48k's)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a tier setting for this invocation, e.g. wikitext_windows=0 (every window)")
     opts = p.parse_args(argv)
     opts.argv = list(sys.argv[1:] if argv is None else argv)
     return opts
@@ -582,15 +737,25 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[str]:
 
     A table grown by several ``--only`` invocations is regenerated by this one (finished runs are reused, so on
     the same runs directory it runs only what is missing, e.g. the seeds a row ran fewer of)."""
+    dropped = ("--only", "--seeds", "--tune", "--tune-only", "--tuning-from")
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--only", "--seeds"):
+        elif a in dropped:
             skip = True
-        elif not a.startswith(("--only=", "--seeds=")) and a not in ("--fresh", "--report-only"):
+        elif not a.startswith(tuple(f"{d}=" for d in dropped)) and a not in ("--fresh", "--report-only"):
             out.append(a)
-    seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", [])})
+    seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", []) if x.get("seed") is not None})
+    # the tuning the rows went through: a grid run here (--tune), or another budget's choice (--tuning-from)
+    grids = {r["key"]: r["tuning"] for r in rows if (r.get("tuning") or {}).get("grid") and
+             not r["tuning"].get("from")}
+    if grids:
+        name, values = next(iter(next(iter(grids.values()))["grid"].items()))
+        out += ["--tune", f"{name}={','.join(values)}", "--tune-only", ",".join(grids)]
+    sources = {r["tuning"]["from"] for r in rows if (r.get("tuning") or {}).get("from")}
+    for src in sorted(sources):
+        out += ["--tuning-from", src]
     return out + ["--seeds", ",".join(map(str, seeds or [0])), "--only", ",".join(r["key"] for r in rows)]
 
 

@@ -13,12 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The ordering method.md §8 asks to reproduce: CAST < SR-STE ≲ naive ≪ SparseGPT < Wanda < magnitude.
 # (a, b, slack): ppl(a) < ppl(b) · slack; "≲" is read as "at most 5 % worse".
-# "cast" stands for the best CAST row of the table (cast-best when present, else paper-exact CAST).
+# "cast" is paper-exact CAST (the paper's algorithm); the default configuration is held against the
+# alternatives seed by seed instead (paired_lines).
 ORDER_CHECK = [("cast", "srste", 1.0), ("srste", "naive", 1.05), ("naive", "sparsegpt", 1.0),
                ("sparsegpt", "wanda", 1.0), ("wanda", "magnitude", 1.0)]
 EXTRA_CHECK = [("cast", "ast", 1.0)]  # the paper also has CAST ahead of its predecessor
-# What the default CAST configuration must beat at short budgets (a row each, both perplexities)
-BEST_CHECK = ["naive", "naive-sgpt", "naive-kd-sgpt", "sparsegpt", "cast"]
 # The strongest cheap recipe (SparseGPT + distillation, fixed mask): every CAST variant of the table is held
 # against it, seed by seed, to show what learning the mask adds
 FIXED_MASK_KD = "naive-kd-sgpt"
@@ -56,10 +55,25 @@ def wikitext2_description(tier: dict) -> str:
 
 
 def _ppl(r: dict, split: str) -> str:
-    rng = r.get(f"{split}_range")
-    if not rng:
+    """The mean over the row's seeds, and below it every seed's value (seed: value)."""
+    runs = [x for x in r.get("seeds") or [] if x.get("status") == "ok"]
+    if len(runs) < 2:
         return _num(r.get(split)) + ("<br>(1 seed)" if len(r.get("seeds", [])) == 1 else "")
-    return f"{r[split]:.2f}<br>({rng[0]:.2f}–{rng[1]:.2f}, {len(r['seeds'])} seeds)"
+    per = ", ".join(f"s{x['seed']} {x[split]:.2f}" for x in runs)
+    return f"{r[split]:.2f}<br>({per})"
+
+
+def _compute(r: dict) -> str:
+    """Wall time of the row's runs (mean over seeds), their thread count and what else kept the machine busy."""
+    runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
+    threads = sorted({x.get("threads") for x in runs if x.get("threads")})
+    other = [x["machine"]["other_cores"] for x in runs if (x.get("machine") or {}).get("other_cores") is not None]
+    out = f"{r['wall_s']:.0f} s"
+    if threads:
+        out += f"<br>{'/'.join(map(str, threads))} thr"
+    if other:
+        out += f", other jobs {max(other):.1f} cores"
+    return out
 
 
 def movement(r: dict) -> str:
@@ -78,24 +92,47 @@ def movement(r: dict) -> str:
     return f"{pct(i)} / {pct(g)}"
 
 
-def against_fixed_mask(rows: list[dict]) -> list[str]:
-    """Every CAST row against naive + KD from SparseGPT (fixed mask): Δ per split, seed by seed, and the
-    masks' movement, so that what the mask learning adds (or costs) is read off one list."""
-    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
-    base = by.get(FIXED_MASK_KD)
-    if base is None:
-        return []
-    out = []
-    for r in rows:
-        if r is base or r.get("status") != "ok" or not r["key"].startswith("cast"):
-            continue
-        parts = []
-        for split, name in (("heldout", "held-out"), ("wikitext2", "WikiText-2")):
-            a, b = r[split], base[split]
-            parts.append(f"{name} {'✓' if a < b else '✗'} {a:.2f} vs {b:.2f} ({(a / b - 1) * 100:+.1f} %)"
-                         f"{_paired(r, base, split)}")
-        out.append(f"- {r['label']}: " + "; ".join(parts) + f"; masks moved (i_T / groups changed): {movement(r)}")
-    return out
+# two-sided 95 % quantiles of Student's t by degrees of freedom (the paired interval of n seeds has n - 1)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086}
+SPLIT_NAMES = {"test": "test", "wikitext2": "WikiText-2"}
+
+
+def _value(run: dict, split: str):
+    """A run's perplexity on ``split`` (``test`` was called ``heldout`` by earlier rows)."""
+    v = run.get(split)
+    return run.get("heldout") if v is None and split == "test" else v
+
+
+def paired(a: dict, b: dict, split: str) -> dict | None:
+    """Row ``a`` against row ``b`` on ``split``, seed by seed (the seeds both ran: same data order, same
+    calibration draw): per-seed differences a - b, their mean, and the 95 % t interval of that mean; the
+    verdict is "better" / "worse" only where the interval excludes 0, else "level". None without 2 pairs."""
+    sa = {r["seed"]: _value(r, split) for r in a.get("seeds") or [a] if r.get("status") == "ok"}
+    sb = {r["seed"]: _value(r, split) for r in b.get("seeds") or [b] if r.get("status") == "ok"}
+    common = sorted(x for x in set(sa) & set(sb) if sa[x] is not None and sb[x] is not None)
+    if len(common) < 2:
+        return None
+    diffs = [sa[x] - sb[x] for x in common]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
+    half = T975.get(n - 1, 1.96) * sd / n ** 0.5
+    lo, hi = mean - half, mean + half
+    verdict = "better" if hi < 0 else ("worse" if lo > 0 else "level")
+    return {"against": b["key"], "n": n, "seeds": common, "mean_diff": round(mean, 3),
+            "ci95": [round(lo, 3), round(hi, 3)], "mean_rel": round(sum(sa[x] / sb[x] - 1 for x in common) / n, 4),
+            "per_seed": [{"seed": x, "a": sa[x], "b": sb[x], "diff": round(sa[x] - sb[x], 3)} for x in common],
+            "verdict": verdict}
+
+
+def paired_line(r: dict, base: dict, split: str) -> str:
+    p = paired(r, base, split)
+    if p is None:
+        return f"{SPLIT_NAMES[split]}: fewer than 2 common seeds, not paired"
+    return (f"{SPLIT_NAMES[split]} {p['mean_diff']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] "
+            f"({100 * p['mean_rel']:+.1f} %, {p['n']} seeds): **{p['verdict']}**")
 
 
 def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
@@ -109,19 +146,32 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
         return portable(x) if isinstance(x, str) and "/" in x else x
 
     out_rows = []
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
     for r in rows:
         seeds = r.get("seeds") or [r]
         row = {"name": r["key"], "label": r.get("label"), "status": r.get("status"), "kind": r.get("kind"),
                "kd": r.get("kd"), "lr": r.get("lr"), "tokens": r.get("tokens"),
-               "seeds": [clean({k: v for k, v in x.items() if k != "seeds"}) for x in seeds]}
+               "seeds": [clean({**{k: v for k, v in x.items() if k != "seeds"},
+                                "test_ppl": _value(x, "test"), "wikitext2_ppl": x.get("wikitext2"),
+                                "validation_ppl": x.get("validation")}) for x in seeds]}
+        if r.get("tuning") is not None:
+            row["tuning"] = clean(r["tuning"])
         for split in ("heldout", "wikitext2"):
             row[split] = r.get(split)
             row[f"{split}_range"] = r.get(f"{split}_range")
+        row["test_ppl"] = r.get("heldout")
+        base = by.get(FIXED_MASK_KD)
+        if base is not None and r.get("key") != FIXED_MASK_KD and r.get("kind") == "train" and r.get("status") == "ok":
+            pairs = {split: paired(r, base, split) for split in ("test", "wikitext2")}
+            if any(pairs.values()):
+                row["paired"] = {"against": FIXED_MASK_KD, **pairs}
         for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",
                     "flipped_fraction"):
             row[key] = r.get(key)
         out_rows.append(row)
+    digests = {x.get("split_sha256") for r in rows for x in (r.get("seeds") or [r]) if r.get("status") == "ok"}
     doc = {"generated": datetime.date.today().isoformat(), "command": meta.get("command"),
+           "split_sha256": sorted(d for d in digests if d) or None,
            "regenerate": meta.get("regenerate"), "tier": meta.get("tier"), "model": meta.get("model"),
            "budget": meta.get("budget"), "settings": clean(meta.get("settings")), "wikitext2": meta.get("wikitext2"),
            "rows": out_rows}
@@ -129,40 +179,45 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
     return path
 
 
-def best_check(rows: list[dict]) -> list[str]:
-    """Lines saying, per split, whether the best CAST row beats each row of :data:`BEST_CHECK`, and by how much."""
-    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
-    best = by.get("cast-best")
-    if best is None:
-        return []
+def _digest_note(rows: list[dict]) -> str:
+    digests = {x.get("split_sha256") for r in rows for x in (r.get("seeds") or [r]) if r.get("status") == "ok"}
+    known = sorted(d for d in digests if d)
+    if len(known) == 1 and None not in digests:
+        return f"`{known[0][:12]}`"
+    return (f"**not the same for every row** ({', '.join(d[:12] for d in known)}"
+            f"{', and rows without one' if None in digests else ''})")
+
+
+def tuning_lines(rows: list[dict]) -> list[str]:
+    """Per training row: the grid, its validation perplexities and the choice; or that it was not retuned."""
     out = []
-    for split, name in (("heldout", "held-out"), ("wikitext2", "WikiText-2")):
-        for key in BEST_CHECK:
-            if key not in by:
-                continue
-            a, b = best[split], by[key][split]
-            out.append(f"- {'✓' if a < b else '✗'} {name}: {best['label']} {a:.2f} vs {by[key]['label']} {b:.2f} "
-                       f"({(a / b - 1) * 100:+.1f} %){_paired(best, by[key], split)}")
+    for r in rows:
+        t = r.get("tuning")
+        if r.get("kind") != "train" or not t:
+            continue
+        if t.get("chosen") == "not retuned":
+            out.append(f"- {r['label']}: not retuned (lr {_num(r.get('lr'), '{:g}')})")
+            continue
+        name, choice = next(iter(t["chosen"].items()))
+        res = t.get("results") or {}
+        grid = ", ".join(f"{name} {v}: {_num(res.get(v, {}).get('validation'))}" for v in t["grid"][name])
+        src = f" (chosen at {portable(t['from'])})" if t.get("from") else ""
+        out.append(f"- {r['label']}: {name} **{choice}**{src} — validation ppl {grid} ({t.get('metric', '')})")
     return out
 
 
-def _paired(a: dict, b: dict, split: str) -> str:
-    """'; seed by seed 2/2 (...)' when both rows ran the same two or more seeds (same data order: paired); the
-    one seed they share when only one is; a warning when they share none."""
-    sa = {r["seed"]: r[split] for r in a.get("seeds", []) if r.get("status") == "ok"}
-    sb = {r["seed"]: r[split] for r in b.get("seeds", []) if r.get("status") == "ok"}
-    common = sorted(set(sa) & set(sb))
-    if not common and sa and sb:  # the means come from different data orders: say so, they are not paired
-        return f"; no seed in common (seeds {', '.join(map(str, sorted(sa)))} against " \
-               f"{', '.join(map(str, sorted(sb)))}): not paired"
-    if len(common) == 1 and (len(sa) > 1 or len(sb) > 1):
-        x = common[0]
-        return f"; same seed alone (seed {x}): {sa[x]:.2f} vs {sb[x]:.2f}"
-    if len(common) < 2:
-        return ""
-    wins = sum(sa[x] < sb[x] for x in common)
-    pairs = ", ".join(f"seed {x}: {sa[x]:.2f} vs {sb[x]:.2f}" for x in common)
-    return f"; seed by seed {wins}/{len(common)} ({pairs})"
+def paired_lines(rows: list[dict]) -> list[str]:
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    base = by.get(FIXED_MASK_KD)
+    if base is None:
+        return []
+    out = []
+    for r in rows:
+        if r is base or r.get("status") != "ok" or r.get("kind") != "train":
+            continue
+        out.append(f"- {r['label']}: " + "; ".join(paired_line(r, base, split) for split in ("test", "wikitext2"))
+                   + f"; masks moved (i_T / groups changed): {movement(r)}")
+    return out
 
 
 def _lr_note(s: dict) -> str:
@@ -180,9 +235,7 @@ def _lr_note(s: dict) -> str:
 
 def ordering(rows: list[dict], split: str) -> list[tuple[str, str, bool | None, str]]:
     """``(a, b, holds, detail)`` for every pair of :data:`ORDER_CHECK` + :data:`EXTRA_CHECK` with both rows."""
-    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
-    if "cast-best" in by:
-        by["cast"] = by["cast-best"]
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}  # "cast": the paper's algorithm, not our default
     out = []
     for a, b, slack in ORDER_CHECK + EXTRA_CHECK:
         if a not in by or b not in by:
@@ -213,17 +266,21 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"steps, device {s['device']}, precision {s['precision']}. **Equal compute**: runs without a teacher get "
         f"{meta['budget']:,} tokens, runs with KD get 3/4 of that (KD costs ~4/3, method.md §4). One-shot "
         f"methods calibrate on {s['calib_samples']} training sequences of {s['seq_len']} tokens. Perplexity: "
-        f"held-out = {s['val_sequences']} held-out sequences of the training data; WikiText-2 = raw test split "
+        f"test = {s.get('test_sequences', s['val_sequences'])} windows of the corpus's test split (documents chosen "
+        f"by a hash of their text: the same text for every row and seed, split {_digest_note(rows)}; tuning used "
+        f"only the validation split, {s['val_sequences']} windows); WikiText-2 = raw test split "
         f"({meta.get('wikitext2', 'the packaged copy')}), "
         f"windows of {s['eval_seq_len']}, {s['wikitext_windows'] or 'all'} windows. Lower is better.",
         "",
-        "Rows with several seeds show the mean and, below it, the range. S_T: the sparse-weight ratio just "
+        "Rows with several seeds show the mean and, below it, every seed's value. S_T: the sparse-weight ratio just "
         "before the final prune (1 = nothing left to cut; method.md §7). Masks moved: the final initial-flip "
         "rate i_T (share of mask entries that differ from the run's first mask) / the share of 2:4 groups whose "
-        "kept pair changed. tok/s: median training throughput. The same rows as data: "
+        "kept pair changed. tok/s: median training throughput. Wall time: one run of the row, everything "
+        "included (calibration, the teacher, the evaluations), its thread count, and the most cores other jobs "
+        "kept busy meanwhile (0 = an idle machine). The same rows as data: "
         f"`{path.with_suffix('.json').name}`.",
         "",
-        "| Method | Type | Weight update | Mask | KD | lr | Training tokens | Held-out ppl | WikiText-2 ppl "
+        "| Method | Type | Weight update | Mask | KD | lr | Training tokens | Test ppl | WikiText-2 ppl "
         "| S_T | Masks moved | tok/s | Wall time |",
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -243,7 +300,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
             mark = " †"
         lines.append(head + f"| {_ppl(r, 'heldout')}{mark} | {_ppl(r, 'wikitext2')}{mark} "
                      f"| {_num(r.get('sparse_weight_ratio'), '{:.3f}')} | {movement(r)} "
-                     f"| {_num(r.get('tokens_per_s'), '{:.0f}')} | {r['wall_s']:.0f} s |")
+                     f"| {_num(r.get('tokens_per_s'), '{:.0f}')} | {_compute(r)} |")
     if earlier:
         lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
                   + "; ".join(f"`{x}`" for x in sorted(earlier))
@@ -253,7 +310,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     lines += ["", "## The paper's ordering", "",
               "method.md §8: CAST < SR-STE ≲ naive retraining ≪ SparseGPT < Wanda < magnitude "
               "(≲: at most 5 % worse), and CAST < AST.", ""]
-    for split, name in (("wikitext2", "WikiText-2"), ("heldout", "held-out")):
+    for split, name in (("wikitext2", "WikiText-2"), ("heldout", "test")):
         checks = ordering(rows, split)
         held = sum(1 for c in checks if c[2])
         if not checks:
@@ -261,12 +318,14 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
             continue
         lines.append(f"- **{name}**: {held}/{len(checks)} pairs hold.")
         lines += [f"  - {'✓' if ok else '✗'} {detail}" for _, _, ok, detail in checks]
-    checks = best_check(rows)
+    tuned = tuning_lines(rows)
+    if tuned:
+        lines += ["", "## Tuning (validation split only)", ""] + tuned
+    checks = paired_lines(rows)
     if checks:
-        lines += ["", "## The default CAST configuration against the strongest alternatives", ""] + checks
-    checks = against_fixed_mask(rows)
-    if checks:
-        lines += ["", "## What learning the mask adds: every CAST row against naive + KD from SparseGPT (fixed mask)",
+        lines += ["", "## Against SparseGPT + KD (fixed mask), seed by seed", "",
+                  "Mean of the per-seed differences (row − SparseGPT + KD, perplexity points) with its 95 % t "
+                  "interval; a row is **better** or **worse** only where the interval excludes 0, else **level**.",
                   ""] + checks
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:

@@ -48,7 +48,8 @@ def main() -> None:
     ids = tokenize_text(wikitext2_text(), tok)
     calib = None
     if "awq" in args.methods:
-        data = prepare(args.data, tok, args.calib_seq_len, seed=0, min_train_sequences=args.calib_samples)
+        data = prepare(args.data, tok, args.calib_seq_len, train_sequences=args.calib_samples,
+                       calib_samples=args.calib_samples, min_train_sequences=args.calib_samples)
         calib = calibration_samples(data, args.calib_samples, seed=0)
     rows = []
 

@@ -23,9 +23,11 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     assert md.is_file() and png.is_file() and png.stat().st_size > 10_000
     text = md.read_text()
     for label in ("Dense", "Magnitude", "Wanda", "SparseGPT", "Naive retraining", "Naive retraining from SparseGPT",
-                  "SR-STE", "AST", "CAST (paper-exact)", "CAST (default: warm start from SparseGPT)"):
+                  "SparseGPT + KD (fixed mask)", "SR-STE", "AST", "CAST (paper-exact)",
+                  "CAST (default: warm start from SparseGPT)"):
         assert f"| {label} |" in text, label
-    assert "## The default CAST configuration against the strongest alternatives" in text
+    assert "## Against SparseGPT + KD (fixed mask), seed by seed" in text
+    assert "## Tuning (validation split only)" in text and "not retuned" in text
     assert "failed" not in text and "## The paper's ordering" in text and "cast-llm train" in text
     rows = json.loads((tmp_path / "runs" / "tiny-llama-256" / "rows.json").read_text())["rows"]
     assert all(r["status"] == "ok" and r["heldout"] > 1 and r["wikitext2"] > 1 for r in rows)
@@ -68,7 +70,7 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import compare_methods
-        from compare_report import _paired, _ppl, write_chart
+        from compare_report import _ppl, paired, write_chart
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     cmp = compare_methods.Comparison(compare_methods.parse_args(
@@ -86,14 +88,18 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     naive = cmp.run_entry(entry["naive"], cmp.finished_seeds(entry["naive"]))
     assert naive["heldout"] == 42.0 and naive["wikitext2_range"] == [140.0, 150.0] and len(naive["seeds"]) == 2
     assert naive["command"].endswith("(and with --seed 1)")
-    assert _ppl(naive, "heldout") == "42.00<br>(40.00–44.00, 2 seeds)"
-    other = {**naive, "seeds": [{**x, "heldout": x["heldout"] + d} for x, d in zip(naive["seeds"], (1.0, -1.0))]}
-    assert _paired(naive, other, "heldout") == "; seed by seed 1/2 (seed 0: 40.00 vs 41.00, seed 1: 44.00 vs 43.00)"
+    assert _ppl(naive, "heldout") == "42.00<br>(s0 40.00, s1 44.00)"
+    # paired by seed: differences -1 and +1 -> mean 0, sd sqrt(2), half-width t(1) * sqrt(2) / sqrt(2) = 12.706
+    other = {**naive, "key": "other", "seeds": [{**x, "heldout": x["heldout"] + d}
+                                                 for x, d in zip(naive["seeds"], (1.0, -1.0))]}
+    p = paired(naive, other, "test")
+    assert p["against"] == "other" and p["n"] == 2 and p["mean_diff"] == 0.0 and p["ci95"] == [-12.706, 12.706]
+    assert p["verdict"] == "level" and [x["diff"] for x in p["per_seed"]] == [-1.0, 1.0]
+    worse = {**naive, "key": "worse", "seeds": [{**x, "heldout": x["heldout"] - d}
+                                                 for x, d in zip(naive["seeds"], (3.0, 3.1))]}
+    assert paired(naive, worse, "test")["verdict"] == "worse" and paired(worse, naive, "test")["verdict"] == "better"
     one = {**naive, "seeds": [{**naive["seeds"][1], "heldout": 45.0}]}
-    assert _paired(naive, one, "heldout") == "; same seed alone (seed 1): 44.00 vs 45.00"
-    assert _paired(one, {**one, "seeds": [{**naive["seeds"][0]}]}, "heldout") == (
-        "; no seed in common (seeds 1 against 0): not paired")
-    assert _paired(one, one, "heldout") == ""  # one seed each, the same: the means are the pair
+    assert paired(naive, one, "test") is None  # one common seed: no interval
     cast = cmp.run_entry(entry["cast"], cmp.finished_seeds(entry["cast"]))
     assert len(cast["seeds"]) == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
     argv = ["--tier", "cpu", "--tokens", "192k", "--only", "naive", "--seeds=0", "--fresh", "--threads", "2"]
@@ -173,3 +179,48 @@ def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
     cmd = "cast-llm train --output-dir /elsewhere/wt/runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
     assert portable(cmd) == "cast-llm train --output-dir runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
     assert portable(f"{REPO}/docs/results/x.json") == "docs/results/x.json"
+
+
+def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
+    """benchmarks/mask_swap.py on the quick tier: SparseGPT + KD tuned first (its lr is the recipe), then every
+    mask (magnitude, Wanda, SparseGPT, a run's learned one) as a file, each retrained under exactly itself."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+        import mask_swap
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from safetensors.torch import load_file
+
+    from cast_llm.sparsity.mask_io import load_masks
+
+    runs, docs = tmp_path / "c", tmp_path / "d"
+    assert compare_methods.main(["--tier", "quick", "--only", "naive-kd-sgpt,cast", "--tune", "lr=1e-3,3e-3",
+                                 "--tune-only", "naive-kd-sgpt", "--runs-dir", str(runs), "--docs-dir", str(docs)]) == 0
+    tuning = json.loads((runs / "tiny-llama-256" / "naive-kd-sgpt" / "tuning.json").read_text())
+    learned = runs / "tiny-llama-256" / "cast" / "seed-0" / "model"
+    assert mask_swap.main(["--tier", "quick", "--tokens", "256", "--seeds", "0,1", "--recipe-from",
+                           str(runs / "tiny-llama-256"), "--learned", f"paper-exact CAST={learned}", "--runs-dir",
+                           str(tmp_path / "m"), "--docs-dir", str(docs)]) == 0
+    data = json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())
+    by = {r["name"]: r for r in data["rows"]}
+    assert set(by) == {"magnitude", "wanda", "sparsegpt", "learned-paper-exact-cast"}
+    assert data["recipe"]["lr"] == tuning["chosen_setting"]["lr"]
+    for name, r in by.items():
+        assert [x["seed"] for x in r["seeds"]] == [0, 1] and all(x["test_ppl"] > 1 for x in r["seeds"])
+        assert len({x["split_sha256"] for x in r["seeds"]}) == 1
+        assert (name == "sparsegpt") == ("paired" not in r)
+        # each run kept exactly its mask: the export's zeros are the mask file's
+        masks = load_masks(tmp_path / "m" / "tiny-llama-256" / "masks" / f"{name}.safetensors")[0]
+        state = load_file(tmp_path / "m" / "tiny-llama-256" / f"mask-{name}" / "seed-0" / "model" / "model.safetensors")
+        assert all(torch_equal(state[f"{k}.weight"] != 0, v) for k, v in masks.items())
+    assert by["sparsegpt"]["groups_vs_sparsegpt"] == 0 and by["magnitude"]["groups_vs_magnitude"] == 0
+    pair = by["wanda"]["paired"]["test"]
+    assert pair["n"] == 2 and pair["verdict"] in ("better", "worse", "level")
+    assert f"**{pair['verdict']}**" in (docs / "mask-swap-tiny-llama-256.md").read_text()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

@@ -29,3 +29,23 @@ def test_rows_are_read_from_the_committed_tables(tmp_path):
                                      {"name": "srste", "status": "failed"}]}
     (tmp_path / "compare-m-48k.json").write_text(json.dumps(doc))
     assert dc.load_rows(tmp_path, "m") == {48000: {"cast": doc["rows"][0]}}
+
+
+def test_bootstrap_crossover_reports_an_interval_and_the_share_that_never_crosses():
+    grid = [48_000, 192_000, 768_000, 3_000_000, 12_000_000]
+    s_t = dict(zip(grid, (0.83, 0.95, 0.99, 0.999, 1.0)))
+    # paper-exact: ln ppl = 3 + 20·(1 - S_T) through 48k and 192k; one-shot SparseGPT 80 (3 seeds)
+    paper = {48_000: [math.exp(3 + 20 * 0.17) * f for f in (0.95, 1.0, 1.05)], 192_000: [math.exp(3 + 20 * 0.05)]}
+    sd = dc.pooled_log_sd(list(paper.values()) + [[78.0, 80.0, 82.0]])
+    assert 0 < sd < 0.1
+    out = dc.bootstrap_crossover(s_t, grid, paper, [78.0, 80.0, 82.0], {}, sd=sd, draws=400)
+    b = out["sparsegpt"]
+    assert b["draws"] == 400 and 0 < b["crossed_share"] <= 1 and "sparsegpt_kd" not in out
+    assert b["p5"] <= b["p50"] <= b["p95"] and b["p50"] in grid
+    text = dc.describe_interval(b)
+    assert text.startswith("at ") and "90 % of the crossing draws" in text
+    # a comparator that is never reached: said as "no crossover up to <the grid's end>", not "never"
+    low = dc.bootstrap_crossover(s_t, grid, paper, [5.0, 5.1], {}, sd=sd, draws=50)["sparsegpt"]
+    assert low["crossed_share"] == 0 and dc.describe_interval(low) == "no crossover up to 12M in any of 50 draws"
+    # two budgets with a spread: the seed values themselves are resampled
+    assert dc.seed_values({"seeds": [{"test": 2.0}, {"heldout": 3.0}]}, "test") == [2.0, 3.0]

@@ -187,3 +187,15 @@ def test_pack_bit_order_and_errors():
 
 def test_public_reexports():
     assert cast_llm.nm_mask is nm_mask and cast_llm.pack_mask is pack_mask and cast_llm.is_nm is is_nm
+
+
+def test_mask_of_zeros_reads_an_nm_weight_and_refuses_a_dense_one():
+    from cast_llm.errors import CastError
+    from cast_llm.sparsity.mask_io import mask_of_zeros
+
+    w = torch.tensor([[0.0, 3.0, 0.0, -1.0, 0.0, 0.0, 5.0, 0.0]])  # second group: one kept weight is exactly 0
+    mask = mask_of_zeros(w, False, 2, 4)
+    assert mask.tolist() == [[False, True, False, True, True, False, True, False]]
+    assert torch.equal(mask_of_zeros(w.t().contiguous(), True, 2, 4), mask.t())
+    with pytest.raises(CastError, match="more than 2 non-zero"):
+        mask_of_zeros(torch.ones(1, 8), False, 2, 4)

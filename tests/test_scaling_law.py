@@ -11,7 +11,7 @@ import pytest
 
 from cast_llm.cli import main
 from cast_llm.errors import CastError
-from cast_llm.scaling_law import (
+from cast_llm.scaling import (
     CHINCHILLA_BETA,
     fit_token_scaling,
     format_billions,
@@ -285,7 +285,7 @@ def test_sweep_resumes_or_restarts_unfinished(tmp_path):
 
 
 def test_sweep_command_end_to_end(tmp_path, capsys, monkeypatch):
-    import cast_llm.scaling_law as scaling_law
+    import cast_llm.scaling.budget_sweep as scaling_law
 
     out = tmp_path / "sweep"
     fake = FakeTrainer(fail_at=4_000_000)
@@ -306,7 +306,7 @@ def test_sweep_command_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 def test_sweep_dry_run(tmp_path, capsys, monkeypatch):
-    import cast_llm.scaling_law as scaling_law
+    import cast_llm.scaling.budget_sweep as scaling_law
 
     monkeypatch.setattr(scaling_law, "run_command", lambda cmd: pytest.fail("dry run must not train"))
     assert main(["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(tmp_path), "--dry-run"]) == 0

@@ -382,8 +382,10 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     from cast_llm.errors import CastError
     from cast_llm.train.checkpoint import fingerprint, load_checkpoint
 
+    tokens = tmp_path / "token-cache"  # of these runs alone: its builds are counted below
     common = ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, "--max-steps", "8",
-              "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2", "--keep-last", "10"]
+              "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2", "--keep-last", "10",
+              "--data-cache", str(tokens)]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     r = _torchrun([*common, "--output-dir", str(ref)])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -415,6 +417,9 @@ def test_fsdp2_kill_and_resume_is_bitwise_identical(workdir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
     _assert_same_run(ref, cut)
+    # three 2-process jobs (uninterrupted, killed, resumed) tokenised the corpus once: the first job's first rank
+    builds = list(tokens.glob("*/builds.jsonl"))
+    assert len(builds) == 1 and len(builds[0].read_text().splitlines()) == 1, [b.read_text() for b in builds]
 
 
 def test_fsdp_refuses_unsupported_setups_with_one_line_errors(workdir, tmp_path, capsys):
@@ -438,6 +443,33 @@ def test_accelerate_use_fsdp_launch_turns_on_our_fsdp2(workdir, tmp_path, capsys
     import os
 
     assert os.environ["ACCELERATE_USE_FSDP"] == "false"
+
+
+def test_split_is_the_same_for_every_seed_and_a_one_file_corpus_gets_a_sequence_split(workdir, tmp_path, capsys):
+    """Seeds 0 and 1 are scored on the same test text (one split digest); one .txt file (one document) is split
+    by sequences, scores its held-out windows (not 'n/a') and says which split it made."""
+    digests = []
+    for seed in (0, 1):
+        out = tmp_path / f"s{seed}"
+        assert _train(workdir, out, "--max-steps", "1", "--seed", str(seed), "--no-baseline-eval",
+                      "--test-sequences", "2", "--val-fraction", "0.15", "--test-fraction", "0.15") == 0
+        res = json.loads((out / "results.json").read_text())
+        digests.append(res["data_split"]["sha256"])
+        assert res["data_split"]["kind"] == "documents" and res["perplexity"]["heldout"]["sparse"] > 1
+        assert res["perplexity"]["validation"]["sparse"] > 1
+    assert digests[0] == digests[1]
+    capsys.readouterr()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join([tiny.CORPUS] * 30))
+    out = tmp_path / "txt"
+    assert main(["train", "--model", str(workdir / "llama"), "--data", str(corpus), "--output-dir", str(out),
+                 "--wikitext-file", str(workdir / "eval.txt"), *BASE, "--max-steps", "1", "--no-baseline-eval",
+                 "--val-sequences", "4", "--test-sequences", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "data split: sequence split" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["data_split"]["kind"] == "sequences" and res["heldout_sequences"] >= 1
+    assert res["perplexity"]["heldout"]["sparse"] > 1 and "n/a" not in printed.split("test ppl")[-1].split("\n")[0]
 
 
 # ------------------------------------------------------------------------- paper-scale runs, scaled down

@@ -124,3 +124,54 @@ def test_mask_freedom_options_train_and_export_exact_24(workdir, tmp_path):
     training = _check_export(out, "cast")["training"]
     assert training["warm_start_mix"] == 0.5 and training["regrow_factor"] == 5 and training["regrow_fraction"] == 0.5
     assert any(r["initial_flip_rate"] > 0 for r in _records(out)), "half-dense pruned entries must win places"
+
+
+# ------------------------------------------------------------------------------------------- --mask-file
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_mask_file_retrains_the_dense_model_under_exactly_that_mask(workdir, tmp_path, arch):
+    """--mask-file: the run starts from dense ⊙ mask (naive: fixed mask), so its export has exactly the file's
+    zeros; a sparse model folder gives the same mask as the file written from it."""
+    from cast_llm.models import load_model
+    from cast_llm.sparsity.mask_io import load_masks, save_masks
+    from cast_llm.targets import find_targets
+    from cast_llm.train.methods.masks import masks_from
+
+    # a mask that is not the dense model's own magnitude mask: the magnitude mask of another random model
+    other = tiny.model(arch, seed=7)
+    targets = find_targets(other, n=2, m=4)
+    from cast_llm.sparsity.mask import magnitude_mask
+
+    masks = {t.fqn: magnitude_mask(t.weight, t.transposed, 2, 4) for t in targets}
+    path = save_masks(tmp_path / "m.safetensors", masks, n=2, m=4, source="tiny seed 7")
+    loaded, meta = load_masks(path)
+    assert meta["source"] == "tiny seed 7" and all(torch.equal(loaded[k], masks[k]) for k in masks)
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--method", "naive", "--kd", "--mask-file", str(path), arch=arch) == 0
+    sp = _check_export(out, "naive", transposed=arch == "gpt2")
+    assert sp["training"]["init_mask"] == "file" and sp["training"]["mask_file"] == str(path)
+    state = load_file(out / "model.safetensors")
+    for fqn, mask in masks.items():
+        assert torch.equal(state[f"{fqn}.weight"] != 0, mask), fqn
+    # the exported folder as a mask source: the same masks
+    model = load_model(str(workdir / arch))
+    again = masks_from(out, find_targets(model, n=2, m=4), 2, 4)
+    assert all(torch.equal(again[k], masks[k]) for k in masks)
+
+
+def test_mask_file_refusals_are_one_line_errors(workdir, tmp_path, capsys):
+    from cast_llm.sparsity.mask_io import save_masks
+
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--method", "naive", "--mask-file", str(tmp_path / "none.safetensors")) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert _train(workdir, out, "--method", "naive", "--mask-file", str(workdir / "corpus.jsonl"),
+                  "--overwrite") == 2
+    assert "cannot be read as a mask file" in capsys.readouterr().err
+    assert _train(workdir, out, "--method", "naive", "--mask-file", "x", "--init-mask", "wanda") == 2
+    assert "--mask-file gives the initial mask: it excludes --init-mask" in capsys.readouterr().err
+    bad = save_masks(tmp_path / "bad.safetensors", {"model.layers.0.mlp.up_proj": torch.ones(3, 4, dtype=torch.bool)},
+                     n=2, m=4, source="bad")
+    assert _train(workdir, out, "--method", "naive", "--mask-file", str(bad), "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "holds no mask for target" in err or "is (3, 4)" in err
+    assert err.count("\n") == 1

@@ -31,7 +31,7 @@ import torch
 from cast_llm.deploy.compressed import is_compressed_checkpoint, load_compressed
 from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint, load_compressed_tensors
 from cast_llm.errors import CastError
-from cast_llm.io import publish_dir, staging_dir
+from cast_llm.io import cache_dir, publish_dir, staging_dir
 from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
 from cast_llm.quant.pack import load_quantized
 
@@ -52,17 +52,6 @@ ALIASES: dict[str, EmbeddedModel] = {
         description="SmolLM2-135M-Instruct (LLaMA architecture, 30 layers, hidden 576), Q4_1 GGUF dequantised",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Where cast-llm keeps what it derives once (converted models, the decompressed WikiText-2):
-    ``$CAST_LLM_CACHE``, else ``$XDG_CACHE_HOME/cast-llm``, else ``~/.cache/cast-llm``."""
-    env = os.environ.get("CAST_LLM_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"  # XDG: ignore relative
-    return base / "cast-llm"
 
 
 def canonical_alias(name: str) -> str | None:

@@ -18,6 +18,7 @@ from cast_llm.errors import CastError
 COMMAND_MODULES = [
     "cast_llm.cli.train",
     "cast_llm.cli.plan",
+    "cast_llm.cli.prepare_data",
     "cast_llm.cli.prune",
     "cast_llm.cli.evaluate",
     "cast_llm.cli.export",

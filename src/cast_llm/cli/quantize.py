@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         from cast_llm.data import calibration_samples, prepare
 
         check_seq_len(model, cfg.seq_len, cfg.model)
-        data = prepare(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, min_train_sequences=cfg.calib_samples)
+        data = prepare(cfg.data, tokenizer, cfg.seq_len, train_sequences=cfg.calib_samples,
+                       calib_samples=cfg.calib_samples, min_train_sequences=cfg.calib_samples, progress=True, say=print)
         calib = calibration_samples(data, cfg.calib_samples, seed=cfg.seed)
     result = quantize_model_(model, method=cfg.method, bits=cfg.bits, group_size=cfg.group_size, calib_ids=calib,
                              n=cfg.n, m=cfg.m, grid=cfg.grid, search_tokens=cfg.search_tokens,

@@ -57,7 +57,7 @@ def _print_report(report, as_json: bool) -> None:
 
 
 def run_fit(args) -> int:
-    from cast_llm import scaling_law
+    from cast_llm import scaling as scaling_law
 
     cfg = resolve_options(FitOptions, args)
     say = (lambda s: print(s, file=sys.stderr)) if cfg.json else print
@@ -69,7 +69,7 @@ def run_fit(args) -> int:
 
 
 def run_sweep_command(args) -> int:
-    from cast_llm import scaling_law
+    from cast_llm import scaling as scaling_law
 
     cfg = resolve_options(SweepOptions, args)
     if not cfg.output_dir:

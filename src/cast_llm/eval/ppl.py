@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_bytes
-from cast_llm.models import cache_dir, check_seq_len
+from cast_llm.io import atomic_write_bytes, cache_dir
+from cast_llm.models import check_seq_len
 
 # WikiText-2 raw v1 test rows joined with "\n\n", shipped as package data (resources/wikitext2/README.md
 # has its provenance and licence). The sha256 is of the uncompressed UTF-8 text.
@@ -74,7 +74,7 @@ def _packaged_wikitext2_bytes() -> bytes:
 
 def packaged_wikitext2_file() -> Path:
     """The packaged WikiText-2 text as a plain file: decompressed once into the cast-llm cache folder
-    (:func:`cast_llm.models.cache_dir`, i.e. ``$CAST_LLM_CACHE``, ``$XDG_CACHE_HOME/cast-llm`` or
+    (:func:`cast_llm.io.cache_dir`, i.e. ``$CAST_LLM_CACHE``, ``$XDG_CACHE_HOME/cast-llm`` or
     ``~/.cache/cast-llm``), written atomically, and re-checked against WIKITEXT2_SHA256 on every call (a
     damaged cache file is rewritten). A cache that cannot be written falls back to the temporary folder."""
     name = f"wikitext2-test-{WIKITEXT2_SHA256[:16]}.txt"

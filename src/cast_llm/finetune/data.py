@@ -7,7 +7,7 @@
   so the model learns to *answer*, not to repeat the question (:func:`encode_instruction`). Prompt and
   completion are tokenised separately, exactly as greedy generation will see them at evaluation;
 * anything else ``cast-llm train --data`` accepts (``.txt``, ``.jsonl`` with ``text``, folders,
-  ``wiki-summaries``, ``hf:NAME``): packed into ``seq_len`` windows by :func:`cast_llm.data.prepare`,
+  ``wiki-summaries``, ``hf:NAME``): packed into ``seq_len`` windows by :func:`cast_llm.data.packing`,
   loss on every token.
 
 ``--task classification``: ``.csv``/``.tsv``/``.jsonl`` records with ``text`` (or ``text_a`` and ``text_b``,
@@ -165,8 +165,10 @@ def load_causal(cfg, tokenizer) -> TaskData:
         raise CastError(f"--data {cfg.data}: causal-lm CSV data needs 'prompt' and 'completion' columns "
                         "(plain text goes in .txt or .jsonl with a 'text' field)")
     def packed(spec, val_fraction):
-        d = prepare(spec, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=val_fraction,
-                    min_train_sequences=cfg.batch_size, max_documents=cfg.max_examples)
+        # the fixed document split of cast_llm.data (by a hash of each text: the same whatever --seed), with all
+        # of the validation documents held out and no test split (fine-tuning reports its validation figures)
+        d = prepare(spec, tokenizer, cfg.seq_len, val_sequences=0, test_sequences=0, val_fraction=val_fraction,
+                    test_fraction=0.0, min_train_sequences=cfg.batch_size, max_documents=cfg.max_examples)
         return [Example(r.tolist(), r.tolist()) for r in d.train], [Example(r.tolist(), r.tolist()) for r in d.val]
 
     train, val = packed(cfg.data, 0.0 if cfg.eval_data else cfg.val_fraction)

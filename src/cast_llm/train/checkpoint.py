@@ -39,8 +39,8 @@ __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_
 FINGERPRINT_KEYS = (
     "model", "data", "method", "max_steps", "tokens", "batch_size", "grad_accum", "seq_len", "lr", "l1_decay",
     "beta1", "beta2", "eps", "weight_decay", "warmup_steps", "lr_schedule", "min_lr_ratio", "mask_interval", "n",
-    "m", "scaling", "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "max_documents",
-    "fixed_mask", "init_mask", "calib_samples", "mask_learner", "srste_decay", "maskllm_tau", "maskllm_kappa",
+    "m", "scaling", "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "test_fraction", "max_documents",
+    "fixed_mask", "init_mask", "mask_file", "calib_samples", "mask_learner", "srste_decay", "maskllm_tau", "maskllm_kappa",
     "maskllm_prior", "maskllm_lr", "paper_exact", "warm_start", "repair_fraction", "final_prune",
     "warm_start_mix", "regrow_factor", "regrow_fraction",
 )

@@ -188,6 +188,10 @@ class TrainConfig(RunConfig, CastSettings):
                                          "SparseGPT's reconstructed weights; otherwise only the mask is taken); "
                                          "default: sparsegpt for a warm-started run, else magnitude",
                                    choices=INIT_MASKS, section=CAST)
+    mask_file: str | None = option(None, "initial N:M mask from a file instead of --init-mask: a cast-llm mask "
+                                         "file (.safetensors) or a sparse model folder (its zeros); only the mask "
+                                         "is taken (naive: dense weights ⊙ mask) — to retrain one recipe under "
+                                         "different masks", section=CAST)
     calib_samples: int = option(128, "training sequences that calibrate Wanda / SparseGPT / the compensated prune "
                                      "(paper 128)", min=1, section=CAST)
     fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
@@ -236,9 +240,18 @@ class TrainConfig(RunConfig, CastSettings):
     maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each "
                                        "group", section=BASELINES)
     # --- evaluation
-    val_fraction: float = option(0.02, "fraction of documents held out for validation", min=0, max=0.5,
-                                 section=EVAL)
-    val_sequences: int = option(16, "held-out sequences scored for perplexity (0 = all)", min=0, section=EVAL)
+    val_fraction: float = option(0.02, "fraction of the documents in the validation split (chosen by a hash of "
+                                       "each text, never by --seed): what tuning and defaults are chosen on",
+                                 min=0, max=0.5, section=EVAL)
+    test_fraction: float = option(0.02, "fraction of the documents in the test split (by the same hash): the "
+                                        "reported held-out figure", min=0, max=0.5, section=EVAL)
+    val_sequences: int = option(16, "validation windows scored at the end (0 = all the split holds)", min=0,
+                                section=EVAL)
+    test_sequences: int = option(16, "test windows scored for the held-out perplexity (0 = all the split holds)",
+                                 min=0, section=EVAL)
+    data_cache: str | None = option(None, "folder of the token cache (default: $CAST_LLM_CACHE/tokens, else "
+                                          "~/.cache/cast-llm/tokens; `cast-llm prepare-data` fills it ahead)",
+                                    section=RUN)
     wikitext_windows: int | None = option(None, "WikiText-2 windows scored at the end (0 = all, the full protocol; "
                                                 "default: scaled to the run, so that scoring takes less time than "
                                                 "training — at least 4)", min=0, section=EVAL)
@@ -279,6 +292,9 @@ class TrainConfig(RunConfig, CastSettings):
         super().validate()
         if self.packed_masks and (self.method != "cast" or self.mask_learner != "adams"):
             raise CastError("--packed-masks is AdamS's mask storage: it needs --method cast with --mask-learner adams")
+        if self.val_fraction + self.test_fraction >= 1:
+            raise CastError("--val-fraction + --test-fraction must leave documents for training (their sum is "
+                            f"{self.val_fraction + self.test_fraction:g})")
         if (self.max_steps is None) == (self.tokens is None):
             raise CastError("give exactly one budget: --max-steps N or --tokens N (e.g. 20M)")
         if self.mask_learner != "adams" and self.method != "cast":
@@ -287,6 +303,10 @@ class TrainConfig(RunConfig, CastSettings):
                   "--final-prune": self.final_prune, "--warm-start-mix": self.warm_start_mix,
                   "--regrow-factor": None if self.regrow_factor == 1 else self.regrow_factor,
                   "--regrow-fraction": self.regrow_fraction}
+        if self.mask_file and (self.init_mask is not None or self.paper_exact or self.method == "maskllm"):
+            which = "--init-mask" if self.init_mask is not None else ("--paper-exact" if self.paper_exact else
+                                                                     "--method maskllm")
+            raise CastError(f"--mask-file gives the initial mask: it excludes {which}")
         if self.paper_exact and self.init_mask not in (None, "magnitude"):
             raise CastError(f"--paper-exact starts from Eq. 6's magnitude mask; it excludes --init-mask {self.init_mask}")
         given = [flag for flag, v in beyond.items() if v not in (None, False, 0, 0.0, "hard")]
@@ -346,6 +366,8 @@ class TrainConfig(RunConfig, CastSettings):
 
     @property
     def effective_init_mask(self) -> str:
+        if self.mask_file:
+            return "file"
         if self.init_mask is not None:
             return self.init_mask
         return "sparsegpt" if self.use_warm_start else "magnitude"
@@ -388,7 +410,7 @@ PRESETS: dict[str, dict] = {
     # comparison measured best (lr 1e-4, η 1/2: docs/results/compare-smollm2-135m-cpu-notes.md).
     "smollm2-cpu": dict(
         model="smollm2-135m", data="wiki-summaries", seq_len=128, batch_size=4, grad_accum=1, tokens=36_000,
-        lr=1e-4, l1_decay=1e-4, eta=0.5, warmup_steps=2, log_every=10, val_sequences=32,
+        lr=1e-4, l1_decay=1e-4, eta=0.5, warmup_steps=2, log_every=10, val_sequences=32, test_sequences=32,
         eval_seq_len=512, save_every=20, calib_samples=128,
     ),
 }

@@ -72,7 +72,7 @@ class MaskStats(Observer):
 
 
 class ValidationPerplexity(Observer):
-    """Every ``eval_every`` steps: held-out perplexity of the dense in-training model and of the same model
+    """Every ``eval_every`` steps: validation perplexity of the dense in-training model and of the same model
     hard-masked (method.md §7 / the paper's Fig. 4: CAST keeps the dense model healthy)."""
 
     name = "validation"
@@ -81,8 +81,8 @@ class ValidationPerplexity(Observer):
         every = ctx.cfg.eval_every
         if not every or ctx.step % every or ctx.step == ctx.total_steps or ctx.evaluator is None:
             return None
-        dense = ctx.evaluator.heldout(ctx.model)
-        masked = with_masks_applied(ctx.model, ctx.masks, ctx.evaluator.heldout)
+        dense = ctx.evaluator.validation(ctx.model)
+        masked = with_masks_applied(ctx.model, ctx.masks, ctx.evaluator.validation)
         ctx.model.train()
         return {"val_ppl_dense": dense, "val_ppl_masked": masked}
 

@@ -19,7 +19,9 @@ MOVED_GROUPS = 1e-3
 def options_used(cfg) -> str:
     """The method and the options that made this run what it is, in one line (for the summary and README)."""
     if cfg.method != "cast":
-        return f"--method {cfg.method}" + (" with KD" if cfg.use_kd else "") + (" and weight scaling" if cfg.use_scaling else "")
+        return (f"--method {cfg.method}" + (" with KD" if cfg.use_kd else "")
+                + (" and weight scaling" if cfg.use_scaling else "")
+                + (f", initial mask from {cfg.mask_file}" if cfg.mask_file else ""))
     if cfg.mask_learner != "adams":
         return f"CAST with the {cfg.mask_learner} mask learner (ablation)"
     parts = ["AdamS", "weight scaling" if cfg.use_scaling else "no weight scaling",
@@ -46,7 +48,7 @@ def summary_table(results: dict[str, Any]) -> str:
             ("oneshot", f"one-shot {oneshot} {pattern}", "pruning without training (the start)"),
             ("magnitude", f"one-shot magnitude {pattern}", "pruning without training"),
             ("sparse", f"{results.get('method', '')} {pattern} (this run)", "the exported model")]
-    head = f"{'model':<34} {'held-out ppl':>13} {'WikiText-2 ppl':>15}"
+    head = f"{'model':<34} {'test ppl':>13} {'WikiText-2 ppl':>15}"
     lines = ["", head, "-" * len(head)]
     for key, label, what in rows:
         h, w = ppl["heldout"].get(key), ppl["wikitext2"].get(key)
@@ -56,8 +58,12 @@ def summary_table(results: dict[str, Any]) -> str:
     wl = results.get("eval_seq_len")
     nwin, total = results.get("wikitext_windows"), results.get("wikitext_windows_total")
     scope = f"{nwin} of {total} windows" if nwin != total else f"all {total} windows"
-    lines.append(f"(held-out: {results.get('heldout_sequences')} sequences × {results.get('seq_len')} tokens of the "
-                 f"training corpus; WikiText-2: {scope} × {wl} tokens = {(nwin or 0) * (wl or 0):,} tokens; "
+    val = ppl.get("validation", {}).get("sparse")
+    digest = (results.get("data_split") or {}).get("sha256")
+    where = f"held-out documents of the corpus (split {digest[:12]})" if digest else "held-out documents of the corpus"
+    val_part = f"; validation ppl {val:.2f}" if val is not None else ""
+    lines.append(f"(test: {results.get('heldout_sequences')} sequences × {results.get('seq_len')} tokens of {where}"
+                 f"{val_part}; WikiText-2: {scope} × {wl} tokens = {(nwin or 0) * (wl or 0):,} tokens; "
                  f"{results.get('tokens_trained'):,} training tokens, {results.get('wall_time_s')} s)")
     line = reading(results)
     if line:
@@ -120,8 +126,8 @@ def movement_line(results: dict[str, Any]) -> str | None:
     i_t, groups = m.get("initial_flip_rate"), m.get("changed_groups")
     if i_t is None and groups is None:
         return None
-    start = {"sparsegpt": "SparseGPT's", "wanda": "Wanda's"}.get(results.get("oneshot_method"),
-                                                                  "the first (Eq. 6) one")
+    start = {"sparsegpt": "SparseGPT's", "wanda": "Wanda's", "file": "the mask file's"}.get(
+        results.get("oneshot_method") or results.get("init_mask"), "the first (Eq. 6) one")
     facts = f"{100 * (i_t or 0):.4f} % of the mask entries differ from the first mask"
     if groups is not None:
         facts += f", {100 * groups:.3f} % of the {results.get('pattern', 'N:M')} groups changed"
@@ -140,7 +146,7 @@ def reading(results: dict[str, Any]) -> str | None:
     ppl = results["perplexity"]["wikitext2"]
     split = "WikiText-2"
     if ppl.get("sparse") is None:
-        ppl, split = results["perplexity"]["heldout"], "held-out"
+        ppl, split = results["perplexity"]["heldout"], "test"
     sparse, dense = ppl.get("sparse"), ppl.get("dense")
     base_key = "oneshot" if ppl.get("oneshot") is not None else "magnitude"
     base = ppl.get(base_key)

@@ -73,9 +73,11 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
 
 # ----------------------------------------------------------------------------------------------- evaluation
 class Evaluator:
-    """Held-out and WikiText-2 perplexities of the (possibly wrapped) student, each figure printed as it comes
-    with what it is based on.
+    """Test, validation and WikiText-2 perplexities of the (possibly wrapped) student, each figure printed as
+    it comes with what it is based on.
 
+    *Test* (the held-out figure every table reports) and *validation* (what tuning chooses on, and the
+    in-training ``--eval-every`` figure) are the fixed splits of ``--data`` (:mod:`cast_llm.data.split`).
     WikiText-2 windows: ``--wikitext-windows`` (0 = all, the full protocol), or by default scaled to the run:
     ``train_tokens / (3 · window)`` windows, at least 4, so that the three evaluations of a run (dense,
     one-shot, final) score fewer tokens than the run trains on.
@@ -83,11 +85,12 @@ class Evaluator:
 
     MIN_WINDOWS = 4
 
-    def __init__(self, cfg: TrainConfig, tokenizer, val: torch.Tensor, model_max: int | None, *,
-                 train_tokens: int | None = None, say=None):
+    def __init__(self, cfg: TrainConfig, tokenizer, test: torch.Tensor, model_max: int | None, *,
+                 val: torch.Tensor | None = None, train_tokens: int | None = None, say=None):
         self.cfg = cfg
         self.say = say or (lambda *a, **k: None)
-        self.val = val[: cfg.val_sequences] if cfg.val_sequences else val
+        self.test = test[: cfg.test_sequences] if cfg.test_sequences else test
+        self.val = test[:0] if val is None else (val[: cfg.val_sequences] if cfg.val_sequences else val)
         self.wiki_ids = None
         self.eval_len = cfg.eval_seq_len or cfg.seq_len
         if model_max is not None and self.eval_len > model_max:
@@ -112,19 +115,30 @@ class Evaluator:
     def describe(self) -> str:
         """What the figures are based on, in one line."""
         parts = []
+        if self.test.shape[0]:
+            parts.append(f"test: {self.test.shape[0]} sequences × {self.test.shape[1]} tokens of the held-out test "
+                         "documents")
         if self.val.shape[0]:
-            parts.append(f"held-out: {self.val.shape[0]} sequences × {self.val.shape[1]} tokens of the training data")
+            parts.append(f"validation: {self.val.shape[0]} × {self.val.shape[1]} (the final model)")
         if self.wiki_ids is not None:
             scope = "all" if self.windows == self.windows_total else f"the first {self.windows} of {self.windows_total}"
             parts.append(f"WikiText-2 ({self.wiki_source}): {scope} windows of {self.eval_len} tokens "
                          f"({self.windows * self.eval_len:,} tokens)")
         return "; ".join(parts) or "no evaluation data"
 
-    def heldout(self, model, label: str = "model") -> float | None:
-        if self.val.shape[0] == 0:
+    def _packed(self, model, ids: torch.Tensor, desc: str) -> float | None:
+        if ids.shape[0] == 0:
             return None
-        return packed_perplexity(model, self.val, batch_size=self.cfg.batch_size, progress=self.cfg.progress,
-                                 desc=f"{label}: held-out ppl").perplexity
+        return packed_perplexity(model, ids, batch_size=self.cfg.batch_size, progress=self.cfg.progress,
+                                 desc=desc).perplexity
+
+    def heldout(self, model, label: str = "model") -> float | None:
+        """Perplexity on the test split (the reported held-out figure)."""
+        return self._packed(model, self.test, f"{label}: test ppl")
+
+    def validation(self, model, label: str = "model") -> float | None:
+        """Perplexity on the validation split (for choices: tuning, --eval-every)."""
+        return self._packed(model, self.val, f"{label}: validation ppl")
 
     def wikitext(self, model, label: str = "model") -> float | None:
         if self.wiki_ids is None:
@@ -132,11 +146,16 @@ class Evaluator:
         return perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
                           progress=self.cfg.progress, desc=f"{label}: WikiText-2 ppl").perplexity
 
-    def both(self, model, label: str = "model") -> dict[str, float | None]:
+    def both(self, model, label: str = "model", *, validation: bool = False) -> dict[str, float | None]:
+        """Test and WikiText-2 perplexities (and validation's, when asked: the final model's)."""
         h = self.heldout(model, label)
+        v = self.validation(model, label) if validation else None
         w = self.wikitext(model, label)
-        self.say(f"{label}: " + _fmt({"held-out ppl": h, "WikiText-2 ppl": w}))
-        return {"heldout": h, "wikitext2": w}
+        self.say(f"{label}: " + _fmt({"test ppl": h, "validation ppl": v, "WikiText-2 ppl": w}))
+        out = {"heldout": h, "wikitext2": w}
+        if validation:
+            out["validation"] = v
+        return out
 
 
 # --------------------------------------------------------------------------------------------------- train
@@ -198,18 +217,26 @@ class PretrainJob(Job):
         if skipped:
             say(f"leaving {len(skipped)} layer(s) dense (width not a multiple of {cfg.m}): "
                 f"{', '.join(t.fqn for t in skipped)}")
-        self.data = prepare(cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
-                            min_train_sequences=cfg.batch_size * ctx.world, max_documents=cfg.max_documents)
-        self.sampler = BatchSampler(self.data.train.shape[0], cfg.batch_size, seed=cfg.seed, rank=ctx.rank,
-                                    world_size=ctx.world)
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * ctx.world
         self.total_steps = cfg.max_steps or steps_for_tokens(cfg.tokens, self.tokens_per_step)
-        self.evaluator = Evaluator(cfg, self.tokenizer, self.data.val, max_positions(skeleton),
+        # the budget's windows (one epoch of distinct text when the source holds them), read once into the cache
+        self.data = prepare(cfg.data, self.tokenizer, cfg.seq_len,
+                            train_sequences=self.total_steps * self.tokens_per_step // cfg.seq_len,
+                            val_sequences=cfg.val_sequences, test_sequences=cfg.test_sequences,
+                            val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction,
+                            calib_samples=cfg.calib_samples, min_train_sequences=cfg.batch_size * ctx.world,
+                            max_documents=cfg.max_documents, cache_root=cfg.data_cache,
+                            progress=cfg.progress and ctx.is_main, say=say)
+        say(f"data split: {self.data.split_note} (split {self.data.split_sha256[:12]})")
+        self.sampler = BatchSampler(self.data.train.shape[0], cfg.batch_size, seed=cfg.seed, rank=ctx.rank,
+                                    world_size=ctx.world)
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.data.test, max_positions(skeleton), val=self.data.val,
                                    train_tokens=self.total_steps * self.tokens_per_step, say=say)
         self.device = ctx.device
         say(f"model {cfg.model}: {sum(p.numel() for p in skeleton.parameters()) / 1e6:.1f}M parameters, "
             f"{len(targets)} {cfg.n}:{cfg.m} targets; data {cfg.data}: {self.data.train.shape[0]} train / "
-            f"{self.data.val.shape[0]} held-out sequences of {cfg.seq_len}; {self.total_steps} steps × "
+            f"{self.data.val.shape[0]} validation / {self.data.test.shape[0]} test sequences of {cfg.seq_len}; "
+            f"{self.total_steps} steps × "
             f"{self.tokens_per_step} tokens on {ctx.world} process(es), {ctx.device}")
         say(f"evaluation: {self.evaluator.describe()} (--wikitext-windows 0: the full protocol)")
         results.setdefault("perplexity", {"heldout": {}, "wikitext2": {}})
@@ -343,22 +370,29 @@ class PretrainJob(Job):
                                                  "data": cfg.data, **self.method.export_metadata(cfg)})
             t0 = time.perf_counter()
             with ctx.phases("final evaluation (rank 0)"), self.on_device(ctx, final):
-                sparse = self.evaluator.both(final, f"{cfg.method} {cfg.n}:{cfg.m} (the exported model)")
+                sparse = self.evaluator.both(final, f"{cfg.method} {cfg.n}:{cfg.m} (the exported model)",
+                                             validation=True)
             results["final_eval_s"] = round(time.perf_counter() - t0, 2)
-            for split in ("heldout", "wikitext2"):
-                results["perplexity"][split]["sparse"] = sparse[split]
+            for split in ("heldout", "validation", "wikitext2"):
+                results["perplexity"].setdefault(split, {})["sparse"] = sparse[split]
             results.update(
                 method=cfg.method, model=cfg.model, data=cfg.data, pattern=f"{cfg.n}:{cfg.m}", steps=self.total_steps,
                 tokens_trained=tokens_trained, seq_len=cfg.seq_len, eval_seq_len=self.evaluator.eval_len,
-                heldout_sequences=int(self.evaluator.val.shape[0]), wikitext_windows=self.evaluator.windows,
+                heldout_sequences=int(self.evaluator.test.shape[0]),
+                validation_sequences=int(self.evaluator.val.shape[0]),
+                data_split={"kind": self.data.split, "note": self.data.split_note,
+                            "sha256": self.data.split_sha256, "train_sequences": int(self.data.train.shape[0]),
+                            "documents_read": self.data.documents},
+                wikitext_windows=self.evaluator.windows,
                 wikitext_windows_total=getattr(self.evaluator, "windows_total", None),
                 wikitext_file=getattr(self.evaluator, "wiki_source", None),
-                wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out),
+                wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out), threads=torch.get_num_threads(),
                 export_dtype=str(self.native_dtype).removeprefix("torch."),
             )
             if self.teacher_forward is not None:
                 results["teacher_forward"] = self.teacher_forward.mode
             results["options"] = options_used(cfg)
+            results["init_mask"] = cfg.effective_init_mask
             results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
             results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
             atomic_write_json(ctx.out / "results.json", results)  # the report reads it

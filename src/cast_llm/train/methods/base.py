@@ -99,5 +99,8 @@ class TrainingMethod:
 
     def export_metadata(self, cfg) -> dict[str, Any]:
         """What this run was, for the exported checkpoint's ``sparsity`` metadata (method + switches)."""
-        return {"training": {"kd": cfg.use_kd, "scaling": cfg.use_scaling, "init_mask": cfg.effective_init_mask,
-                             "mask_interval": cfg.effective_mask_interval}}
+        training = {"kd": cfg.use_kd, "scaling": cfg.use_scaling, "init_mask": cfg.effective_init_mask,
+                    "mask_interval": cfg.effective_mask_interval}
+        if cfg.mask_file:
+            training["mask_file"] = str(cfg.mask_file)
+        return {"training": training}

@@ -1,0 +1,209 @@
+"""The learned mask, isolated: does CAST's mask learning produce a better 2:4 mask than SparseGPT's?
+
+The dense model is retrained under each of several fixed masks with one and the same recipe — SparseGPT + KD's
+(naive retraining with distillation, its lr as tuned on the validation split: ``--recipe-from``) — so that the
+mask is the only difference between the rows: magnitude's, Wanda's and SparseGPT's one-shot masks, and the mask
+a CAST run learned (``--learned NAME=RUN/model``, e.g. paper-exact CAST at 384k). Every row starts from the
+dense weights ⊙ its mask (``cast-llm train --mask-file``), so SparseGPT's row here is *not* SparseGPT + KD of
+the comparison table (which keeps SparseGPT's reconstructed weights).
+
+    python benchmarks/mask_swap.py --recipe-from runs/compare/smollm2-135m-48k \\
+        --learned "paper-exact CAST 384k=runs/compare/smollm2-135m-384k/cast/seed-0/model" --seeds 0,1,2
+
+The masks are written as files (``RUNS/masks/*.safetensors``, with their SHA-256 in the report), so the rows
+can be rerun; ``docs/results/mask-swap-<model>-<budget>.{md,json,png}`` hold the table, every seed, and each
+mask paired seed by seed against SparseGPT's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare_methods import Comparison, Entry, budget_name, parse_args  # noqa: E402
+from compare_report import _num, paired, portable  # noqa: E402
+
+ONESHOT = {"magnitude": "Magnitude (Eq. 6)", "wanda": "Wanda", "sparsegpt": "SparseGPT"}
+BASE = "sparsegpt"  # every mask is paired against SparseGPT's
+
+
+def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dict[str, dict]:
+    """``{name: {"file", "label", "source", "sha256", "groups_vs_sparsegpt"}}`` of every mask, written once."""
+    import torch
+
+    from cast_llm.io import sha256_file
+    from cast_llm.models import load_model
+    from cast_llm.sparsity.mask_io import load_masks, save_masks
+    from cast_llm.targets import find_targets
+    from cast_llm.train.methods.masks import masks_from
+
+    folder = cmp.runs / "masks"
+    folder.mkdir(parents=True, exist_ok=True)
+    dense = load_model(cmp.tier["model"], dtype=torch.float32)
+    targets = find_targets(dense, n=2, m=4)
+    out = {}
+    sources = {}
+    for name in ONESHOT:
+        model_dir = folder / f"{name}-model"
+        argv = cmp.prune_argv(["--method", name], model_dir, mask_seed)
+        sources[name] = (model_dir, "cast-llm " + shlex.join(argv), ONESHOT[name])
+        if not (folder / f"{name}.safetensors").is_file() and not (model_dir / "config.json").is_file():
+            print(f"mask {name}: cast-llm {' '.join(argv)}", flush=True)
+            if cmp._run_cli(argv, folder / f"{name}.log") != 0:
+                raise SystemExit(f"pruning with {name} failed: see {folder / f'{name}.log'}")
+    for name, path in learned.items():
+        sources[_key(name)] = (Path(path), f"the exported model {portable(str(path))}", name)
+    for key, (model_dir, how, label) in sources.items():
+        file = folder / f"{key}.safetensors"
+        if not file.is_file():
+            save_masks(file, masks_from(model_dir, targets, 2, 4), n=2, m=4, source=how)
+        out[key] = {"file": str(file), "label": label, "source": portable(how), "sha256": sha256_file(file)}
+    base = load_masks(out[BASE]["file"])[0]
+    for info in out.values():  # how far each mask is from SparseGPT's: the share of 2:4 groups that differ
+        masks = load_masks(info["file"])[0]
+        changed = total = 0
+        for t in targets:
+            a, b = masks[t.fqn], base[t.fqn]
+            a, b = (a.t(), b.t()) if t.transposed else (a, b)
+            differ = (a.reshape(-1, 4) != b.reshape(-1, 4)).any(dim=1)
+            changed += int(differ.sum())
+            total += differ.numel()
+        info["groups_vs_sparsegpt"] = changed / total
+    magnitude = load_masks(out["magnitude"]["file"])[0]  # paper-exact CAST starts from it: how far a mask moved
+    for info in out.values():
+        masks = load_masks(info["file"])[0]
+        differ = [((masks[t.fqn].t() if t.transposed else masks[t.fqn]).reshape(-1, 4)
+                   != (magnitude[t.fqn].t() if t.transposed else magnitude[t.fqn]).reshape(-1, 4)).any(dim=1)
+                  for t in targets]
+        info["groups_vs_magnitude"] = float(sum(int(d.sum()) for d in differ) / sum(d.numel() for d in differ))
+    return out
+
+
+def _key(name: str) -> str:
+    return "learned-" + "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tier", default="cpu")
+    ap.add_argument("--tokens", default="48k", help="training tokens of runs without KD (these get 3/4)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--learned", action="append", default=[], metavar="NAME=MODEL_DIR",
+                    help="a learned mask: the name in the table = a sparse run's exported model folder")
+    ap.add_argument("--recipe-from", required=True,
+                    help="the compare runs folder (or compare-*.json) whose naive-kd-sgpt tuning gives the lr")
+    ap.add_argument("--mask-seed", type=int, default=0, help="calibration seed of the one-shot masks")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--runs-dir", default=str(REPO / "runs" / "mask-swap"))
+    ap.add_argument("--docs-dir", default=str(REPO / "docs" / "results"))
+    ap.add_argument("--report-only", action="store_true", help="run nothing: rewrite the report from finished runs")
+    opts = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    cmp_argv = ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--runs-dir", opts.runs_dir,
+                "--tuning-from", opts.recipe_from, "--report-only"]
+    cmp = Comparison(parse_args(cmp_argv + (["--threads", str(opts.threads)] if opts.threads else [])))
+    recipe = (cmp.tuning_from.get("naive-kd-sgpt") or {}).get("chosen_setting")
+    if not recipe:
+        raise SystemExit(f"--recipe-from {opts.recipe_from}: no tuning of naive-kd-sgpt there (run its --tune first)")
+    learned = dict(x.split("=", 1) for x in opts.learned)
+    masks = build_masks(cmp, learned, opts.mask_seed) if not opts.report_only else json.loads(
+        (cmp.runs / "masks.json").read_text())
+    (cmp.runs / "masks.json").write_text(json.dumps(masks, indent=2))
+    rows = []
+    for key, info in masks.items():
+        e = Entry(f"mask-{key}", f"{info['label']} mask", "train",
+                  ["--method", "naive", "--kd", "--mask-file", info["file"]], kd=True, weight_update="AdamW",
+                  mask=f"fixed ({info['label']})", seeded=True)
+        runs = []
+        for seed in cmp.seeds:
+            out = cmp.runs / e.key / f"seed-{seed}"
+            if opts.report_only and not (out / "compare_row.json").is_file():
+                continue
+            print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} seed {seed} ...", flush=True)
+            runs.append(cmp._run_one(e, out, seed, dict(recipe)))
+        if runs:
+            row = cmp.aggregate(runs)
+            row.update(key=key, label=e.label, mask=info["source"], mask_sha256=info["sha256"],
+                       groups_vs_sparsegpt=info["groups_vs_sparsegpt"],
+                       groups_vs_magnitude=info.get("groups_vs_magnitude"))
+            rows.append(row)
+    write(rows, recipe, cmp, opts, Path(opts.docs_dir), time.perf_counter() - t0)
+    return 0
+
+
+def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wall: float) -> None:
+    docs.mkdir(parents=True, exist_ok=True)
+    stem = f"mask-swap-{cmp.model_name}-{budget_name(cmp.budget)}"
+    base = next((r for r in rows if r["key"] == BASE), None)
+    out_rows = []
+    for r in rows:
+        seeds = [{"seed": x["seed"], "test_ppl": x.get("test", x.get("heldout")), "wikitext2_ppl": x.get("wikitext2"),
+                  "validation_ppl": x.get("validation"), "split_sha256": x.get("split_sha256"),
+                  "threads": x.get("threads"), "wall_s": x.get("wall_s"), "machine": x.get("machine"),
+                  "code": x.get("code"), "status": x.get("status"), "command": portable(x.get("command", ""))}
+                 for x in r.get("seeds") or [r]]
+        row = {"name": r["key"], "label": r["label"], "mask": r["mask"], "mask_sha256": r["mask_sha256"],
+               "groups_vs_sparsegpt": r["groups_vs_sparsegpt"], "groups_vs_magnitude": r.get("groups_vs_magnitude"),
+               "test_ppl": r.get("heldout"),
+               "wikitext2_ppl": r.get("wikitext2"), "seeds": seeds}
+        if base is not None and r is not base:
+            row["paired"] = {"against": BASE, **{s: paired({**r, "key": r["key"]}, {**base, "key": BASE}, s)
+                                                 for s in ("test", "wikitext2")}}
+        out_rows.append(row)
+    regenerate = ("python benchmarks/mask_swap.py " + shlex.join(
+        ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
+         portable(opts.recipe_from)]
+        + [x for name_path in opts.learned for x in ("--learned", portable(name_path))]))
+    doc = {"generated": datetime.date.today().isoformat(), "regenerate": regenerate, "model": cmp.tier["model"],
+           "budget": cmp.budget, "recipe": {"method": "naive retraining + KD (fixed mask), dense weights ⊙ mask",
+                                            **recipe, "eta": cmp.tier["eta"], "from": portable(opts.recipe_from)},
+           "rows": out_rows}
+    (docs / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    lines = [f"# The learned mask, isolated: {cmp.tier['model']} retrained under fixed masks ({budget_name(cmp.budget)} "
+             "tokens, KD runs 3/4)", "",
+             f"One command reruns it from scratch: `{regenerate}`.", "",
+             "Every row retrains the dense model, started at dense ⊙ mask, under its fixed mask with the same recipe: "
+             f"naive retraining + KD (η {cmp.tier['eta']:g}), lr {recipe.get('lr'):g} (SparseGPT + KD's choice on "
+             "the validation split), the same data, seeds and evaluation (test split and WikiText-2, as the "
+             "comparison tables). Masks differ from SparseGPT's in the share of 2:4 groups given; the masks are "
+             "files (SHA-256 in the JSON).", "",
+             "| Mask | Groups ≠ SparseGPT's | Groups ≠ magnitude's | Test ppl | WikiText-2 ppl | vs SparseGPT's mask "
+             "(test) | vs SparseGPT's mask (WikiText-2) |", "|---|---:|---:|---:|---:|---|---|"]
+    for r, j in zip(rows, out_rows):
+        lines.append(f"| {r['label']} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
+                     f"{_num(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
+                     f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} |")
+    lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
+              "interval; **better** / **worse** only where it excludes 0, else **level**.", "",
+              "Masks: " + "; ".join(f"{r['label']}: {r['mask']} (`{r['mask_sha256'][:12]}`)" for r in rows), "",
+              f"Wall time of this invocation: {wall:.0f} s; each run's own in the JSON (`wall_s`, `threads`, "
+              "`machine.other_cores`: what else kept the machine busy)."]
+    (docs / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {docs / (stem + '.md')} and {docs / (stem + '.json')}")
+
+
+def _cell(r: dict, split: str) -> str:
+    """The mean over the seeds and, below it, every seed's value."""
+    runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
+    per = ", ".join(f"s{x['seed']} {x[split]:.2f}" for x in runs)
+    return f"{_num(r.get(split))}<br>({per})"
+
+
+def _pair(j: dict, split: str) -> str:
+    p = (j.get("paired") or {}).get(split)
+    if p is None:
+        return "—"
+    return f"{p['mean_diff']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] **{p['verdict']}**"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

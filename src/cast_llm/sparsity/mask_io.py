@@ -1,0 +1,62 @@
+"""N:M masks as files: what a run starts from with ``--mask-file``, so that a mask (a one-shot method's, or
+the one a CAST run learned) can be swapped under one and the same retraining recipe and the comparison rerun.
+
+A mask file is a ``.safetensors`` of bool tensors keyed by target name (``model.layers.0.mlp.up_proj``), in
+the weight's own layout, with ``{"written_by": "cast-llm masks", "n", "m", "source"}`` in its metadata.
+A sparse model folder (a ``cast-llm train`` / ``prune`` export) works too: its mask is where its target
+weights are not zero (:func:`mask_of_zeros`; read by :func:`cast_llm.train.methods.masks.masks_from`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from cast_llm.errors import CastError
+from cast_llm.sparsity.mask import magnitude_mask
+
+__all__ = ["MASKS_MARKER", "mask_of_zeros", "save_masks", "load_masks"]
+
+MASKS_MARKER = "cast-llm masks"
+
+
+def mask_of_zeros(weight: Tensor, transposed: bool, n: int, m: int, *, name: str = "weight") -> Tensor:
+    """The N:M mask of an N:M-sparse weight: its non-zero entries, completed in a group that holds fewer than
+    ``n`` non-zeros (a kept weight that is exactly 0) by the lowest free indices. A group with more than ``n``
+    non-zeros is not N:M: a one-line error."""
+    nonzero = weight.detach() != 0
+    mask = magnitude_mask(nonzero.float(), transposed, n, m)  # ties (zeros) go to the lower index
+    if bool((nonzero & ~mask).any()):
+        raise CastError(f"{name}: more than {n} non-zero weights in some group of {m}; not an {n}:{m} sparse "
+                        "weight (give the exported model of a sparse run, or a mask file)")
+    return mask
+
+
+def save_masks(path: str | Path, masks: dict[str, Tensor], *, n: int, m: int, source: str) -> Path:
+    """Write ``masks`` (``{target fqn: bool tensor}``) as a mask file (atomically)."""
+    from safetensors.torch import save
+
+    from cast_llm.io import atomic_write_bytes
+
+    blob = save({k: v.to(torch.bool).contiguous().cpu() for k, v in sorted(masks.items())},
+                metadata={"written_by": MASKS_MARKER, "n": str(n), "m": str(m), "source": source})
+    return atomic_write_bytes(path, blob)
+
+
+def load_masks(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``(masks, metadata)`` of a mask file written by :func:`save_masks`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("written_by") != MASKS_MARKER:
+                raise CastError(f"{path}: not a cast-llm mask file (no '{MASKS_MARKER}' marker in its metadata)")
+            return {k: f.get_tensor(k).to(torch.bool) for k in f.keys()}, meta
+    except CastError:
+        raise
+    except Exception as e:  # a damaged or foreign file
+        raise CastError(f"{path}: cannot be read as a mask file ({type(e).__name__}: {e})") from None
