@@ -307,9 +307,13 @@ def render(r: dict) -> str:
         sig = "—" if s["sigterm_to_exit_s"] is None else f"{s['sigterm_to_exit_s']:.1f} s"
         step = f"{c['step_seconds']} s" if c.get("step_seconds") is not None else "—"
         lines.append(f"| {s['name']} | {s['exit_codes']} | {s['wall_s']:.0f} s | {sig} | {cps} | {step} |")
+    step0 = [s["name"][0] for s in segs if (s["checkpoint"] or {}).get("step_seconds") is None and s["checkpoint"]]
     lines += ["", "Exit code 75 is the trainer's \"stopped with a checkpoint\"; torchrun reports a worker's "
               "non-zero exit as its own failure (1). A SIGTERM needs the step in flight plus a checkpoint: the "
-              "trainer prints that figure at its first checkpoint.", "",
+              "trainer prints that figure at its first checkpoint."
+              + (f" Segment {', '.join(step0)}'s first checkpoint is the step-0 one that saves a warm start slower "
+                 "than a minute (no step before it; AdamS holds no moments yet, hence its size)." if step0 else ""),
+              "",
               "## Host memory per rank (MiB): measured against the plan", "",
               "Around the steps, each phase's growth of the resident set (its peak less the resident set when it "
               "began: the trainer's own `phases` in `results.json`) against the tensors the plan says the phase "
@@ -351,8 +355,9 @@ def render(r: dict) -> str:
               "and freed nothing), so what its ratio adds is memory outside the plan's tensors that the framework "
               "measure misses, not a term of the plan.", "",
               "## Phases (seconds per rank) against the plan's estimates", "",
-              "The estimates use the stated CPU rates of `cast_llm/plan/startup.py` (pessimistic: timeouts are "
-              "derived from them — × 4, never below torch's defaults).", "",
+              "The estimates use the stated CPU rates of `cast_llm/plan/startup.py`: of the right order, not "
+              "measurements (a loaded 2-core machine is slower, an idle one faster); the timeouts take 4 × the "
+              "estimates and never less than torch's defaults (10 and 30 minutes).", "",
               "| phase (first segment that ran it) | rank 0 | rank 1 | plan estimate |", "|---|---:|---:|---:|"]
     est = st["seconds"]
     match = {"load the model": "load the model (rank 0)", "baseline evaluation (rank 0)": "baseline evaluation (rank 0)",
@@ -367,9 +372,10 @@ def render(r: dict) -> str:
         e = est.get(match.get(name, ""), None)
         lines.append(f"| {name} | {sec[0] if sec[0] is not None else '—'} | "
                      f"{sec[1] if len(sec) > 1 and sec[1] is not None else '—'} | {'—' if e is None else f'{e:.1f}'} |")
-    c = segs[0]["checkpoint"] or {}
-    lines += ["", f"Checkpoint per rank: {_mb(c.get('bytes_per_rank'))} MiB written (plan: "
-              f"{_mb(st['checkpoint_bytes'])} MiB of tensors), {c.get('seconds')} s; plan estimate "
+    c = max((s["checkpoint"] for s in segs if s["checkpoint"]), key=lambda x: x["bytes_per_rank"], default={})
+    lines += ["", f"Checkpoint per rank (the largest first checkpoint of a segment): "
+              f"{_mb(c.get('bytes_per_rank'))} MiB written (plan: {_mb(st['checkpoint_bytes'])} MiB of tensors), "
+              f"{c.get('seconds')} s; plan estimate "
               f"{est['a checkpoint (each rank: write + hash)']:.1f} s. Timeouts this run set: training collectives "
               f"{st['timeouts']['collective']:.0f} s, waiting for rank 0 {st['timeouts']['wait']:.0f} s.", "",
               "## The run it rehearses: Llama-3.1-8B on 8 × 80 GB", "",

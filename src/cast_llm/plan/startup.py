@@ -22,9 +22,10 @@ Without FSDP every process loads the whole model (DDP needs it on every GPU anyw
 CPU process group whose timeout covers the longest of those phases (``wait``); the NCCL / gloo process
 group of the training collectives need only cover the skew between ranks doing the same work at once — the
 largest being a checkpoint, each rank writing and hashing its own files (``collective``). Both are the
-estimates at the pessimistic rates below × :data:`TIMEOUT_MARGIN`, never below the defaults of torch.
-The estimates are of the right order, not measurements: ``benchmarks/rehearsal.py`` sets them beside
-measured phases (docs/results/rehearsal.md).
+estimates at the rates below × :data:`TIMEOUT_MARGIN`, never below the defaults of torch. The estimates
+are of the right order, not measurements: ``benchmarks/rehearsal.py`` sets them beside measured phases
+(docs/results/rehearsal.md: on a loaded 2-core CPU, loading took ~9 × its estimate — transformers' own work
+is not in it — and the rest 0.3-1.6 ×); the margin and the floor are what make them safe to wait on.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from cast_llm.plan.shapes import ModelShape
 
 __all__ = ["StartupWork", "StartupPlan", "Timeouts", "plan_startup", "HOST_FRAMEWORK", "TIMEOUT_MARGIN"]
 
-# Assumed rates (stated; pessimistic, because timeouts are derived from them)
+# Assumed rates (stated; of the right order: the timeouts add a margin and a floor to what they give)
 STORAGE_BYTES_PER_S = 200e6  # one process reading or writing shared storage under load (network file systems)
 HASH_BYTES_PER_S = 400e6  # sha256 on one core
 FLOPS = {"cuda": {"fp32": 15e12, "bf16": 100e12},  # SparseGPT in fp32 without TF32; evaluation forwards
