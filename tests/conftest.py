@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -9,11 +10,27 @@ os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("CAST_TEST_THREADS", "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# kernel verdicts (cast_llm.kernels) go to a file of this test process, never the user's cache; the
+# torch.compile candidates are left out (tens of seconds of compiling each) except where a test asks for them
+os.environ["CAST_LLM_KERNEL_VERDICTS"] = os.path.join(tempfile.mkdtemp(prefix="cast-llm-verdicts-"), "verdicts.json")
+os.environ["CAST_LLM_COMPILE"] = "0"
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_verdicts(tmp_path_factory, monkeypatch):
+    """Every test decides its kernel paths afresh (cast_llm.kernels: probes, verdicts, warnings), from an empty
+    verdict file of its own: what one test injected or cached never leaks into another."""
+    from cast_llm import kernels
+
+    monkeypatch.setenv("CAST_LLM_KERNEL_VERDICTS", str(tmp_path_factory.mktemp("verdicts") / "verdicts.json"))
+    kernels.reset()
+    yield
+    kernels.reset()
 
 
 def pytest_configure(config):

@@ -151,9 +151,9 @@ def test_the_cycle_finder_finds_cycles():
 
 # the layers of docs/library.md: a module may import from its own layer and the ones below
 LAYERS = {
-    0: ("errors", "io", "config", "sparsity", "layers", "targets", "triton_support"),  # core
-    1: ("nn", "optim", "distill", "triton_kd", "head_loss", "data", "models", "prune", "quant", "deploy", "export", "eval",
-        "analysis"),
+    0: ("errors", "io", "config", "sparsity", "layers", "targets", "triton_support", "kernels"),  # core
+    1: ("nn", "optim", "distill", "triton_kd", "kd_paths", "head_loss", "data", "models", "prune", "quant", "deploy",
+        "export", "eval", "analysis"),
     2: ("train", "plan", "finetune", "integrations", "scaling_law", "report"),  # training, and what runs or reads it
     3: ("cli",),
 }

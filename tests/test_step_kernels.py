@@ -73,7 +73,7 @@ def test_kernels_match_float64_on_cuda():
 def test_cpu_tensors_take_the_torch_paths(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     s = torch.randn(4, 8)
-    assert distill._fused_kernel(s, s) is None
+    assert distill.kd_path(s, s, 1.0, True) == "reference"
     assert triton_support.kernel_device_reason(torch.device("cpu")) is not None
     # ScaledLinear's CPU backward never asks for the kernel
     monkeypatch.setattr(sw, "_kernel", lambda: pytest.fail("the CPU backward must not load the CUDA kernel"))
@@ -100,7 +100,7 @@ def test_kernels_refuse_what_they_do_not_take(monkeypatch):
     assert "scale dtype" in triton_scaled_weight.unsupported_reason(f32, f32, torch.ones(4, 2, dtype=torch.float64))
     assert "float64" in triton_scaled_weight.unsupported_reason(f32.double(), f32.double(), torch.ones(4, 2))
     # float64 logits (the reference tests) keep the torch path even where the kernel could run
-    assert distill._fused_kernel(f32.double(), None) is None
+    assert distill.kd_path(f32.double(), None, 1.0, True) == "reference"
 
 
 def test_kernel_device_reason_without_triton(monkeypatch):
@@ -134,10 +134,10 @@ def test_kd_kernel_compiles_for_h100_with_vector_loads(monkeypatch, has_t, unit_
     from cast_llm.triton_kd import _BLOCK, _NUM_WARPS, _kd_kernel
 
     sig = {"s_ptr": "*bf16", "t_ptr": "*bf16", "y_ptr": "*i64", "g_ptr": "*bf16", "kl_ptr": "*fp32",
-           "ce_ptr": "*fp32", "V": "i32", "s_stride": "i32", "t_stride": "i32", "g_stride": "i32",
-           "ignore_index": "i32", "eta": "fp32", "temperature": "fp32", "inv_t": "fp32", "grad_scale": "fp32"}
-    ptx = _compile_for_h100(_kd_kernel, sig, dict(HAS_T=has_t, UNIT_T=unit_t, NEED_GRAD=need_grad, BLOCK=_BLOCK),
-                            _NUM_WARPS, plain=("ignore_index",))
+           "ce_ptr": "*fp32", "inv_n_ptr": "*fp32", "V": "i32", "s_stride": "i32", "t_stride": "i32",
+           "g_stride": "i32", "ignore_index": "i32", "eta": "fp32", "temperature": "fp32", "inv_t": "fp32"}
+    consts = dict(y_stride=1, HAS_T=has_t, UNIT_T=unit_t, NEED_GRAD=need_grad, BLOCK=_BLOCK)  # contiguous labels
+    ptx = _compile_for_h100(_kd_kernel, sig, consts, _NUM_WARPS, plain=("ignore_index",))
     assert "ld.global.v" in ptx  # 16-byte loads of the logits rows
     assert ("st.global.v" in ptx) == need_grad  # the gradient row, only when asked for
 

