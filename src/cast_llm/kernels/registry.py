@@ -25,6 +25,7 @@ One switch forces the references everywhere: ``CAST_LLM_KERNELS=reference`` (lib
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -282,14 +283,33 @@ def _decide(name: str, device: torch.device, variant: tuple, key: tuple, only) -
     return _settle(key, device, variant, choice, results)
 
 
-def _probe(path: CheckedPath, c: Candidate, device: torch.device, variant: tuple) -> dict:
+@contextlib.contextmanager
+def _checking():
+    """A probe or a timing may wait for the device (it compares and times): flagged as such, and exempt from
+    ``torch.cuda.set_sync_debug_mode`` — its syncs are the check's, once per process and variant, not the
+    step's."""
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     _PROBING[0] = True
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        _PROBING[0] = False
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
+def _probe(path: CheckedPath, c: Candidate, device: torch.device, variant: tuple) -> dict:
+    with _checking():
+        return _probe_unchecked(path, c, device, variant)
+
+
+def _probe_unchecked(path: CheckedPath, c: Candidate, device: torch.device, variant: tuple) -> dict:
     try:
         check = path.probe(implementation(path.name, c.name), device, variant)
     except Exception as e:  # noqa: BLE001 - a failed compile, a launch error, a wrong binding: all mean "not this"
         return {"ok": False, "error": _first_line(e)}
-    finally:
-        _PROBING[0] = False
     if check.ok:
         return {"ok": True, "error": None, "max_error": check.error, "tolerance": check.tolerance}
     return {"ok": False, "max_error": None if math.isnan(check.error) else check.error, "tolerance": check.tolerance,
@@ -298,13 +318,11 @@ def _probe(path: CheckedPath, c: Candidate, device: torch.device, variant: tuple
 
 def _time(path: CheckedPath, c: Candidate | None, device: torch.device, variant: tuple) -> float | None:
     """Seconds per call of ``c`` (None: the reference) at the path's timing size; None if it cannot be timed."""
-    _PROBING[0] = True
-    try:
-        return path.timer(None if c is None else implementation(path.name, c.name), device, variant)
-    except Exception:  # noqa: BLE001 - it passed its check: untimed, it is still a valid choice
-        return None
-    finally:
-        _PROBING[0] = False
+    with _checking():
+        try:
+            return path.timer(None if c is None else implementation(path.name, c.name), device, variant)
+        except Exception:  # noqa: BLE001 - it passed its check: untimed, it is still a valid choice
+            return None
 
 
 def _settle(key: tuple, device: torch.device, variant: tuple, choice: str, results: dict, why: str | None = None

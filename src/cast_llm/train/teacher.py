@@ -26,6 +26,7 @@ them). FSDP2-sharded teachers (collectives, all-gather buffers) always run eager
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 
 import torch
@@ -56,7 +57,7 @@ class TeacherForward:
         self.off_reason: str | None = None  # why graphs were switched off (None: on, or never tried)
 
     def eager(self, input_ids: Tensor) -> Tensor:
-        with torch.no_grad() if self.sharded else torch.inference_mode():
+        with torch.no_grad() if self.sharded else torch.inference_mode(), _no_packed_sequence_check():
             return self.teacher(input_ids=input_ids, use_cache=False).logits
 
     graph_device = "cuda"  # the device type whose forwards are captured (tests drive the logic on "cpu")
@@ -117,6 +118,34 @@ class TeacherForward:
         kernels.record(TEACHER_GRAPH.name, input_ids.device, variant, "cuda-graph", None, check)
         self.graphs[key] = graph
         return graph
+
+
+@contextlib.contextmanager
+def _no_packed_sequence_check():
+    """transformers (5.x) looks for several sequences packed into one row whenever a forward has neither a KV
+    cache nor an attention mask — the teacher's case — and that check reads the device on the host
+    (``masking_utils.find_packed_sequence_indices``: ``.all()`` of a device tensor), once per forward. The
+    teacher is called with ``input_ids`` only, so its positions are 0..T-1 in every row and the check can only
+    answer "not packed" (None): it is answered without the read. Where transformers has no such function,
+    nothing changes."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - an older transformers: no packed-sequence logic at all
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _not_packed(position_ids):
+    return None
 
 
 def _key(input_ids: Tensor) -> tuple:
