@@ -14,6 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # torch.compile candidates are left out (tens of seconds of compiling each) except where a test asks for them
 os.environ["CAST_LLM_KERNEL_VERDICTS"] = os.path.join(tempfile.mkdtemp(prefix="cast-llm-verdicts-"), "verdicts.json")
 os.environ["CAST_LLM_COMPILE"] = "0"
+_KERNELS_MODE = os.environ.get("CAST_LLM_KERNELS")  # a run of the whole suite in reference mode keeps it
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +29,11 @@ def _fresh_kernel_verdicts(tmp_path_factory, monkeypatch):
     from cast_llm import kernels
 
     monkeypatch.setenv("CAST_LLM_KERNEL_VERDICTS", str(tmp_path_factory.mktemp("verdicts") / "verdicts.json"))
+    if _KERNELS_MODE is None:  # a command's --kernels sets the variable for its child processes: not for the next test
+        monkeypatch.delenv("CAST_LLM_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("CAST_LLM_KERNELS", _KERNELS_MODE)
+    monkeypatch.setattr(kernels.registry, "_MODE", [])
     kernels.reset()
     yield
     kernels.reset()

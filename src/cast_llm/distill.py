@@ -254,7 +254,7 @@ KD_LOSS = kernels.register(kernels.CheckedPath(
                 kernels.Candidate("compiled", lambda: _compiled_kd, compiled_runs_on, compiles=True)),
     probe=functools.partial(kd_paths.kd_probe, reference=_chunked),
     timer=functools.partial(kd_paths.kd_timer, reference=_chunked),
-    variants=kd_paths.kd_variants,
+    variants=kd_paths.kd_variants, cuda_only=False,
 ))
 
 

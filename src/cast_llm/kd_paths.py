@@ -32,10 +32,13 @@ __all__ = ["compiled_kd", "kd_probe", "kd_timer", "kd_variants"]
 _GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 1e-3}
 
 
-def _kd_chunk(s: Tensor, t: Tensor | None, y: Tensor, valid: Tensor, inv_n: Tensor, *, eta: float,
-              temperature: float, need_grad: bool):
-    # s, t: (c, V) logits in their dtype; y: (c,) int64 labels (ignored rows: 0); valid: (c,) bool
+def _kd_chunk(s: Tensor, t: Tensor | None, y: Tensor, row_weight: Tensor, *, eta: float, temperature: float,
+              need_grad: bool):
+    # s, t: (c, V) logits in their dtype; y: (c,) int64 labels (ignored rows: 0); row_weight: (c,) float32, 1/n
+    # for the rows that count and 0 for the others. Selections are made on float comparisons: inductor's C++
+    # vectorises those, where a select on a bool tensor is ~30x slower.
     T = temperature
+    counts = row_weight > 0
     zs = s.float()
     ls = F.log_softmax(zs if T == 1.0 else zs / T, dim=-1)  # log P_s^T
     kl = torch.zeros((), dtype=torch.float32, device=s.device)
@@ -44,9 +47,9 @@ def _kd_chunk(s: Tensor, t: Tensor | None, y: Tensor, valid: Tensor, inv_n: Tens
         zt = t.float()
         lt = F.log_softmax(zt if T == 1.0 else zt / T, dim=-1)  # log P_t^T
         pt = lt.exp()
-        kl = torch.where(valid, ((lt - ls) * pt).sum(dim=1), 0.0).sum() * (T * T)
+        kl = torch.where(counts, ((lt - ls) * pt).sum(dim=1), 0.0).sum() * (T * T)
     ls1 = ls if T == 1.0 else F.log_softmax(zs, dim=-1)  # the CE at temperature 1
-    ce = -torch.where(valid, ls1.gather(1, y.unsqueeze(1)).squeeze(1), 0.0).sum()
+    ce = -torch.where(counts, ls1.gather(1, y.unsqueeze(1)).squeeze(1), 0.0).sum()
     if not need_grad:
         return kl, ce, None
     if T == 1.0:
@@ -55,11 +58,11 @@ def _kd_chunk(s: Tensor, t: Tensor | None, y: Tensor, valid: Tensor, inv_n: Tens
         grad = (ls.exp() - pt) * (eta * T) + (1.0 - eta) * ls1.exp()
     else:
         grad = ls1.exp()
-    if eta < 1:
-        onehot = torch.arange(s.shape[1], device=s.device).unsqueeze(0) == y.unsqueeze(1)
-        grad = grad - (1.0 - eta) * onehot
-    grad = torch.where(valid.unsqueeze(1), grad * inv_n, 0.0)
-    return kl, ce, grad.to(s.dtype)
+    if eta < 1:  # − (1 − η) at the label's column (float column indices: exact below 2^24 entries)
+        cols = torch.arange(s.shape[1], device=s.device, dtype=torch.float32).unsqueeze(0)
+        grad = torch.where(cols == y.to(torch.float32).unsqueeze(1), grad - (1.0 - eta), grad)
+    weight = row_weight.unsqueeze(1)
+    return kl, ce, torch.where(weight > 0, grad * weight, 0.0).to(s.dtype)
 
 
 @functools.cache
@@ -83,7 +86,7 @@ def compiled_kd(student: Tensor, teacher: Tensor | None, labels: Tensor, *, igno
         y = labels[sel]
         valid = y != ignore_index
         kl, ce, g = fn(student[sel], None if teacher is None else teacher[sel], torch.where(valid, y, 0).long(),
-                       valid, inv_n)
+                       valid.to(torch.float32) * inv_n)
         kl_sum += kl
         ce_sum += ce
         if g is not None:

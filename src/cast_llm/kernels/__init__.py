@@ -19,18 +19,22 @@ from cast_llm.kernels.registry import (
     Candidate,
     Check,
     CheckedPath,
+    apply_flag,
     choose,
     compile_enabled,
+    examine,
     implementation,
     mode,
     record,
     register,
     reset,
+    restricted,
     seconds_per_call,
     set_mode,
     taken,
+    why_not,
 )
 
 __all__ = ["COMPILE_ENV", "MODE_ENV", "MODES", "REFERENCE", "REGISTRY", "Candidate", "Check", "CheckedPath",
-           "choose", "compile_enabled", "implementation", "mode", "record", "register", "reset",
-           "seconds_per_call", "set_mode", "taken"]
+           "apply_flag", "choose", "compile_enabled", "examine", "implementation", "mode", "record", "register", "reset", "restricted",
+           "seconds_per_call", "set_mode", "taken", "why_not"]

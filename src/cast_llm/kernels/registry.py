@@ -42,9 +42,9 @@ from cast_llm.errors import CastError
 from cast_llm.kernels.verdicts import VerdictFile, identity
 
 __all__ = ["MODES", "MODE_ENV", "COMPILE_ENV", "REFERENCE", "Candidate", "Check", "CheckedPath", "REGISTRY",
-           "register", "mode", "set_mode", "compile_enabled", "choose", "record", "implementation", "taken",
+           "register", "mode", "set_mode", "apply_flag", "compile_enabled", "choose", "record", "implementation", "taken",
            "reset", "seconds_per_call", "describe_device", "interpreting", "triton_runs_on", "host_runs_on",
-           "compiled_runs_on", "probing", "why_not"]
+           "compiled_runs_on", "probing", "why_not", "examine", "restricted"]
 
 MODES = ("auto", "reference")
 MODE_ENV = "CAST_LLM_KERNELS"
@@ -130,6 +130,15 @@ def set_mode(value: str) -> None:
         _CHOICES.clear()  # decisions taken under the other mode do not hold
     _MODE[:] = [value]
     os.environ[MODE_ENV] = value
+
+
+def apply_flag(value: str | None) -> str:
+    """``--kernels VALUE`` of a command: ``reference`` forces the references; ``auto`` (the flag's default) leaves
+    ``CAST_LLM_KERNELS=reference`` in force where it is set. Returns the mode in force."""
+    if value is not None:
+        _valid(value, "--kernels")
+    set_mode("reference" if "reference" in (value, mode()) else "auto")
+    return mode()
 
 
 def compile_enabled() -> bool:
@@ -219,11 +228,33 @@ def choose(name: str, device: torch.device | str, variant: tuple = (), only: tup
     """The candidate to run for ``variant`` on ``device`` (see the module docstring), or :data:`REFERENCE`;
     ``only``: the candidates the caller allows (e.g. AdamS's ``fused=False``). The first call per key may probe
     (and print one line per failed candidate); later calls are a dictionary lookup."""
+    if _RESTRICT:
+        limit = _RESTRICT.get(name)
+        if limit is not None:
+            only = limit if only is None else tuple(c for c in only if c in limit)
     key = (name, device, variant, only)
     hit = _CHOICES.get(key)
     if hit is not None:
         return hit
     return _decide(name, torch.device(device), variant, key, only)
+
+
+_RESTRICT: dict[str, tuple[str, ...]] = {}
+
+
+@contextlib.contextmanager
+def restricted(name: str, candidates: tuple[str, ...]):
+    """Inside, path ``name`` may only take ``candidates`` (checked as always; the reference otherwise) — how
+    a benchmark times one candidate against another in one process."""
+    before = _RESTRICT.get(name)
+    _RESTRICT[name] = tuple(candidates)
+    try:
+        yield
+    finally:
+        if before is None:
+            _RESTRICT.pop(name, None)
+        else:
+            _RESTRICT[name] = before
 
 
 _PROBING: list[bool] = [False]
@@ -265,7 +296,7 @@ def _decide(name: str, device: torch.device, variant: tuple, key: tuple, only) -
     entry = dict(store.get(ckey) or {})
     passing = [c for c in usable if results.get(c.name, {}).get("ok", path.in_situ)]
     if fresh and path.timer is not None and len([c for c in passing if c.name in results]) > 1:
-        # several pass: the fastest runs, the reference timed beside them (it wins if they are all slower)
+        # several pass: the fastest of them runs (the reference is timed beside them for the record)
         for c in passing:
             results[c.name]["seconds"] = _time(path, c, device, variant)
         entry["reference_seconds"] = _time(path, None, device, variant)
@@ -273,8 +304,6 @@ def _decide(name: str, device: torch.device, variant: tuple, key: tuple, only) -
         entry.update(candidates=results, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         store.put(ckey, entry)
     timed = {c.name: results[c.name]["seconds"] for c in passing if results.get(c.name, {}).get("seconds") is not None}
-    if timed and entry.get("reference_seconds") is not None:
-        timed[REFERENCE] = entry["reference_seconds"]
     choice = min(timed, key=timed.get) if timed else (passing[0].name if passing else REFERENCE)
     for c in usable:
         r = results.get(c.name)
@@ -374,6 +403,46 @@ def record(name: str, device: torch.device | str, variant: tuple, candidate: str
         for key in [k for k in _CHOICES if k[:3] == (name, device, variant) and _CHOICES[k] == candidate]:
             _CHOICES[key] = choice if key[3] is None or choice in key[3] else REFERENCE
     return _settle((name, device, variant, None), device, variant, choice, results)
+
+
+def examine(name: str, device: torch.device | str, variant: tuple, *, recheck: bool = False) -> list[dict]:
+    """Every candidate of ``name`` on ``device`` for ``variant`` — ``cast-llm doctor``'s rows: whether it runs
+    here, its verdict (from the verdict file unless ``recheck``; probed otherwise, the in-situ paths too) and,
+    where it passed, its time paired with the reference's at the path's timing size."""
+    device = torch.device(device)
+    path = REGISTRY[name]
+    store = _verdicts()
+    ckey = _cache_key(name, device, variant)
+    entry = {} if recheck else dict(store.get(ckey) or {})
+    results = dict(entry.get("candidates", {}))
+    rows, fresh = [], False
+    for c in path.candidates:
+        row = {"path": name, "device": str(device), "variant": _variant_text(variant), "candidate": c.name}
+        reason = c.runs_on(device)
+        if reason is None and c.compiles and not compile_enabled():
+            reason = f"off ({COMPILE_ENV}=0)"
+        if reason is not None:
+            rows.append({**row, "verdict": "not here", "why": reason})
+            continue
+        r = results.get(c.name)
+        if r is None or (r.get("ok") and r.get("max_error") is None and path.probe is not None):
+            r = results[c.name] = _probe(path, c, device, variant) if path.probe else {"ok": True, "error": None}
+            fresh = True
+        if r.get("ok") and r.get("seconds") is None and path.timer is not None:
+            r["seconds"] = _time(path, c, device, variant)
+            fresh = True
+        rows.append({**row, "verdict": "pass" if r.get("ok") else "fail", **{k: r.get(k) for k in
+                     ("error", "max_error", "tolerance", "seconds")}})
+    if any(row.get("seconds") is not None for row in rows) and entry.get("reference_seconds") is None:
+        entry["reference_seconds"] = _time(path, None, device, variant)
+        fresh = True
+    if fresh:
+        entry.update(candidates=results, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        store.put(ckey, entry)
+    for row in rows:
+        if row.get("seconds") is not None:
+            row["reference_seconds"] = entry.get("reference_seconds")
+    return rows
 
 
 def why_not(name: str, device: torch.device | str, variant: tuple = ()) -> str:

@@ -33,7 +33,6 @@ from cast_llm.optim.functional import (
     adams,
     dense_adam,
     fused_dense_takes,
-    kernel_device,
     run_update,
     update_path,
 )
@@ -492,7 +491,7 @@ class AdamS(Optimizer):
         by_path: dict[str, list[tuple[Tensor, Tensor]]] = {}
         for p, local in due:
             path = kernels.REFERENCE
-            if kernel_device(local) and local.dim() == 2 and local.is_contiguous():
+            if local.dim() == 2 and local.is_contiguous():  # (no candidate runs on a plain CPU: a dict lookup)
                 variant = (local.dtype, "transposed" if group["transposed"] else "rows",
                            "packed" if packed else "bool", f"{group['n']}:{group['m']}")
                 path = kernels.choose("adams.masks", local.device, variant)

@@ -185,7 +185,7 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     cfg = job.cfg
-    kernels.set_mode(getattr(cfg, "kernels", None) or kernels.mode())  # --kernels auto|reference
+    kernels.apply_flag(getattr(cfg, "kernels", None))  # --kernels auto|reference (or CAST_LLM_KERNELS)
     threads_note = setup_threads(cfg)
     accelerator, precision = build_accelerator(cfg)
     is_main = accelerator.is_main_process
