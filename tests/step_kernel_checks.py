@@ -150,6 +150,16 @@ def check_kd(device: str) -> dict[str, float]:
             grad_err = max(grad_err, _rel(g2[~ignored], r_grad[~ignored]))
         errors[f"{name}_loss"] = loss_err
         errors[f"{name}_grad"] = grad_err
+    # labels read through their own stride: a strided view gives what a contiguous copy gives, bit for bit
+    from cast_llm import triton_kd
+
+    s = (3 * torch.randn(6, 5000, generator=gen)).to(device)
+    y = torch.randint(0, 5000, (6, 2), generator=gen).to(device)
+    y[2, 0] = -100
+    inv_n = torch.tensor(1 / 5, device=device)
+    kw = dict(ignore_index=-100, inv_n=inv_n, eta=0.0, temperature=1.0, need_grad=True)
+    strided, contiguous = triton_kd.fused_kd(s, None, y[:, 0], **kw), triton_kd.fused_kd(s, None, y[:, 0].clone(), **kw)
+    errors["kd_label_stride"] = float(not all(torch.equal(a, b) for a, b in zip(strided, contiguous)))
     return errors
 
 

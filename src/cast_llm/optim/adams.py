@@ -366,6 +366,11 @@ class AdamS(Optimizer):
         if found_inf is not None:
             if self.nonfinite != "ignore":
                 _flag_nonfinite_(grads, found_inf)
+                if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+                    import torch.distributed as dist
+
+                    if dist.is_available() and dist.is_initialized():  # every rank skips alike (on the device)
+                        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         # before anything is touched: weights never see NaN/Inf (unless the caller asked for no check)
         elif self.nonfinite != "ignore" and not self._grads_finite(grads):
             if self.nonfinite == "raise":

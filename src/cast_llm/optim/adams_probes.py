@@ -110,9 +110,11 @@ def update_probe(impl, device: torch.device, variant: tuple, *, reference) -> Ch
 
 
 def update_timer(impl, device: torch.device, variant: tuple, *, reference, host_counts=()) -> float:
-    """One step over 8 tensors of 128K entries (1M; 8M on CUDA): memory-bound, as a model's update is."""
+    """One step over 8 tensors of 1M entries: 256 MB of fp32 state, past any cache, so the candidates compare as
+    they run on a model (at 1M entries in all, the CPU's block-wise path ran from cache and won; on SmolLM2's
+    134M it was the slower one: docs/results/compiled-candidates-cpu.md)."""
     dtype, state_dtype, storage, *_ = variant
-    rows = 1024 if device.type == "cuda" else 128
+    rows = 1024
     shapes = [(rows, 1024)] * 8
     P = [torch.randn(s, device=device).to(dtype) for s in shapes]
     G = [0.1 * torch.randn(s, device=device).to(dtype) for s in shapes]

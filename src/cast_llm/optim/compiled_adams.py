@@ -42,9 +42,9 @@ def _update_one(theta, grad, mu, v, kept, sc, skip, *, packed: bool, additive: b
     s = th * decay + m if additive else torch.sign(th) * decay + m * keep_signal  # Eq. 7 (AST: additive)
     # the mask as a 0/1 float weight: lerp by an exact 0 or 1 is a select with no rounding (weight 1 gives m, 0
     # gives s), and inductor's C++ vectorises a float weight where a select on bool or uint8 masks is ~30x slower
-    if packed:  # element i is bit (i % 8) of byte i // 8 (pack_mask's order)
-        bits = (kept.unsqueeze(1).to(torch.int32) >> torch.arange(8, device=kept.device, dtype=torch.int32)) & 1
-        weight = bits.reshape(-1)[: theta.shape[0]].to(torch.float32)
+    if packed:  # element i is bit (i % 8) of byte i // 8 (pack_mask's order): an affine load, no gather
+        idx = torch.arange(theta.shape[0], device=kept.device)
+        weight = ((kept[idx // 8].to(torch.int32) >> (idx % 8).to(torch.int32)) & 1).to(torch.float32)
     else:  # a bool mask arrives viewed as uint8 (the view is taken outside: inductor lowers it slowly)
         weight = kept.to(torch.float32)
     mt = torch.lerp(s, m, weight)  # μ~: kept → μ, pruned → Eq. 7; the decay never enters the stored μ

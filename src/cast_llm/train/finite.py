@@ -58,7 +58,10 @@ class FiniteGuard:
         torch.maximum(self.flag, bad.float(), out=self.flag)
 
     def arm(self, optimizer, last_good) -> None:
-        """Before ``optimizer.step()``: skip it on the device if anything was non-finite (see the module doc)."""
+        """Before ``optimizer.step()``: skip it on the device if anything was non-finite (see the module doc).
+        Several processes agree first (a MAX all-reduce of the flag, on the device): every rank skips alike."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX)
         if skips_on_device(optimizer):
             optimizer.found_inf = self.flag
         else:
