@@ -100,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
                         warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
                         linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache)
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
-    print(json.dumps(report.to_dict()) if cfg.json else format_report(report))
+    doc = {**report.to_dict(), "kernels": kernels.taken()}  # which 2:4 kernels passed their checks here
+    print(json.dumps(doc) if cfg.json else format_report(report))
     if cfg.json_out:
         from cast_llm.io import atomic_write_text
 
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(cfg.json_out, json.dumps(report.to_dict(), indent=2))
+        atomic_write_text(cfg.json_out, json.dumps(doc, indent=2))
     return 0
