@@ -90,7 +90,7 @@ class HostReads(TorchDispatchMode):
 
 
 def count_in_training(workdir: str, *, counted=(1, 2, 3), log_every: int = 5, max_steps: int = 5) -> dict:
-    """A CAST run with KD, 3 micro-batches per step, masks refreshed at t = 3, the step's checks on the device;
+    """A CAST run (the paper's: dense start) with KD, 3 micro-batches per step, masks refreshed at t = 3;
     host reads are counted during the optimizer steps ``counted`` (0-based; none of them a log step).
     Returns the reads, the steps seen and which path each checked kernel took."""
     from pathlib import Path
@@ -127,7 +127,8 @@ def count_in_training(workdir: str, *, counted=(1, 2, 3), log_every: int = 5, ma
             "--output-dir", str(work / "run"), "--batch-size", "2", "--seq-len", "32", "--grad-accum", "3",
             "--max-steps", str(max_steps), "--log-every", str(log_every), "--kd", "--mask-interval", "3",
             "--no-progress", "--no-baseline-eval", "--val-sequences", "2", "--device", "cpu",
-            "--wikitext-file", str(work / "eval.txt"), "--track-weights", "0", "--ratio-hist-steps="]
+            "--wikitext-file", str(work / "eval.txt"), "--track-weights", "0", "--ratio-hist-steps=", "--no-report",
+            "--paper-exact"]
     try:
         with reads:
             rc = main(argv)

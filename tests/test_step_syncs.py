@@ -98,7 +98,8 @@ def test_a_kd_training_step_does_not_synchronise_on_cuda(tmp_path, monkeypatch):
             "--output-dir", str(tmp_path / "run"), "--batch-size", "2", "--seq-len", "32", "--grad-accum", "3",
             "--max-steps", "5", "--log-every", "5", "--kd", "--mask-interval", "3", "--no-progress",
             "--no-baseline-eval", "--val-sequences", "2", "--device", "cuda", "--precision", "bf16",
-            "--wikitext-file", str(tmp_path / "eval.txt"), "--track-weights", "0", "--ratio-hist-steps="]
+            "--wikitext-file", str(tmp_path / "eval.txt"), "--track-weights", "0", "--ratio-hist-steps=", "--no-report",
+            "--paper-exact"]
     try:
         assert main(argv) == 0
     finally:

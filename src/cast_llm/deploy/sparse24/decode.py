@@ -222,7 +222,7 @@ class StaticDecoder:
             self.runner.capture(self._step_fn)
             return self.runner.replay()
         variant = self._variant()
-        if kernels.choose(DECODE_GRAPH.name, self.device, variant) == kernels.REFERENCE:
+        if kernels.choose(DECODE_GRAPH.name, self.device, variant, only=(self.runner.name,)) == kernels.REFERENCE:
             self.runner = EagerRunner()
             return self._capture_checked()
         try:
