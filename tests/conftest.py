@@ -33,7 +33,7 @@ def _fresh_kernel_verdicts(tmp_path_factory, monkeypatch):
         monkeypatch.delenv("CAST_LLM_KERNELS", raising=False)
     else:
         monkeypatch.setenv("CAST_LLM_KERNELS", _KERNELS_MODE)
-    monkeypatch.setattr(kernels.registry, "_MODE", [])
+    monkeypatch.setattr(kernels.switch, "_MODE", [])
     kernels.reset()
     yield
     kernels.reset()

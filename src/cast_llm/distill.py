@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from cast_llm import kd_paths, kernels
-from cast_llm.kernels.registry import compiled_runs_on, triton_runs_on
+from cast_llm.kernels.switch import compiled_runs_on, triton_runs_on
 
 __all__ = ["KDLoss", "kd_loss", "causal_kd_loss", "shift_labels", "kd_path", "check_labels", "KD_LOSS"]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cast_llm.kernels import Check, seconds_per_call
-from cast_llm.kernels.registry import interpreting
+from cast_llm.kernels.switch import interpreting
 
 __all__ = ["compiled_kd", "kd_probe", "kd_timer", "kd_variants"]
 

@@ -1,6 +1,8 @@
 """Checked kernel paths: every custom kernel proves itself against its reference before a run relies on it.
 
-* :mod:`.registry` — kernel path → candidates → probe → verdict; the ``auto`` / ``reference`` switch;
+* :mod:`.registry` — kernel path → candidates → probe → verdict;
+* :mod:`.switch` — ``auto`` / ``reference`` (``--kernels``, ``CAST_LLM_KERNELS``), ``CAST_LLM_COMPILE``, and where
+  each kind of candidate can run;
 * :mod:`.verdicts` — the verdicts kept between runs, per GPU, driver and library versions;
 * :mod:`.environment` — what ``cast-llm doctor`` reports about the machine.
 

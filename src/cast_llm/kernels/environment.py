@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from cast_llm.kernels.registry import COMPILE_ENV, compile_enabled, interpreting, mode
+from cast_llm.kernels.switch import COMPILE_ENV, compile_enabled, interpreting, mode
 from cast_llm.kernels.verdicts import cpu_name, driver_version, verdict_path
 
 __all__ = ["environment"]

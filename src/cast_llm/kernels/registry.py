@@ -26,9 +26,7 @@ One switch forces the references everywhere: ``CAST_LLM_KERNELS=reference`` (lib
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import os
 import statistics
 import sys
 import time
@@ -38,7 +36,19 @@ from typing import Any
 
 import torch
 
-from cast_llm.errors import CastError
+from cast_llm.kernels.switch import (
+    COMPILE_ENV,
+    MODE_ENV,
+    MODES,
+    apply_flag,
+    compile_enabled,
+    compiled_runs_on,
+    host_runs_on,
+    interpreting,
+    mode,
+    set_mode,
+    triton_runs_on,
+)
 from cast_llm.kernels.verdicts import VerdictFile, identity
 
 __all__ = ["MODES", "MODE_ENV", "COMPILE_ENV", "REFERENCE", "Candidate", "Check", "CheckedPath", "REGISTRY",
@@ -46,9 +56,6 @@ __all__ = ["MODES", "MODE_ENV", "COMPILE_ENV", "REFERENCE", "Candidate", "Check"
            "reset", "seconds_per_call", "describe_device", "interpreting", "triton_runs_on", "host_runs_on",
            "compiled_runs_on", "probing", "why_not", "examine", "restricted"]
 
-MODES = ("auto", "reference")
-MODE_ENV = "CAST_LLM_KERNELS"
-COMPILE_ENV = "CAST_LLM_COMPILE"
 REFERENCE = "reference"
 
 
@@ -105,78 +112,8 @@ def register(path: CheckedPath) -> CheckedPath:
     return path
 
 
-# ------------------------------------------------------------------------------------------------ the switch
-_MODE: list[str] = []  # set_mode's value (the environment variable otherwise)
-
-
-def _valid(value: str, where: str) -> str:
-    if value not in MODES:
-        raise CastError(f"{where} must be one of {', '.join(MODES)}, got {value!r} (reference: torch operations "
-                        "only, every custom kernel off)")
-    return value
-
-
-def mode() -> str:
-    """``auto`` (checked fast paths) or ``reference`` (torch operations only)."""
-    if _MODE:
-        return _MODE[0]
-    return _valid(os.environ.get(MODE_ENV, "auto").strip().lower() or "auto", MODE_ENV)
-
-
-def set_mode(value: str) -> None:
-    """``--kernels``: this process and the processes it starts (the variable is set too)."""
-    value = _valid(value, "--kernels")
-    if _MODE and _MODE[0] != value:
-        _CHOICES.clear()  # decisions taken under the other mode do not hold
-    _MODE[:] = [value]
-    os.environ[MODE_ENV] = value
-
-
-def apply_flag(value: str | None) -> str:
-    """``--kernels VALUE`` of a command: ``reference`` forces the references; ``auto`` (the flag's default) leaves
-    ``CAST_LLM_KERNELS=reference`` in force where it is set. Returns the mode in force."""
-    if value is not None:
-        _valid(value, "--kernels")
-    set_mode("reference" if "reference" in (value, mode()) else "auto")
-    return mode()
-
-
-def compile_enabled() -> bool:
-    return os.environ.get(COMPILE_ENV, "1").strip() not in ("0", "false", "no", "off")
-
-
-def interpreting() -> bool:
-    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, which then stand for CUDA ones (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def triton_runs_on(device: torch.device) -> str | None:
-    """Where a Triton candidate runs: CUDA, or CPU tensors under the interpreter (None), else why not."""
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        return f"a Triton kernel runs on CUDA (on {device.type} only under TRITON_INTERPRET=1)"
-    from cast_llm.triton_support import kernel_device_reason  # imports Triton (~1 s): only where it may run
-
-    return kernel_device_reason(device)
-
-
-def host_runs_on(device: torch.device) -> str | None:
-    """Where a CPU-only candidate runs: CPU tensors, except under the interpreter (they stand for CUDA ones)."""
-    if device.type != "cpu" or interpreting():
-        return f"a CPU path (not for {device.type} tensors{' under TRITON_INTERPRET=1' if interpreting() else ''})"
-    return None
-
-
-def compiled_runs_on(device: torch.device) -> str | None:
-    """Where a ``torch.compile`` candidate runs: inductor's C++ on CPU, its Triton on CUDA."""
-    if interpreting():
-        return "torch.compile candidates are left out under TRITON_INTERPRET=1"
-    if device.type == "cpu":
-        return None
-    return triton_runs_on(device)
-
-
 # ------------------------------------------------------------------------------------------- the decisions
-_CHOICES: dict[tuple, str] = {}  # (path, device, variant) -> candidate name or REFERENCE
+_CHOICES: dict[tuple, str] = {}  # (path, device, variant, allowed, mode) -> candidate name or REFERENCE
 _TAKEN: dict[tuple, dict] = {}  # the same keys -> what results.json records
 _WARNED: set[tuple] = set()
 _IMPLS: dict[tuple[str, str], Any] = {}
@@ -232,7 +169,7 @@ def choose(name: str, device: torch.device | str, variant: tuple = (), only: tup
         limit = _RESTRICT.get(name)
         if limit is not None:
             only = limit if only is None else tuple(c for c in only if c in limit)
-    key = (name, device, variant, only)
+    key = (name, device, variant, only, mode())
     hit = _CHOICES.get(key)
     if hit is not None:
         return hit
@@ -402,7 +339,7 @@ def record(name: str, device: torch.device | str, variant: tuple, candidate: str
             _WARNED.add((name, candidate, device, variant))
         for key in [k for k in _CHOICES if k[:3] == (name, device, variant) and _CHOICES[k] == candidate]:
             _CHOICES[key] = choice if key[3] is None or choice in key[3] else REFERENCE
-    return _settle((name, device, variant, None), device, variant, choice, results)
+    return _settle((name, device, variant, None, mode()), device, variant, choice, results)
 
 
 def examine(name: str, device: torch.device | str, variant: tuple, *, recheck: bool = False) -> list[dict]:
@@ -488,8 +425,3 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, *, min_time
         sync()
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
-
-
-def with_candidates(path: CheckedPath, **replace: Candidate) -> CheckedPath:
-    """``path`` with some candidates replaced by name (tests inject wrong kernels this way)."""
-    return dataclasses.replace(path, candidates=tuple(replace.get(c.name, c) for c in path.candidates))

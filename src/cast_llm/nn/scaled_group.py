@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from cast_llm import kernels
-from cast_llm.kernels.registry import triton_runs_on
+from cast_llm.kernels.switch import triton_runs_on
 from cast_llm.nn import scaled_weight_probes
 from cast_llm.nn.scaled_weight import matmul_dtype, torch_scaled_weight, torch_scaled_weight_grads
 

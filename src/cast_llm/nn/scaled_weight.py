@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from cast_llm import kernels
-from cast_llm.kernels.registry import triton_runs_on
+from cast_llm.kernels.switch import triton_runs_on
 from cast_llm.nn import scaled_weight_probes
 
 __all__ = ["scaled_weight", "torch_scaled_weight", "torch_scaled_weight_grads", "layer_path", "matmul_dtype", "SCALED_WEIGHT_LAYER"]

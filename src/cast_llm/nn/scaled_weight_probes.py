@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from cast_llm.kernels import Check, seconds_per_call
-from cast_llm.kernels.registry import interpreting
+from cast_llm.kernels.switch import interpreting
 
 __all__ = ["layer_probe", "layer_timer", "layer_variants", "block_probe", "block_timer", "block_variants"]
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from cast_llm import kernels
-from cast_llm.kernels.registry import compiled_runs_on, host_runs_on, triton_runs_on
+from cast_llm.kernels.switch import compiled_runs_on, host_runs_on, triton_runs_on
 from cast_llm.optim import adams_probes
 from cast_llm.optim.adams_probes import fast_path_unsupported
 from cast_llm.sparsity.mask import magnitude_mask, packed_numel, unpack_mask
