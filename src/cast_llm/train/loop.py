@@ -7,9 +7,11 @@ it, what it does around each step, how the final model is made), and a **distrib
 (:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
 
 Per optimizer step: ``method.begin_step`` → ``grad_accum`` micro-batches (forward, ``job.loss``, backward,
-no gradient sync before the last) → a finite-loss check → ``method.before_optimizer_step`` → clipping →
-optimizer step → ``method.end_step`` → LR schedule → observers and the log record every ``log_every``
-steps → a checkpoint every ``save_every`` steps. Around it: the run folder and its lock, exact resume
+no gradient sync before the last; losses summed on the device and watched for NaN/Inf there,
+:mod:`cast_llm.train.finite`) → ``method.before_optimizer_step`` → clipping → optimizer step (skipped on the
+device after a non-finite loss or gradient) → ``method.end_step`` → LR schedule → observers and, every
+``log_every`` steps, the finiteness check and the log record (the host's only reads of the step) → a
+checkpoint every ``save_every`` steps. Around it: the run folder and its lock, exact resume
 (``--resume`` / ``--resume auto``), SIGTERM/SIGINT → checkpoint → exit 75, and at the end
 ``distribution.finish`` (``method.finalize``) and ``job.finish`` (export, evaluation, summary).
 """
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from cast_llm import kernels
 from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
@@ -39,6 +42,7 @@ from cast_llm.train.checkpoint import (
     set_rng_state,
 )
 from cast_llm.train.distributed import build_distribution
+from cast_llm.train.finite import FiniteGuard
 from cast_llm.train.memory import PeakMemory
 from cast_llm.train.preemption import Preempted, StopRequest
 from cast_llm.train.rundir import RunLock, prepare_run_dir, record_written, write_marker
@@ -75,8 +79,9 @@ class Job:
         """Micro-batch ``micro`` of optimizer step ``step`` (0-based), on the training device."""
         raise NotImplementedError
 
-    def loss(self, model, teacher, batch) -> tuple[torch.Tensor, dict[str, float], int]:
-        """(loss to back-propagate, named parts as floats for the log, tokens in the batch)."""
+    def loss(self, model, teacher, batch) -> tuple[torch.Tensor, dict[str, float | torch.Tensor], int]:
+        """(loss to back-propagate, named parts for the log — detached device scalars, read on log steps only,
+        or floats — tokens in the batch)."""
         raise NotImplementedError
 
     def observers(self, ctx: LoopContext) -> list:
@@ -180,6 +185,7 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     cfg = job.cfg
+    kernels.apply_flag(getattr(cfg, "kernels", None))  # --kernels auto|reference (or CAST_LLM_KERNELS)
     threads_note = setup_threads(cfg)
     accelerator, precision = build_accelerator(cfg)
     is_main = accelerator.is_main_process
@@ -272,6 +278,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         """Write checkpoint ``step``. A failed periodic checkpoint is a warning (the run goes on, the previous
         one stays); a failed required one (preemption) is an error naming the last good one."""
         nonlocal last_good
+        guard.check(last_good)  # never a checkpoint of a run that went non-finite
         if hasattr(method, "verify"):
             method.verify(raw)
         states = {"model": distribution.model_state(method, raw), "optimizer": distribution.optimizer_state(raw_opt),
@@ -281,7 +288,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         if extra is not None:
             states["method"] = extra
         # the log window in progress: a run stopped between two log steps logs exactly what an uninterrupted one does
-        states["loop"] = {"window": {k: v for k, v in window.items() if k != "t0"}}
+        states["loop"] = {"window": _host_window(window)}
         meta = {"fingerprint": fp, "tokens": step * (getattr(job, "tokens_per_step", 0) or 0),
                 "kind": job.marker_kind, "elapsed_s": ctx.elapsed()}
         try:
@@ -314,6 +321,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     if resumed_window:
         window.update(resumed_window)
     grad_accum = cfg.grad_accum
+    guard = FiniteGuard(ctx.device)  # losses checked on the device, read on log steps (train/finite.py)
     peak.start()
     for step in range(start_step, total_steps):
         method.begin_step(raw, raw_opt, step)
@@ -321,13 +329,9 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             batch = job.batch(step, micro)
             with distribution.no_sync(model, micro == grad_accum - 1), accelerator.autocast():
                 loss, parts, tokens = job.loss(model, teacher, batch)
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-                    raise CastError(f"loss became {value} at step {step + 1}; stopped ({where}); lower --lr or "
-                                    "check the data")
+                guard.watch(loss, step)
                 accelerator.backward(loss / grad_accum)
-            window["loss"] += value / grad_accum
+            window["loss"] += loss.detach() / grad_accum  # on the device: read on log steps only
             for k, v in parts.items():
                 window["parts"][k] = window["parts"].get(k, 0.0) + v / grad_accum
             window["tokens"] += tokens * ctx.world
@@ -335,7 +339,9 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         if cfg.grad_clip > 0:
             distribution.clip(model, cfg.grad_clip)
         method.before_update(raw, raw_opt, step, ctx, results)
+        guard.arm(raw_opt, last_good)  # a non-finite step is skipped on the device
         optimizer.step()
+        guard.stepped(step)
         method.end_step(raw, raw_opt, step)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -351,6 +357,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             for ob in observers:
                 measured.update(ob.on_step(sctx) or {})
         extra = job.log_extra(ctx, done, raw)
+        if is_log:
+            guard.check(last_good)
         if is_log or extra:
             rec = _record(done, window, job, scheduler, distribution)
             rec.update(measured)
@@ -401,6 +409,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     job.before_finalize(ctx, raw, results)
     final = distribution.finish(raw, raw_opt, method, cfg, out)
     results.update(method.results())
+    results["kernels"] = kernels.taken()  # which path each checked kernel took (cast_llm.kernels)
     distribution.barrier()
     results = job.finish(ctx, final, results)
     if tb is not None:
@@ -461,9 +470,23 @@ def _new_window() -> dict[str, Any]:
     return {"loss": 0.0, "parts": {}, "n": 0, "tokens": 0, "t0": time.perf_counter()}
 
 
+def _host_window(window: dict) -> dict[str, Any]:
+    """The log window with its device sums read in ONE transfer (log steps and checkpoints only)."""
+    names = list(window["parts"])
+    values = [window["loss"]] + [window["parts"][k] for k in names]
+    device = next((v.device for v in values if torch.is_tensor(v)), None)
+    if device is not None:
+        values = torch.stack([v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
+                              .to(device) for v in values]).tolist()
+    out = {k: v for k, v in window.items() if k != "t0"}
+    out["loss"], out["parts"] = float(values[0]), {k: float(v) for k, v in zip(names, values[1:])}
+    return out
+
+
 def _record(step: int, window: dict, job, scheduler, distribution) -> dict[str, Any]:
     n = max(window["n"], 1)
     dt = time.perf_counter() - window["t0"]
+    window = _host_window(window)
     names = list(window["parts"])
     vals = torch.tensor([window["loss"] / n] + [window["parts"][k] / n for k in names])
     if distribution.world > 1:
