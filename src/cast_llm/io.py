@@ -41,7 +41,6 @@ def cache_dir() -> Path:
     return base / "cast-llm"
 
 
-
 def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with Path(path).open("rb") as f:
