@@ -4,8 +4,10 @@ One training step here is the body of the trainer's loop (``cast_llm.train.train
 micro-batch: student forward, the trainer's teacher forward (``TeacherForward``: ``inference_mode``, no KV
 cache; KD only), the trainer's own ``lm_loss``
 (CE, or Eq. 13 through the chunked KD loss), backward, gradient clipping at 1.0, the optimizer step,
-``zero_grad(set_to_none=True)``. Logging, observers and the LR schedule are left out: plain training pays
-for them alike. Three variants, as in the paper's timing table (method.md §7):
+``zero_grad(set_to_none=True)``, with the trainer's finiteness guard (losses checked on the device; a
+non-finite step skipped there; read after the rounds, as the trainer reads it once per log interval). Logging,
+observers and the LR schedule are left out: plain training pays for them alike. A variant may be restricted
+to some candidates of the checked kernel paths (``Variant.paths``: e.g. the compiled AdamS update). Three variants, as in the paper's timing table (method.md §7):
 
 * ``plain``: the dense model, CE only, ``torch.optim.AdamW`` — fused (the fastest torch AdamW); the
   foreach AdamW is timed on the same gradients as a second plain row;
@@ -21,6 +23,7 @@ three variants within a few GB. Masks are held fixed during the timed steps and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
@@ -104,6 +107,8 @@ class Variant:
     extra_optimizer: torch.optim.Optimizer | None = None  # stepped on the same gradients, timed apart
     times: dict[str, list[float]] = field(default_factory=dict)
     teacher_forward: object = None  # the trainer's TeacherForward over ``teacher``
+    paths: dict = field(default_factory=dict)  # checked kernel path -> the candidates this variant may take
+    guard: object = None  # the trainer's FiniteGuard: losses checked on the device, read after the rounds
 
 
 def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dtype, *,
@@ -116,7 +121,7 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
     base.train()
     out: dict[str, Variant] = {}
     teacher = None
-    if "cast_kd" in names or "cast_kd_graph" in names:
+    if any(n.startswith("cast_kd") for n in names):
         # the trainer's teacher: a frozen copy of the dense start, in the training dtype (bf16 under autocast)
         teacher = copy.deepcopy(base).eval().requires_grad_(False)
         if dtype != torch.float32:
@@ -129,7 +134,9 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
             foreach = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
             if base.device.type == "cpu":  # share the moments: timing needs no second 1 GB of state on a small box
                 foreach.state = fused.state
-        out["plain"] = Variant("plain", base, fused, extra_optimizer=foreach)
+        out["plain"] = Variant("plain", base, fused, extra_optimizer=foreach, paths=HAND_WRITTEN_PATHS)
+        if "plain_compiled" in names:  # the same, its CE through the compiled loss: the compiled rows' baseline
+            out["plain_compiled"] = Variant("plain_compiled", base, fused, paths=COMPILED_PATHS)
     if any(name.startswith("cast") for name in names):
         # a second module tree over the SAME Parameters (deepcopy's memo maps every Parameter to itself)
         student = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
@@ -138,14 +145,22 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
         opt = method.build_optimizer(student, cfg, 100_000)  # AdamS with the trainer's param groups
         from cast_llm.train.teacher import TeacherForward
 
-        for name in ("cast_nokd", "cast_kd", "cast_kd_graph"):  # cast_kd_graph: the teacher as a CUDA graph
+        for name in CAST_VARIANTS:  # cast_kd_graph: the teacher as a CUDA graph
             if name in names:
-                kd = name != "cast_nokd"
-                out[name] = Variant(name, student, opt, teacher=teacher if kd else None)
+                kd = name != "cast_nokd" and name != "cast_nokd_compiled"
+                out[name] = Variant(name, student, opt, teacher=teacher if kd else None,
+                                    paths=COMPILED_PATHS if name.endswith("_compiled") else HAND_WRITTEN_PATHS)
                 if kd:
-                    graph = cfg.teacher_cuda_graph if name == "cast_kd" else True  # the trainer's default
+                    graph = cfg.teacher_cuda_graph if name != "cast_kd_graph" else True  # the trainer's default
                     out[name].teacher_forward = TeacherForward(teacher, cuda_graph=graph, say=print)
     return out
+
+
+CAST_VARIANTS = ("cast_nokd", "cast_kd", "cast_kd_graph", "cast_nokd_compiled", "cast_kd_compiled")
+# the CAST rows time the hand-written fast paths (Triton on a GPU, the block-wise AdamS on a CPU; the KD loss's
+# torch reference there); the "_compiled" rows the torch.compile candidates of the same checked paths
+HAND_WRITTEN_PATHS = {"adams.update": ("triton", "blockwise"), "kd.loss": ("triton",)}
+COMPILED_PATHS = {"adams.update": ("compiled",), "kd.loss": ("compiled",)}
 
 
 def refresh_masks(opt) -> None:
@@ -187,11 +202,24 @@ def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype
     the GPU); the result is ``{"step": ...}``. ``extra=False``: the second (foreach) plain optimizer is not
     stepped.
     """
+    from cast_llm import kernels
+    from cast_llm.train.finite import FiniteGuard
     from cast_llm.train.trainer import lm_loss
 
     device = batch.device
+    if v.guard is None:
+        v.guard = FiniteGuard(device)
     clock = Clock(device)
     mark = clock if phases else (lambda: None)
+    restrictions = contextlib.ExitStack()
+    for name, candidates in v.paths.items():
+        restrictions.enter_context(kernels.restricted(name, candidates))
+    with restrictions:
+        return _train_step(v, batch, cfg, autocast_dtype, phases, extra, clock, mark, lm_loss)
+
+
+def _train_step(v, batch, cfg, autocast_dtype, phases, extra, clock, mark, lm_loss):
+    device = batch.device
     t0 = clock()
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else torch.autocast(device.type, enabled=False))
@@ -201,13 +229,13 @@ def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype
         t_logits = v.teacher_forward(batch) if v.teacher is not None else None
         loss, _, _ = lm_loss(logits, t_logits, batch, cfg)  # CE without a teacher, Eq. 13 with one
         del logits, t_logits
-        if not torch.isfinite(loss.detach()):
-            raise RuntimeError(f"{v.name}: loss became {float(loss)}")
+        v.guard.watch(loss, 0)  # as the trainer: on the device, read after the rounds (check_finite)
     t1 = mark()
     loss.backward()
     t2 = mark()
     torch.nn.utils.clip_grad_norm_(v.model.parameters(), cfg.grad_clip)
     t3 = mark()
+    v.guard.arm(v.optimizer, None)
     v.optimizer.step()
     t4 = clock()
     if phases:
@@ -220,6 +248,16 @@ def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype
         times["optimizer_extra"] = elapsed(t4, clock())
     v.optimizer.zero_grad(set_to_none=True)
     return times
+
+
+def check_finite(variants) -> None:
+    """After the timed rounds: every variant's losses were finite (one host read per variant)."""
+    for v in variants:
+        if v.guard is not None:
+            try:
+                v.guard.check(None)
+            except Exception as e:
+                raise RuntimeError(f"{v.name}: {e}") from None
 
 
 def random_batch(batch: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,12 @@ here with ``nonfinite="ignore"`` — no gradient check, like AdamW — except "A
   creates and frees its states), two rounds in alternating order.
 * On CUDA: the device-to-device copy bandwidth, and for every row the bytes it must move per step (read θ,
   g, μ, v and the mask; write θ, μ, v) over its median time, as a fraction of that bandwidth.
+* The candidates of the checked path ``adams.update`` (cast_llm.kernels), each on its own row: "AdamS bool,
+  compiled" / "packed, compiled" (the update compiled by ``torch.compile``: inductor's C++ here, Triton on a
+  GPU) and, on a CPU, "AdamS bool, blockwise" (the hand-written CPU path); "AdamS bool masks" takes whatever
+  the automatic choice took (printed). The first step of every row — states, first masks, the kernels'
+  checks and compiling — is timed apart and printed below the table (compile time is not in the medians).
+  ``CAST_LLM_COMPILE=0`` leaves the compiled rows out.
 
 ``--json PATH`` writes the targets: ``adams_over_fused`` (LLaMA-7B shapes: AdamS bool masks / AdamW(fused)),
 ``adams_over_fused_smollm2``, ``adams_copy_fraction`` (LLaMA-7B shapes), with ``rows``, the device and the
@@ -40,6 +46,7 @@ from pathlib import Path
 import torch
 from _common import machine
 
+from cast_llm import kernels
 from cast_llm.optim.adams import AdamS
 
 # (hidden, intermediate, k/v width, vocabulary, layers, tied embedding)
@@ -53,7 +60,11 @@ HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 FUSED = "AdamW(fused=True)"
 HEADLINE = "AdamS bool masks"
 MASK_BYTES = {"AdamS bool masks": 1.0, "AdamS packed masks": 0.125, "AdamS bool, checked": 1.0,
-              "AdamS bool, fused=False": 1.0}
+              "AdamS bool, fused=False": 1.0, "AdamS bool, compiled": 1.0, "AdamS packed, compiled": 0.125,
+              "AdamS bool, blockwise": 1.0, "AdamS packed, blockwise": 0.125}
+# rows that run one candidate of the checked path adams.update (cast_llm.kernels) instead of the automatic choice
+FORCED = {"AdamS bool, compiled": ("compiled",), "AdamS packed, compiled": ("compiled",),
+          "AdamS bool, blockwise": ("blockwise",), "AdamS packed, blockwise": ("blockwise",)}
 
 
 def model_shapes(name: str, layers: int | None = None) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -75,12 +86,20 @@ def make_params(shapes, device) -> list[torch.nn.Parameter]:
     return out
 
 
+ONLY: list[str] = []  # --only: the rows to run (empty: all)
+
+
 def make_optimizers(sparse, dense, device, mask_interval: int) -> dict:
     """name -> a function building that optimizer over ``sparse`` (2:4 targets) and ``dense``."""
-    def adams(storage: str, fused: bool | None = None, nonfinite: str = "ignore"):
+    def adams(storage: str, fused: bool | None = None, nonfinite: str = "ignore", paths=None):
         groups = [{"params": sparse, "sparse": True}, {"params": dense}]
-        return lambda: AdamS(groups, **HP, l1_decay=1e-6, total_steps=10**6, mask_interval=mask_interval,
-                             fused=fused, mask_storage=storage, nonfinite=nonfinite)
+
+        def make():
+            opt = AdamS(groups, **HP, l1_decay=1e-6, total_steps=10**6, mask_interval=mask_interval, fused=fused,
+                        mask_storage=storage, nonfinite=nonfinite)
+            opt.bench_paths = paths  # None: the automatic choice
+            return opt
+        return make
 
     makers = {
         "AdamW(foreach=True)": lambda: torch.optim.AdamW(sparse + dense, **HP, foreach=True),
@@ -91,7 +110,63 @@ def make_optimizers(sparse, dense, device, mask_interval: int) -> dict:
     }
     if device.type == "cuda":  # the reference path a CUDA user gets with fused=False (or without Triton)
         makers["AdamS bool, fused=False"] = adams("bool", fused=False)
+    elif kernels.compile_enabled():  # the CPU's two candidates, each on its own (issue 29)
+        makers["AdamS bool, blockwise"] = adams("bool", paths=FORCED["AdamS bool, blockwise"])
+        makers["AdamS packed, blockwise"] = adams("packed", paths=FORCED["AdamS packed, blockwise"])
+    if kernels.compile_enabled():
+        makers["AdamS bool, compiled"] = adams("bool", paths=FORCED["AdamS bool, compiled"])
+        makers["AdamS packed, compiled"] = adams("packed", paths=FORCED["AdamS packed, compiled"])
+    if ONLY:
+        makers = {k: v for k, v in makers.items() if k in ONLY or k == FUSED}
     return makers
+
+
+def step(opt) -> None:
+    """``opt.step()``, inside the restriction of its row (the compiled or the block-wise AdamS update)."""
+    paths = getattr(opt, "bench_paths", None)
+    if paths is None:
+        opt.step()
+        return
+    with kernels.restricted("adams.update", paths):
+        opt.step()
+
+
+def update_path(opt) -> str | None:
+    """Which candidate of adams.update this optimizer's sparse group runs (its row's, or the automatic choice)."""
+    if not isinstance(opt, AdamS):
+        return None
+    paths = getattr(opt, "bench_paths", None)
+    if paths:
+        return paths[0]
+    from cast_llm.optim.functional import update_variant
+
+    p = opt.param_groups[0]["params"][0]
+    variant = update_variant(p, opt.state[p]["exp_avg"], opt.mask_storage == "packed", "proportional", False, 0.0)
+    return kernels.choose("adams.update", p.device, variant)
+
+
+def compile_seconds(device) -> dict[str, float]:
+    """Compiling the update (bool and packed masks), from a cold in-process cache: the time a run pays once.
+    (inductor keeps its generated code on disk too: a machine that compiled it before pays less.)"""
+    from cast_llm.optim import compiled_adams
+    from cast_llm.sparsity.mask import pack_mask
+
+    out = {}
+    for storage in ("bool", "packed"):
+        torch._dynamo.reset()
+        compiled_adams._compiled.cache_clear()
+        p, g = torch.randn(64, 64, device=device), torch.randn(64, 64, device=device)
+        mu, v = torch.zeros_like(p), torch.zeros_like(p)
+        mask = torch.rand(64, 64, device=device) > 0.5
+        mask = pack_mask(mask) if storage == "packed" else mask
+        sync(device)
+        start = time.perf_counter()
+        compiled_adams.compiled_adams_([p], [g], [mu], [v], [mask], [torch.zeros((), device=device)], beta1=0.9,
+                                       beta2=0.999, lr=1e-4, eps=1e-8, l1_decay=1e-6, total_steps=10**6,
+                                       weight_decay=0.0, maximize=False)
+        sync(device)
+        out[storage] = time.perf_counter() - start
+    return out
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
@@ -121,7 +196,7 @@ def sync(device) -> None:
 def timed_step(opt, device) -> float:
     sync(device)
     start = time.perf_counter()
-    opt.step()
+    step(opt)
     sync(device)
     return time.perf_counter() - start
 
@@ -156,8 +231,9 @@ def run_interleaved(label: str, sparse, dense, device, args) -> list[dict]:
     opts = {name: make() for name, make in makers.items()}
     times: dict[str, list[float]] = {name: [] for name in opts}
     mask_times: dict[str, list[float]] = {name: [] for name in opts}
-    for opt in opts.values():  # the first step builds state and the first masks: not timed
-        opt.step()
+    first: dict[str, float] = {}
+    for name, opt in opts.items():  # the first step builds state, the first masks, checks and compiles: apart
+        first[name] = timed_step(opt, device)
         set_interval(opt, 0)
     for r in range(args.warmup + args.steps):
         for name, opt in opts.items():
@@ -175,7 +251,8 @@ def run_interleaved(label: str, sparse, dense, device, args) -> list[dict]:
         total, masks = state_bytes(opt)
         row = {"shapes": label, "optimizer": name, "median_ms": 1e3 * statistics.median(times[name]),
                "steps_timed": len(times[name]), "state_bytes": total, "mask_bytes": masks,
-               "bytes_per_step": bytes_moved(name, sparse, dense)}
+               "bytes_per_step": bytes_moved(name, sparse, dense), "first_step_s": first[name],
+               "update_path": update_path(opt)}
         if mask_times[name]:
             row["mask_update_ms"] = 1e3 * statistics.median(mask_times[name])
         rows.append(row)
@@ -209,7 +286,7 @@ def run_phases(label: str, sparse, dense, device, args) -> list[dict]:
     for r in range(2):
         for name in order if r == 0 else order[::-1]:
             opt = makers[name]()
-            opt.step()  # states and first masks: not timed
+            step(opt)  # states, first masks, checks and compiling: not timed
             set_interval(opt, 0)
             for i in range(args.warmup_7b + args.steps_7b):
                 elapsed = timed_step(opt, device)
@@ -261,6 +338,11 @@ def table(rows: list[dict], copy_bw: float | None) -> list[str]:
                          f"{r['gb_s']:>6.0f} {frac}")
     if copy_bw:
         lines += ["", f"device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)"]
+    firsts = [r for r in rows if r.get("first_step_s") is not None]
+    if firsts:
+        lines += ["", "first step (states, first masks, the kernels' checks, compiling; not in the medians above):"]
+        lines += [f"  {r['shapes']}: {r['optimizer']:<26} {r['first_step_s']:>7.2f} s   update path: "
+                  f"{r.get('update_path') or '-'}" for r in firsts]
     return lines
 
 
@@ -290,12 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", type=Path, default=None, help="write the targets, rows, device and versions here")
+    ap.add_argument("--only", default=None,
+                    help="the rows to run, separated by ';' (row names hold commas), e.g. 'AdamS bool masks;AdamS "
+                         "bool, compiled'; AdamW(fused=True) is always kept (the ratios' base)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.steps, args.warmup, args.mask_steps, args.steps_7b, args.warmup_7b = 2, 1, 1, 2, 1
         args.threads = args.threads or 1  # tiny tensors: a second thread only adds synchronisation
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.only:
+        ONLY[:] = [x.strip() for x in args.only.split(";") if x.strip()]
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -303,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     copy_bw = copy_bandwidth(device, 0.01 if args.tiny else 2.0) if device.type == "cuda" else None
+    compiling = compile_seconds(device) if kernels.compile_enabled() else {}
     small = "tiny" if args.tiny else "smollm2-135m"
     sparse, dense = (make_params(s, device) for s in model_shapes(small))
     rows = run_interleaved(small, sparse, dense, device, args)
@@ -349,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         + ([f"LLaMA-7B shapes with {layers} of 32 layers: fp32 parameters, gradients and states of all 32 do "
             "not fit the device"] if on_gpu and layers and layers < 32 else []),
         "rows": rows,
+        "compile_s": compiling,
         "command": "python benchmarks/optimizer_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "seconds": time.perf_counter() - started,
@@ -360,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{shapes}: {len(sp)} sparse targets ({sum(a * b for a, b in sp) / 1e6:.1f}M weights) + "
                      f"{len(de)} dense params" + (f", {layers} layers" if shapes in ("llama-7b", "tiny-7b") else ""))
     lines += table(rows, copy_bw)
+    if compiling:
+        lines.append("compiling the update (once per process and kind, apart from every time above): "
+                     + ", ".join(f"{k} masks {v:.1f} s" for k, v in compiling.items()))
     lines += ["", "ratios are to AdamW(fused=True) of the same shapes, measured in the same run; amortised = "
               "((T1 - 1) x median + mask-update step) / T1 with T1 = " + str(args.mask_interval)]
     if on_gpu:

@@ -25,6 +25,11 @@ How a configuration is measured, in one process, variants interleaved (the order
     python benchmarks/train_step.py --device cuda --batch 8 --seq 1024       # one: SmolLM2-135M at 8 x 1024
     python benchmarks/train_step.py --device cuda --model llama-1b --batch 4 --seq 2048
 
+The ``_compiled`` variants (``--compiled-rows``, on unless ``CAST_LLM_COMPILE=0``) are CAST with the
+``torch.compile`` candidates of the checked kernel paths — the AdamS update and the KD loss — where the other
+CAST rows run the hand-written ones (Triton on a GPU, the block-wise AdamS on a CPU); every variant's first
+step (checks, compiling) is timed apart.
+
 ``--json PATH`` writes ``cast_nokd_over_plain`` / ``cast_kd_over_plain`` (the SmolLM2-135M row),
 ``cast_nokd_over_plain_1b`` / ``cast_kd_over_plain_1b``, ``rows`` (every variant of every configuration),
 ``device``, ``versions``, ``settings`` and the command. Ratios are of synchronised wall time on a GPU and of the
@@ -49,6 +54,7 @@ from _common import (
     RANDOM_MODELS,
     Clock,
     build_variants,
+    check_finite,
     load,
     machine,
     random_batch,
@@ -58,9 +64,12 @@ from _common import (
 
 VARIANTS = ["plain", "cast_nokd", "cast_kd"]
 CAST = ("cast_nokd", "cast_kd")
+COMPILED = ("cast_nokd_compiled", "cast_kd_compiled")  # the same with the torch.compile candidates, over:
+PLAIN_COMPILED = "plain_compiled"  # plain AdamW(fused) with its CE through the compiled loss
 PHASES = ("forward", "backward", "clip", "optimizer")
 LABELS = {"plain": "plain AdamW(fused)", "cast_nokd": "CAST w/o KD", "cast_kd": "CAST (KD)",
-          "cast_kd_graph": "CAST (KD), graphed teacher"}
+          "cast_kd_graph": "CAST (KD), graphed teacher", "plain_compiled": "plain, compiled CE",
+          "cast_nokd_compiled": "CAST w/o KD, compiled", "cast_kd_compiled": "CAST (KD), compiled"}
 TARGETS = {"cast_nokd": 1.05, "cast_kd": 1.40}
 
 
@@ -108,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graph-teacher-row", action=argparse.BooleanOptionalAction, default=None,
                     help="also time CAST (KD) with the teacher's forward replayed as a CUDA graph (the trainer's "
                          "--teacher-cuda-graph; default: on cuda)")
+    ap.add_argument("--compiled-rows", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time CAST with the torch.compile candidates (AdamS update, KD loss); their compile "
+                         "time is reported apart (default: on, unless CAST_LLM_COMPILE=0)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny random LLaMAs, a few rounds: runs in seconds")
     ap.add_argument("--quick", action="store_true", help="the same as --tiny")
     args = ap.parse_args(argv)
@@ -137,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=dtype_name,
         budget_s=args.budget_s if args.budget_s is not None else (150.0 if cuda else None),
         graph_teacher_row=args.graph_teacher_row if args.graph_teacher_row is not None else cuda,
+        compiled_rows=args.compiled_rows if args.compiled_rows is not None else _compile_enabled(),
     )
     profile_dir = args.profile_dir or (args.json.parent / f"{args.json.stem}-profiles" if args.json else None)
     if args.no_profile:
@@ -154,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(out["report"])
         rows += out["rows"]
         suffix = "" if config.role == "smollm2" else "_1b"
-        for name in CAST:
+        for name in CAST + (COMPILED if settings["compiled_rows"] else ()):
             results[f"{name}_over_plain{suffix}"] = out["ratios"][name]
         if cuda:  # the next configuration starts from an empty allocator (graphs and models of this one freed)
             del out
@@ -176,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 def measure(config: Config, device: torch.device, settings: dict, profile_dir: Path | None,
             budget_s: float | None) -> dict:
     """Every measurement of one configuration; returns ``{"ratios", "rows", "report"}``."""
-    ORDER = VARIANTS + (["cast_kd_graph"] if settings["graph_teacher_row"] else [])  # noqa: N806
+    ORDER = (VARIANTS + (["cast_kd_graph"] if settings["graph_teacher_row"] else [])  # noqa: N806
+             + ([PLAIN_COMPILED, *COMPILED] if settings["compiled_rows"] else []))
     dtype = DTYPES[settings["dtype"]]
     autocast = dtype if dtype != torch.float32 else None
     t1 = settings["mask_interval"]
@@ -208,6 +222,11 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
 
     t0 = time.perf_counter()
     warm = []
+    first_step: dict[str, float] = {}  # the first step of every variant: the kernels' checks, compiling (apart)
+    for name in ORDER:
+        r0 = time.perf_counter()
+        step(name, False)
+        first_step[name] = time.perf_counter() - r0
     for _ in range(max(1, settings["warmup"])):
         r0 = time.perf_counter()
         rounds(1, phases=False)
@@ -228,8 +247,10 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
     normal = {n: statistics.median(t["step"][clock_index] for m, t, u in whole if m == n and not u) for n in ORDER}
     extra = [t["step"][clock_index] - normal[n] for n, t, u in whole if u]
     mask_extra = statistics.fmean(extra) if extra else None
-    step_s = {n: normal[n] + (mask_extra / t1 if n != "plain" and mask_extra is not None else 0.0) for n in ORDER}
-    ratios = {n: step_s[n] / step_s["plain"] for n in CAST}
+    step_s = {n: normal[n] + (mask_extra / t1 if not n.startswith("plain") and mask_extra is not None else 0.0) for n in ORDER}
+    # the hand-written rows over plain; the compiled rows over plain with the compiled CE (the same loss path)
+    ratios = {n: step_s[n] / step_s[PLAIN_COMPILED if n in COMPILED else "plain"] for n in ORDER if n in CAST + COMPILED}
+    check_finite(variants.values())
     phase_s = {n: {p: statistics.median(t[p][clock_index] for m, t, _ in phased if m == n) for p in PHASES}
                for n in ORDER}
 
@@ -244,12 +265,14 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
     for name in ORDER:
         row = dict(config=config.role, model=config.model, params_m=round(n_params / 1e6, 1), batch=config.batch,
                    seq=config.seq, tokens=tokens, dtype=settings["dtype"], variant=name,
-                   step_ms=_ms(step_s[name]), over_plain=round(step_s[name] / step_s["plain"], 4),
+                   step_ms=_ms(step_s[name]),
+                   over_plain=round(step_s[name] / step_s[PLAIN_COMPILED if name in COMPILED else "plain"], 4),
                    median_step_ms=_ms(normal[name]),
                    whole_steps=sum(1 for n, _, u in whole if n == name and not u),
                    tokens_per_s=round(tokens / step_s[name]),
-                   phases_ms={p: _ms(phase_s[name][p]) for p in PHASES})
-        if name != "plain":
+                   phases_ms={p: _ms(phase_s[name][p]) for p in PHASES},
+                   first_step_s=round(first_step[name], 2), kernel_paths=_paths_taken(variants[name]))
+        if not name.startswith("plain"):
             row.update(mask_update_ms=_ms(mask_extra) if mask_extra is not None else None, mask_interval=t1,
                        mask_update_steps=len(extra))
         if name in profiles:
@@ -273,7 +296,7 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
     ]
     for name in ORDER:
         ph = phase_s[name]
-        amort = mask_extra / t1 if name != "plain" and mask_extra is not None else 0.0
+        amort = mask_extra / t1 if not name.startswith("plain") and mask_extra is not None else 0.0
         lines.append(f"{LABELS[name]:<28}{_fmt(ph['forward']):>10}{_fmt(ph['backward']):>10}{_fmt(ph['clip']):>9}"
                      f"{_fmt(ph['optimizer']):>11}{_fmt(amort):>10}{_fmt(step_s[name]):>11}"
                      f"{step_s[name] / step_s['plain']:>8.3f}x{tokens / step_s[name]:>11.0f}")
@@ -291,6 +314,13 @@ def measure(config: Config, device: torch.device, settings: dict, profile_dir: P
             lines.append(f"profile {name}: {p['profile_file']}{busy}")
     lines.append(f"ratios: CAST w/o KD / plain {ratios['cast_nokd']:.3f}x (target <= 1.05x, paper 1.045x); "
                  f"CAST / plain {ratios['cast_kd']:.3f}x (target <= 1.40x, paper 1.44x, theory 1.33x)")
+    if "cast_nokd_compiled" in ratios:
+        lines.append(f"with the compiled candidates (over plain with the compiled CE): CAST w/o KD / plain "
+                     f"{ratios['cast_nokd_compiled']:.3f}x; CAST / plain {ratios['cast_kd_compiled']:.3f}x; over the "
+                     f"hand-written plain: {step_s['cast_nokd_compiled'] / step_s['plain']:.3f}x / "
+                     f"{step_s['cast_kd_compiled'] / step_s['plain']:.3f}x")
+    lines.append("first step of each variant (the kernels' checks and compiling; not in the figures above): "
+                 + ", ".join(f"{LABELS[n]} {first_step[n]:.1f} s" for n in ORDER))
     return {"ratios": {n: round(r, 4) for n, r in ratios.items()}, "rows": rows, "report": "\n".join(lines)}
 
 
@@ -329,6 +359,17 @@ def profile_step(run, device: torch.device, out_dir: Path, stem: str) -> dict:
     top = [{"op": e.key, "self_ms": round(self_time(e) / 1e3, 3), "calls": int(e.count)} for e in ops[:10]]
     return {"profile_file": str(path), "profiled_step_ms": round(wall_ms, 3), "device_kernel_ms": kernel_ms,
             "top_ops": top}
+
+
+def _compile_enabled() -> bool:
+    from cast_llm import kernels
+
+    return kernels.compile_enabled()
+
+
+def _paths_taken(variant) -> dict:
+    """The candidates this variant's checked kernel paths may take (its restriction), for the JSON rows."""
+    return {k: list(v) for k, v in variant.paths.items()}
 
 
 def versions() -> dict:

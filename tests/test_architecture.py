@@ -151,10 +151,10 @@ def test_the_cycle_finder_finds_cycles():
 
 # the layers of docs/library.md: a module may import from its own layer and the ones below
 LAYERS = {
-    0: ("errors", "io", "config", "sparsity", "layers", "targets", "triton_support"),  # core
-    1: ("nn", "optim", "distill", "triton_kd", "head_loss", "data", "models", "prune", "quant", "deploy", "export", "eval",
-        "analysis"),
-    2: ("train", "plan", "finetune", "integrations", "scaling", "report"),  # training, and what runs or reads it
+    0: ("errors", "io", "config", "sparsity", "layers", "targets", "triton_support", "kernels"),  # core
+    1: ("nn", "optim", "distill", "triton_kd", "kd_paths", "head_loss", "data", "models", "prune", "quant", "deploy",
+        "export", "eval", "analysis"),
+    2: ("train", "plan", "finetune", "integrations", "scaling", "report", "doctor"),  # training, what runs/reads it
     3: ("cli",),
 }
 
@@ -243,10 +243,11 @@ def test_options_with_choices_list_them_in_help():
 
 def test_cli_copies_of_library_constants_agree():
     """The command modules keep a few lists of names so that ``--help`` imports no torch; they must match."""
-    from cast_llm import quant
+    from cast_llm import kernels, quant
     from cast_llm import scaling as scaling_law
     from cast_llm.cli import eval_zeroshot, prune, quantize
     from cast_llm.cli import scaling_law as scaling_law_cli
+    from cast_llm.config import KERNEL_MODES
     from cast_llm.eval import zeroshot
     from cast_llm.finetune import MODES
     from cast_llm.finetune.config import MODES as MODE_NAMES
@@ -254,6 +255,7 @@ def test_cli_copies_of_library_constants_agree():
     from cast_llm.train.config import METHODS
     from cast_llm.train.methods import REGISTRY
 
+    assert KERNEL_MODES == kernels.MODES
     assert prune.METHODS == PRUNE_METHODS and set(quantize.METHODS) == set(quant.METHODS)
     assert tuple(eval_zeroshot.DEFAULT_TASKS.split(",")) == zeroshot.DEFAULT_TASKS
     assert scaling_law_cli.METRICS == scaling_law.METRICS

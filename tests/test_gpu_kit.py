@@ -465,6 +465,8 @@ def test_every_stage_dry_run_on_cpu(tmp_path):
     assert rc == 0 and not bad, bad
     kitdir = tmp_path / "kit"
     assert _sha(kitdir / items[0].dest) == _sha(gguf) and (kitdir / "site" / "kitprobe" / "__init__.py").is_file()
+    doctor = steps["setup/doctor"]["result"]["report"]  # cast-llm doctor ran first, its report is kept
+    assert {r["path"] for r in doctor["rows"]} >= {"adams.update", "kd.loss", "sparse24.gemm", "teacher.cuda_graph"}
     emb = steps["setup/software"]["result"]["embedded"]  # the project's own resolution finds the stubs' files
     assert emb["model"] == str(kitdir / items[0].dest) and emb["corpus"] == str(kitdir / items[1].dest)
     assert emb["wikitext2"] == str(kitdir / items[2].dest)

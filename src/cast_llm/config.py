@@ -39,6 +39,18 @@ def option(default: Any, help: str, *, choices: tuple | None = None, parse=None,
     return dataclasses.field(default=default, metadata=md)
 
 
+# --kernels: cast_llm.kernels.MODES, kept here so that `cast-llm --help` imports no torch
+KERNEL_MODES = ("auto", "reference")
+KERNELS_HELP = ("auto: every custom kernel (Triton, torch.compile, cuSPARSELt, CUDA graphs) checks itself against "
+                "its reference on first use and falls back to it (cast-llm doctor shows the verdicts); reference: "
+                "torch operations only (the environment variable CAST_LLM_KERNELS does the same)")
+
+
+def kernels_option(section: str | None = None):
+    """The ``--kernels auto|reference`` field every command that runs our kernels has."""
+    return option("auto", KERNELS_HELP, choices=KERNEL_MODES, section=section)
+
+
 def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 

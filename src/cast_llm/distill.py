@@ -24,11 +24,17 @@ allocate anyway) and ~3 fp32 ``chunk_size × V`` work tensors, with no recomputa
 The default ``chunk_size`` of 1024 tokens keeps ~0.6 GiB of work space at V = 49152; the memory and time
 this saves against autograd versions of the same loss are in docs/results/performance.md (§5).
 
-On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, for tests) the same sums and the same gradient
-buffer come from ONE fused Triton kernel (:mod:`cast_llm.triton_kd`): per token row an online log-sum-exp
-over the vocabulary, then the KL terms and the gradient row — two reads of the (bf16) logits, one write of
-the gradient, no float32 copy of any logits, and one host sync per call (the count of valid labels and the
-label check together); ``chunk_size`` plays no role there. Float64 logits always take the torch path.
+The torch path above is the reference of the checked kernel path ``kd.loss`` (:mod:`cast_llm.kernels`); its
+candidates compute the same sums and the same gradient buffer: on CUDA (and on CPU tensors under
+``TRITON_INTERPRET=1``, for tests) ONE fused Triton kernel (:mod:`cast_llm.triton_kd`: per token row an online
+log-sum-exp over the vocabulary, then the KL terms and the gradient row — two reads of the (bf16) logits, one
+write of the gradient, no float32 copy of any logits; ``chunk_size`` plays no role there), and on CPU and CUDA
+the same chunks compiled by ``torch.compile`` (:mod:`cast_llm.kd_paths`). Each is probed against the reference
+on first use; float64 logits always take the reference.
+
+No host synchronisation on any path: the count of valid labels stays on the device (the loss divides by
+it there), invalid labels are caught by ``torch._assert_async`` (a device-side assert on CUDA; a ValueError
+naming examples on CPU), and ignored rows are masked rather than gathered.
 
 Consequences: only the student receives a gradient (the teacher is treated as a constant), ``kd`` and
 ``ce`` in the result are detached diagnostics (only ``loss`` is differentiable), and the graph can be
@@ -37,15 +43,18 @@ backpropagated once (the buffer is handed over, not copied).
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-__all__ = ["KDLoss", "kd_loss", "causal_kd_loss", "shift_labels"]
+from cast_llm import kd_paths, kernels
+from cast_llm.kernels.switch import compiled_runs_on, triton_runs_on
+
+__all__ = ["KDLoss", "kd_loss", "causal_kd_loss", "shift_labels", "kd_path", "check_labels", "KD_LOSS"]
 
 
 class KDLoss(NamedTuple):
@@ -71,17 +80,18 @@ def _chunk_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Summed KL (× T²) and CE over one chunk of rows, and the per-row gradient of ``η·KL·T² + (1−η)·CE``.
 
-    ``s`` / ``t``: (c, V) student / teacher logits of any float dtype; ``y``: (c,) int64 labels, all valid
-    unless ``valid`` (c,) bool marks the rows that count: the others are computed (they may hold anything,
-    NaN included) but left out of both sums and get a zero gradient row. Works in ``dtype`` (float32;
-    float64 for float64 inputs) and reuses buffers in place so that at most ~3 (c, V) such tensors are alive.
+    ``s`` / ``t``: (c, V) student / teacher logits of any float dtype; ``y``: (c,) int64 labels in ``[0, V)``,
+    all valid unless ``valid`` (c,) bool marks the rows that count: the others are computed (they may hold
+    anything, NaN included) but masked out of both sums and get a zero gradient row — masked, not gathered,
+    so no host synchronisation. Works in ``dtype`` (float32; float64 for float64 inputs) and reuses buffers in
+    place so that at most ~3 (c, V) such tensors are alive.
     """
     T = temperature
-    rows = torch.arange(y.numel(), device=y.device)
-    if valid is not None:
-        rows = rows[valid]
-        y = y[valid]
+    col = y.unsqueeze(1)  # (c, 1): the label's column
     kl = s.new_zeros((), dtype=dtype)
+
+    def rows_sum(x: torch.Tensor) -> torch.Tensor:  # Σ over the rows that count
+        return x.sum() if valid is None else torch.where(valid, x, 0.0).sum()
 
     def log_probs(z: torch.Tensor) -> torch.Tensor:
         if T == 1.0:
@@ -95,14 +105,10 @@ def _chunk_terms(
         pt = lt.exp()
         # KL(P_t ‖ P_s) = Σ_v P_t (log P_t − log P_s), reusing lt's storage
         terms = lt.sub_(ls).mul_(pt)
-        kl = (terms.sum() if valid is None else terms.sum(dim=1)[valid].sum()) * (T * T)
+        kl = (terms.sum() if valid is None else rows_sum(terms.sum(dim=1))) * (T * T)
         del lt
-    if T == 1.0:
-        ls1 = ls
-        ce = -ls1[rows, y].sum()
-    else:
-        ls1 = F.log_softmax(s, dim=-1, dtype=dtype)  # CE at temperature 1
-        ce = -ls1[rows, y].sum()
+    ls1 = ls if T == 1.0 else F.log_softmax(s, dim=-1, dtype=dtype)  # CE at temperature 1
+    ce = -rows_sum(ls1.gather(1, col).squeeze(1))
     if not need_grad:
         return kl, ce, None
 
@@ -119,54 +125,38 @@ def _chunk_terms(
     else:  # pure CE
         grad = ls1.exp_()
     if eta < 1:
-        grad[rows, y] -= 1.0 - eta
+        grad.scatter_add_(1, col, torch.full(col.shape, -(1.0 - eta), dtype=grad.dtype, device=grad.device))
     if valid is not None:
-        grad[~valid] = 0.0  # the few ignored rows (e.g. the last token of each sequence)
+        grad.masked_fill_(~valid.unsqueeze(1), 0.0)  # the few ignored rows (e.g. the last token of each sequence)
     return kl, ce, grad
 
 
 class _ChunkedKD(torch.autograd.Function):
-    """Eq. 13 over (N, V) logits, chunked; the gradient is formed in the forward (see module docstring)."""
+    """Eq. 13 over (N, V) logits; the gradient is formed in the forward (see module docstring)."""
 
     @staticmethod
     def forward(ctx, student, teacher, labels, eta, temperature, chunk_size, ignore_index, need_grad):
-        n_rows, vocab = student.shape
+        vocab = student.shape[1]
         valid = labels != ignore_index
+        check_labels(labels, valid, vocab, ignore_index)
         # float32 math (float64 inputs stay float64, for reference tests)
         dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
-        zero = torch.zeros((), dtype=dtype, device=student.device)
+        # the number of rows that count stays on the device: every sum is divided by it there (none: 0 / 1 = 0)
+        n = valid.sum().clamp_min(1).to(torch.float64)
+        inv_n = (1.0 / n).to(dtype)
         ctx.grad = None
         ctx.backward_done = False
-        kernel = _fused_kernel(student, teacher)
-        if kernel is not None:
-            # the count and the label check in ONE host sync: the kernel needs nothing else from the host
-            bad = valid & ((labels < 0) | (labels >= vocab))
-            n, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()
-            idx = None
-        else:
-            idx = valid.nonzero().squeeze(1)  # one host sync per call, also used to validate labels below
-            n = idx.numel()
-            n_bad = int(((labels[idx] < 0) | (labels[idx] >= vocab)).sum()) if n else 0
-        if n_bad:
-            chosen = labels[valid]
-            examples = chosen[(chosen < 0) | (chosen >= vocab)][:5].tolist()
-            raise ValueError(
-                f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got e.g. {examples}"
-            )
-        if n == 0:  # everything ignored: a zero loss with a zero gradient, not 0/0 = NaN
-            loss, kd, ce = zero, zero.clone(), zero.clone()
-            ctx.mark_non_differentiable(kd, ce)
-            return loss, kd, ce
-        if kernel is not None:
-            kd_sum, ce_sum, grad = kernel.fused_kd(student, teacher, labels.long(), n=n, eta=eta,
-                                                   temperature=temperature, ignore_index=ignore_index,
-                                                   need_grad=need_grad)
-        else:
-            kd_sum, ce_sum, grad = _chunked(student, teacher, labels, valid, idx, eta, temperature, chunk_size,
+        path = kd_path(student, teacher, temperature, need_grad)
+        if path == kernels.REFERENCE:
+            kd_sum, ce_sum, grad = _chunked(student, teacher, labels, valid, inv_n, eta, temperature, chunk_size,
                                             need_grad, dtype)
-        kd, ce = kd_sum / n, ce_sum / n
+        else:
+            kd_sum, ce_sum, grad = kernels.implementation("kd.loss", path)(
+                student, teacher, labels, ignore_index=ignore_index, inv_n=inv_n, eta=eta, temperature=temperature,
+                need_grad=need_grad, chunk_size=chunk_size)
+        kd, ce = kd_sum / n.to(kd_sum.dtype), ce_sum / n.to(ce_sum.dtype)
         # a term with weight 0 must not leak a NaN/Inf into the loss
-        loss = zero.clone()
+        loss = torch.zeros((), dtype=dtype, device=student.device)
         if eta > 0:
             loss = loss + eta * kd
         if eta < 1:
@@ -190,63 +180,82 @@ class _ChunkedKD(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-_KERNEL: list = []  # cast_llm.triton_kd, imported on first use (Triton's import takes ~1 s)
+def check_labels(labels: torch.Tensor, valid: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is in ``[0, vocab)`` or ``ignore_index``: checked on the device without waiting for it
+    (``torch._assert_async``: on CUDA a failed check is a device-side assert); on CPU a ValueError with
+    examples."""
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    message = f"labels must be in [0, {vocab}) or ignore_index={ignore_index}"
+    if labels.device.type != "cpu":
+        torch._assert_async(~bad.any(), message)
+        return
+    try:
+        torch._assert_async(~bad.any(), message)
+    except RuntimeError:
+        examples = labels[bad][:5].tolist()
+        raise ValueError(f"{message}; got e.g. {examples}") from None
 
 
-def _fused_kernel(student: torch.Tensor, teacher: torch.Tensor | None):
-    """The Triton kernel module when it takes these logits (CUDA, or CPU under TRITON_INTERPRET=1), else None."""
-    if student.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return None  # the common CPU case decides without importing Triton
-    if not _KERNEL:
-        try:
-            from cast_llm import triton_kd
-        except Exception:  # pragma: no cover - a broken Triton install: the torch path does the same math
-            triton_kd = None
-        _KERNEL.append(triton_kd)
-    kernel = _KERNEL[0]
-    if kernel is None or kernel.unsupported_reason(student, teacher) is not None:
-        return None
-    return kernel
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _chunked(student, teacher, labels, valid, idx, eta, temperature, chunk_size, need_grad, dtype):
-    """The torch path: Σ KL·T², Σ CE and the gradient / n, chunk by chunk (``idx``: the valid rows)."""
-    n_rows, n = student.shape[0], idx.numel()
-    zero = torch.zeros((), dtype=dtype, device=student.device)
-    # Chunks are plain slices (views, no copies) unless many rows are ignored: then only the valid ones
-    # are gathered. A causal LM ignores 1 row of every sequence — computing it costs less than the two
-    # gathered copies of the logits and the scattered copy of the gradient it saves.
-    contiguous = (n_rows - n) * 8 <= n_rows
-    valid_all = None if n == n_rows else valid
-    grad = None
-    if need_grad:
-        grad = torch.empty_like(student) if contiguous else torch.zeros_like(student)
-    kd_sum, ce_sum = zero.clone(), zero.clone()
-    total = n_rows if contiguous else n
-    step = chunk_size or total
-    for start in range(0, total, step):
-        v = None
-        if contiguous:
-            sel = slice(start, start + step)
-            s, y = student[sel], labels[sel]
-            t = teacher[sel] if teacher is not None else None
-            if valid_all is not None:
-                v = valid_all[sel]
-                y = torch.where(v, y, 0)  # ignored labels may be any value; never read
-        else:
-            sel = idx[start : start + step]
-            s, y = student.index_select(0, sel), labels.index_select(0, sel)
-            t = teacher.index_select(0, sel) if teacher is not None else None
+def kd_path(student: torch.Tensor, teacher: torch.Tensor | None, temperature: float, need_grad: bool) -> str:
+    """Which implementation computes Eq. 13 on these (N, V) logits: a candidate of the checked path
+    ``kd.loss`` (``triton``, ``compiled``) or ``REFERENCE`` (the torch path: float64 logits, a device no
+    candidate runs on, or candidates that failed their check)."""
+    if student.dtype not in _KERNEL_DTYPES or (teacher is not None and teacher.dtype not in _KERNEL_DTYPES):
+        return kernels.REFERENCE
+    if student.stride(-1) != 1 or (teacher is not None and teacher.stride(-1) != 1) or student.numel() == 0:
+        return kernels.REFERENCE
+    variant = (student.dtype, "no teacher" if teacher is None else teacher.dtype,
+               "T = 1" if temperature == 1.0 else "T != 1", "gradient" if need_grad else "no gradient")
+    return kernels.choose("kd.loss", student.device, variant)
+
+
+def _chunked(student, teacher, labels, valid, inv_n, eta, temperature, chunk_size, need_grad, dtype):
+    """The torch path: Σ KL·T², Σ CE and the gradient × ``inv_n``, chunk by chunk of rows (plain slices: views,
+    no copies; ignored rows are computed and masked: a causal LM ignores 1 row of every sequence)."""
+    n_rows = student.shape[0]
+    grad = torch.empty_like(student) if need_grad else None
+    kd_sum = torch.zeros((), dtype=dtype, device=student.device)
+    ce_sum = kd_sum.clone()
+    step = chunk_size or max(n_rows, 1)
+    for start in range(0, n_rows, step):
+        sel = slice(start, start + step)
+        s, v = student[sel], valid[sel]
+        t = teacher[sel] if teacher is not None else None
+        y = torch.where(v, labels[sel], 0)  # ignored labels may be any value; never read
         kl_c, ce_c, g = _chunk_terms(s, t, y.long(), eta, temperature, need_grad, dtype, v)
         kd_sum += kl_c
         ce_sum += ce_c
-        if g is not None:
-            if contiguous:  # scale by 1/n and round to the logits' dtype in one pass, into place
-                torch.mul(g, 1.0 / n, out=grad[sel])
-            else:
-                grad.index_copy_(0, sel, g.div_(n).to(grad.dtype))
+        if g is not None:  # scale by 1/n and round to the logits' dtype in one pass, into place
+            torch.mul(g, inv_n, out=grad[sel])
         del s, t, g
     return kd_sum, ce_sum, grad
+
+
+def _triton_kd(*args, **kwargs):
+    from cast_llm import triton_kd  # lazy: Triton's import takes ~1 s
+
+
+    return triton_kd.fused_kd(*args, **kwargs)
+
+
+def _compiled_kd(*args, **kwargs):
+    return kd_paths.compiled_kd(*args, **kwargs)
+
+
+KD_LOSS = kernels.register(kernels.CheckedPath(
+    name="kd.loss",
+    what="KD loss and its gradient, Eq. 13 (distill.py)",
+    reference="the chunked torch path in float64",
+    measure="relative error of the sums, or max |Δ| / max |ref| of the gradient",
+    candidates=(kernels.Candidate("triton", lambda: _triton_kd, triton_runs_on),
+                kernels.Candidate("compiled", lambda: _compiled_kd, compiled_runs_on, compiles=True)),
+    probe=functools.partial(kd_paths.kd_probe, reference=_chunked),
+    timer=functools.partial(kd_paths.kd_timer, reference=_chunked),
+    variants=kd_paths.kd_variants, cuda_only=False,
+))
 
 
 def _check(student_logits, teacher_logits, labels, eta, temperature, chunk_size) -> None:

@@ -6,9 +6,11 @@ bf16 for 32k tokens of LLaMA-3's 128k vocabulary, more than the model's weights 
 Here the model returns the LM head's *input* (hidden states ``N × h``: :func:`head_inputs`), and
 :func:`fused_head_loss` forms the logits of one chunk of tokens for student and teacher, computes Eq. 13 and
 its gradient on them with :func:`cast_llm.distill.kd_loss`, and turns that gradient at once into the
-gradients of the hidden states (``N × h``) and of the head's weight (``V × h``, fp32), which it keeps for
-backward. Memory: one chunk of logits of each kind instead of all of them, plus the head's gradient, which
-the backward of an ordinary head allocates anyway. FLOPs: the same matmuls as the ordinary head.
+gradients of the hidden states (``N × h``) and of the head's weight (``V × h``, summed in fp32 across the
+chunks, in place: no ``V × h`` temporary per chunk), which it keeps for backward. Memory: one chunk of
+logits of each kind instead of all of them, plus the head's gradient, which the backward of an ordinary head
+allocates anyway (measured at a 128k vocabulary: docs/results/fused-head-memory.md). FLOPs: the same matmuls
+as the ordinary head. Nothing is read on the host (no synchronisation per chunk).
 
 The loss is the token-mean of Eq. 13 as :func:`cast_llm.distill.causal_kd_loss` computes it (the chunks
 are weighted by their valid tokens); it equals that function on full logits up to float summation order.
@@ -71,14 +73,20 @@ def head_inputs(*models: nn.Module | None):
 
 
 class _FusedHead(torch.autograd.Function):
-    """Eq. 13 of ``hidden @ weightᵀ`` chunk by chunk; both gradients formed in the forward."""
+    """Eq. 13 of ``hidden @ weightᵀ`` chunk by chunk; both gradients formed in the forward.
+
+    Nothing is read on the host: the count of valid labels and each chunk's share of it stay on the device (a
+    chunk with no valid label is computed and weighs 0). The weight's gradient is summed in float32 (float64
+    for float64 references) without a ``V × h`` temporary: each chunk adds ``gᵀ h`` into the accumulator in
+    place (:func:`_add_outer_`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, t_hidden, t_weight, labels, eta, temperature, chunk, ignore_index, dtype):
         # hidden: (N, h) student's head input; weight: (V, h); t_*: the teacher's (or None); labels: (N,)
-        n = int((labels != ignore_index).sum())
         device = hidden.device
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 for references
+        valid = labels != ignore_index
+        n = valid.sum().clamp_min(1).to(acc)  # on the device: every chunk is weighted by valid_c / n there
         zero = torch.zeros((), dtype=acc, device=device)
         loss, kd, ce = zero.clone(), zero.clone(), zero.clone()
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -89,9 +97,7 @@ class _FusedHead(torch.autograd.Function):
             tw = None if t_weight is None else t_weight.to(dtype if t_weight.dtype == torch.float32 else t_weight.dtype)
             for lo in range(0, hidden.shape[0], chunk):
                 y = labels[lo:lo + chunk]
-                valid = int((y != ignore_index).sum())
-                if valid == 0:
-                    continue
+                share = valid[lo:lo + chunk].sum().to(acc) / n  # this chunk's weight in the token mean
                 h = hidden[lo:lo + chunk].to(dtype)
                 logits = (h @ w.t()).requires_grad_(need)  # (c, V)
                 t_logits = None
@@ -100,21 +106,18 @@ class _FusedHead(torch.autograd.Function):
                 with torch.enable_grad():
                     out: KDLoss = kd_loss(logits, t_logits, y, eta=eta, temperature=temperature, chunk_size=None,
                                           ignore_index=ignore_index)
-                    part = out.loss * (valid / n)
+                    part = out.loss * share.to(out.loss.dtype)
                     if need:
                         part.backward()
                 loss += part.detach().to(acc)
-                kd += out.kd.to(acc) * (valid / n)
-                ce += out.ce.to(acc) * (valid / n)
+                kd += out.kd.to(acc) * share
+                ce += out.ce.to(acc) * share
                 if need:
                     g = logits.grad  # (c, V), the logits' dtype
                     if grad_h is not None:
                         grad_h[lo:lo + chunk] = g @ w
                     if grad_w is not None:
-                        if g.dtype == acc:
-                            grad_w.addmm_(g.t(), h)
-                        else:  # bf16 logits: the product in bf16 (as the ordinary head's backward), summed in fp32
-                            grad_w += (g.t() @ h).to(acc)
+                        _add_outer_(grad_w, g, h)
                 del logits, t_logits
         ctx.grads = (grad_h, grad_w if grad_w is None else grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(kd, ce)
@@ -129,6 +132,26 @@ class _FusedHead(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
         return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+_OUT_DTYPE_ADDMM = [True]  # torch.addmm(..., out_dtype=float32): CUDA only (torch 2.9+); tried once
+
+
+def _add_outer_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc (V, h) += gᵀ h`` summed in ``acc``'s dtype, in place, without a ``(V, h)`` temporary: on CUDA the
+    low-precision product accumulates in float32 inside the GEMM (``addmm(..., out_dtype=float32)``);
+    elsewhere the chunk's ``g`` (c × V) and ``h`` (c × h) are widened first — chunk-sized, as the loss's own
+    work space — and the product is float32 throughout."""
+    if g.dtype == acc.dtype and h.dtype == acc.dtype:
+        acc.addmm_(g.t(), h)
+        return
+    if acc.is_cuda and _OUT_DTYPE_ADDMM[0]:
+        try:
+            torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # this torch or GPU has no such GEMM: widen the chunk instead
+            _OUT_DTYPE_ADDMM[0] = False
+    acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
 
 
 def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, t_hidden: torch.Tensor | None,

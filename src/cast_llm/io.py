@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = ["FILE_MODE", "cache_dir", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes",
-           "atomic_write_text", "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into", "append_jsonl",
-           "read_jsonl", "truncate_jsonl", "read_json"]
+           "atomic_write_text", "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into",
+           "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json"]
 
 FILE_MODE = 0o644  # what a user expects of a model or log file (mkstemp would give 0600)
 

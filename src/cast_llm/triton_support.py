@@ -9,10 +9,16 @@ Every caller keeps a torch path for the other cases, and asks :func:`kernel_devi
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 
-__all__ = ["triton", "tl", "interpreting", "kernel_device_reason"]
+__all__ = ["triton", "tl", "interpreting", "kernel_device_reason", "FP_FUSION", "LRU", "to_device"]
+
+# Every launch passes this explicitly: Triton's default for contracting a*b+c into one FMA is due to change,
+# and every check and measurement of these kernels was made with contraction on (as nvcc's default, which
+# torch's own CUDA kernels are built with).
+FP_FUSION = True
 
 IMPORT_ERROR: str | None = None
 try:
@@ -35,3 +41,30 @@ def kernel_device_reason(device: torch.device) -> str | None:
     if device.type == "cuda" or (device.type == "cpu" and interpreting()):
         return None
     return f"tensors on {device} (the kernels run on CUDA, or on CPU only under TRITON_INTERPRET=1)"
+
+
+class LRU(OrderedDict):
+    """A small least-recently-used cache of device tables (a few live keys per caller)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        hit = self.get(key)
+        if hit is None:
+            hit = self[key] = make()
+            if len(self) > self.size:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return hit
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a synchronisation: through pinned memory, asynchronously
+    (the caching host allocator keeps the pinned buffer alive until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("software", help="imports, versions, CUDA (JSON)")
     p.add_argument("--device", default="cuda")
     p.set_defaults(func=tools.cmd_software)
+    p = sub.add_parser("doctor", help="cast-llm doctor: every custom kernel's verdict here (JSON)")
+    p.set_defaults(func=tools.cmd_doctor)
     p = sub.add_parser("convert", help="convert the embedded GGUF into the cache")
     p.set_defaults(func=tools.cmd_convert)
     p = sub.add_parser("check-export", help="exact 2:4 export check of a run folder")

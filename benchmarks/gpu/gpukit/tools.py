@@ -1,5 +1,6 @@
 """The kit's own subcommands that stages run as steps, each ending with one JSON line (``KIT-JSON: …``):
-``software`` (imports, versions, CUDA, what the project finds), ``convert`` (the embedded GGUF into the cache),
+``software`` (imports, versions, CUDA, what the project finds), ``doctor`` (``cast-llm doctor``: every custom
+kernel's verdict on this GPU, timed against its reference), ``convert`` (the embedded GGUF into the cache),
 ``check-export`` (a run's exact 2:4 export) and ``linear-check`` (2:4 ``F.linear`` against dense per shape)."""
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def cmd_software(args) -> int:
     if args.device != "cpu" and not cuda["available"]:
         res["error"] = "no CUDA device visible"
     emit_json(res)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    """``cast-llm doctor``, first thing on the machine: the table into the log, the whole report as JSON."""
+    from cast_llm.doctor import doctor, format_doctor
+
+    report = doctor()
+    print(format_doctor(report), flush=True)
+    failed = [f"{r['path']} [{r['candidate']}] on {r['device']} ({r['variant']}): {r.get('error')}"
+              for r in report["rows"] if r["verdict"] == "fail"]
+    emit_json({"ok": True, "failed": failed, "report": report})
     return 0
 
 

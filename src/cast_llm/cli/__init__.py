@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "cast_llm.cli.finetune",
     "cast_llm.cli.report",
     "cast_llm.cli.scaling_law",
+    "cast_llm.cli.doctor",
 ]
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import option
+from cast_llm.config import kernels_option, option
 from cast_llm.errors import CastError
 
 # LLaMA-2 shapes (hidden, intermediate, layers, heads) for random-weight speed runs
@@ -41,6 +41,7 @@ class BenchInferenceConfig:
                           "cusparselt, cutlass (Ampere only)", choices=("auto", "cusparselt", "cutlass"), section=MODEL)
     dispatch_cache: str | None = option(None, "JSON file of measured dense/2:4 choices to reuse and extend "
                                         "(created if missing; a file it did not write is refused)", section=MODEL)
+    kernels: str = kernels_option(section=MODEL)
     warmup: int = option(1, "untimed runs before measuring", section=TIMING)
     repeats: int = option(3, "timed generation runs; the median is reported", section=TIMING)
     linear_repeats: int = option(20, "timed runs of each per-linear F.linear measurement (median)", section=TIMING)
@@ -82,7 +83,10 @@ def random_model(spec: str, dtype, device, seed: int = 0):
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_options(BenchInferenceConfig, args)
+    from cast_llm import kernels
     from cast_llm.deploy.bench import BenchConfig, format_report, run_bench
+
+    kernels.apply_flag(cfg.kernels)
     from cast_llm.deploy.checkpoint import parse_dtype
     from cast_llm.models import load_model, resolve_device
 
@@ -96,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
                         warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
                         linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache)
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
-    print(json.dumps(report.to_dict()) if cfg.json else format_report(report))
+    doc = {**report.to_dict(), "kernels": kernels.taken()}  # which 2:4 kernels passed their checks here
+    print(json.dumps(doc) if cfg.json else format_report(report))
     if cfg.json_out:
         from cast_llm.io import atomic_write_text
 
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(cfg.json_out, json.dumps(report.to_dict(), indent=2))
+        atomic_write_text(cfg.json_out, json.dumps(doc, indent=2))
     return 0

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from cast_llm.config import KERNEL_MODES, KERNELS_HELP
+
 DEFAULT_SEQ_LEN = 2048  # the paper's evaluation window; shorter where the model's positions end earlier
 
 
@@ -37,9 +39,12 @@ def _text_source(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from cast_llm import kernels
     from cast_llm.errors import CastError
     from cast_llm.eval.ppl import perplexity, tokenize_text
     from cast_llm.models import check_seq_len, load_model, load_tokenizer
+
+    kernels.apply_flag(args.kernels)
 
     if args.batch_size < 1:
         raise CastError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -101,6 +106,7 @@ def register(eval_sub) -> None:
                    help="score only the first this many windows (default: every full window of the text)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto = cuda if a GPU is available, else cpu (default: auto)")
+    p.add_argument("--kernels", default="auto", choices=list(KERNEL_MODES), help=f"{KERNELS_HELP} (default: auto)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object as the last line of stdout (the text and window lines go to "
                    "stderr)")

@@ -22,14 +22,18 @@ block's worth. A member the block's forward did not call gets no gradient (None)
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch import nn
 
-from cast_llm.nn.scaled_weight import matmul_dtype
+from cast_llm import kernels
+from cast_llm.kernels.switch import triton_runs_on
+from cast_llm.nn import scaled_weight_probes
+from cast_llm.nn.scaled_weight import matmul_dtype, torch_scaled_weight, torch_scaled_weight_grads
 
-__all__ = ["group_by_block_", "ungroup_"]
+__all__ = ["group_by_block_", "ungroup_", "SCALED_WEIGHT_BLOCK"]
 
 MEMBERS = "_cast_scaled_members"  # attribute of a block: its ScaledLinear layers (a plain list)
 
@@ -117,9 +121,19 @@ def _scaled_weights(members: list) -> tuple | None:
     kernel = _kernel()
     if kernel is None or kernel.grouped_unsupported_reason(weights, scales, first.n_groups) is not None:
         return None
-
-    meta = (first.n_groups, first.transposed, matmul_dtype(w0))
-    return _GroupedScaledWeights.apply(meta, *weights, *scales)
+    out_dtype = matmul_dtype(w0)
+    need_w, need_a = any(w.requires_grad for w in weights), any(a.requires_grad for a in scales)
+    variant = (w0.dtype, out_dtype, "transposed" if first.transposed else "rows",
+               "+".join(x for x, need in (("dW", need_w), ("dA", need_a)) if need))
+    path = kernels.choose("scaled_weight.block", device, variant)
+    if path == kernels.REFERENCE:
+        return None
+    meta = (first.n_groups, first.transposed, out_dtype, path, variant)
+    try:
+        return _GroupedScaledWeights.apply(meta, *weights, *scales)
+    except Exception as e:  # noqa: BLE001 - a launch that fails (nothing was written): the per-layer path
+        kernels.record("scaled_weight.block", device, variant, path, e)
+        return None
 
 
 class _GroupedScaledWeights(torch.autograd.Function):
@@ -127,17 +141,17 @@ class _GroupedScaledWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, *tensors):
-        n_groups, transposed, out_dtype = meta
+        n_groups, transposed, out_dtype, path, _ = meta
         k = len(tensors) // 2
         ctx.save_for_backward(*tensors)
         ctx.meta = meta
         ctx.set_materialize_grads(False)  # a member the forward never called: no gradient, not zeros
-        return tuple(_kernel().grouped_scaled_weights(list(tensors[:k]), list(tensors[k:]), n_groups, transposed,
-                                                      out_dtype))
+        impl = kernels.implementation("scaled_weight.block", path)
+        return tuple(impl.forward(list(tensors[:k]), list(tensors[k:]), n_groups, transposed, out_dtype))
 
     @staticmethod
     def backward(ctx, *grads):
-        n_groups, transposed, _ = ctx.meta
+        n_groups, transposed, _, path, variant = ctx.meta
         tensors = ctx.saved_tensors
         k = len(tensors) // 2
         need = ctx.needs_input_grad[1:]
@@ -146,10 +160,42 @@ class _GroupedScaledWeights(torch.autograd.Function):
         if live:
             need_w = any(need[i] for i in live)
             need_a = any(need[k + i] for i in live)
-            gws, gas = _kernel().grouped_scaled_weight_grads(
-                [grads[i] for i in live], [tensors[i] for i in live], [tensors[k + i] for i in live], n_groups,
-                transposed, need_w, need_a)
+            args = ([grads[i] for i in live], [tensors[i] for i in live], [tensors[k + i] for i in live])
+            try:
+                gws, gas = kernels.implementation("scaled_weight.block", path).backward(
+                    *args, n_groups, transposed, need_w, need_a)
+            except Exception as e:  # noqa: BLE001 - the torch ops, member by member, for this and later blocks
+                kernels.record("scaled_weight.block", tensors[0].device, variant, path, e)
+                pairs = [torch_scaled_weight_grads(g, w, a, n_groups, transposed, need_w, need_a)
+                         for g, w, a in zip(*args)]
+                gws, gas = [p[0] for p in pairs], [p[1] for p in pairs]
             for j, i in enumerate(live):
                 out[i] = gws[j] if need[i] else None
                 out[k + i] = gas[j] if need[k + i] else None
         return (None, *out)
+
+
+class _TritonBlock:
+    """The grouped Triton kernels as the block path's implementation (looked up at every call: tests wrap them)."""
+
+    @staticmethod
+    def forward(*args):
+        return _kernel().grouped_scaled_weights(*args)
+
+    @staticmethod
+    def backward(*args):
+        return _kernel().grouped_scaled_weight_grads(*args)
+
+
+SCALED_WEIGHT_BLOCK = kernels.register(kernels.CheckedPath(
+    name="scaled_weight.block",
+    what="ScaledLinear layers of a decoder block, forward and backward in one launch each (nn/scaled_group.py)",
+    reference="the per-layer torch ops (∂L/∂A against float64)",
+    measure="max |Δ| / max |ref| of W_scale, ∂L/∂W or ∂L/∂A",
+    candidates=(kernels.Candidate("triton", lambda: _TritonBlock, triton_runs_on),),
+    probe=functools.partial(scaled_weight_probes.block_probe, forward_reference=torch_scaled_weight,
+                            reference=torch_scaled_weight_grads),
+    timer=functools.partial(scaled_weight_probes.block_timer, forward_reference=torch_scaled_weight,
+                            reference=torch_scaled_weight_grads),
+    variants=scaled_weight_probes.block_variants,
+))

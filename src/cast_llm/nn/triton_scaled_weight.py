@@ -26,7 +26,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from cast_llm.triton_support import kernel_device_reason, tl, triton
+from cast_llm.triton_support import FP_FUSION, LRU, kernel_device_reason, tl, to_device, triton
 
 __all__ = ["scaled_weight_grads", "unsupported_reason", "grouped_scaled_weights", "grouped_scaled_weight_grads",
            "grouped_unsupported_reason"]
@@ -114,6 +114,7 @@ def scaled_weight_grads(grad: Tensor, weight: Tensor, scale: Tensor, n_groups: i
             *_rc(grad, transposed), *_rc(weight, transposed), *_rc(gw, transposed), scale.stride(0), scale.stride(1),
             ga.stride(0), ga.stride(1),
             NEED_W=need_w, NEED_A=need_a, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=_NUM_WARPS,
+            enable_fp_fusion=FP_FUSION,
         )  # fmt: skip
     return grad_w, grad_a
 
@@ -211,23 +212,25 @@ if triton is not None:
                 tl.store(ga_ptr + rows * n_groups + b, tl.sum(acc, axis=1), mask=rmask)
 
 
-_GROUP_TABLES: dict[tuple, tuple[Tensor, int]] = {}
+# a few entries per decoder block and direction: 256 hold a 60-block model's both ways, the least recently used
+# are dropped one by one (not the whole cache at once)
+_GROUP_TABLES = LRU(256)
 
 
 def _group_table(fields: list[list[int]], sizes: list[tuple[int, int]], device: torch.device) -> tuple[Tensor, int]:
     """The int64 (fields + 2, M) table on ``device`` (addresses, then R and K divided by the unit) and the unit.
     Cached by content: weights and scales never move, and the caching allocator mostly hands gradients and
-    outputs the same addresses step after step, so most calls upload nothing."""
+    outputs the same addresses step after step, so most calls upload nothing; a new table is copied from pinned
+    memory, asynchronously (no wait for the device)."""
     key = (device, tuple(map(tuple, fields)), tuple(sizes))
-    hit = _GROUP_TABLES.get(key)
-    if hit is None:
-        if len(_GROUP_TABLES) >= 256:  # a few entries per decoder block and direction; stale ones are dropped
-            _GROUP_TABLES.clear()
+
+    def make() -> tuple[Tensor, int]:
         aligned = all(a % 16 == 0 for f in fields for a in f) and all(r % 16 == 0 and k % 16 == 0 for r, k in sizes)
         unit = 16 if aligned else 1
         rows = [*fields, [r // unit for r, _ in sizes], [k // unit for _, k in sizes]]
-        hit = _GROUP_TABLES[key] = (torch.tensor(rows, dtype=torch.int64).to(device), unit)
-    return hit
+        return to_device(rows, torch.int64, device), unit
+
+    return _GROUP_TABLES.get_or(key, make)
 
 
 def grouped_unsupported_reason(weights: list[Tensor], scales: list[Tensor], n_groups: int) -> str | None:
@@ -267,7 +270,7 @@ def grouped_scaled_weights(weights: list[Tensor], scales: list[Tensor], n_groups
     with _on(weights[0].device):
         _grouped_fwd_kernel[grid](table, len(weights), n_groups, weights[0], scales[0], outs[0],
                                   TRANSPOSED=transposed, UNIT=unit, BLOCK_R=block_r, BLOCK_K=block_k,
-                                  num_warps=_NUM_WARPS)
+                                  num_warps=_NUM_WARPS, enable_fp_fusion=FP_FUSION)
     return outs
 
 
@@ -292,5 +295,5 @@ def grouped_scaled_weight_grads(grads: list[Tensor], weights: list[Tensor], scal
     with _on(weights[0].device):
         _grouped_bwd_kernel[grid](table, len(weights), n_groups, grads[0], weights[0], scales[0], gw_list[0],
                                   ga_list[0], NEED_W=need_w, NEED_A=need_a, TRANSPOSED=transposed, UNIT=unit,
-                                  BLOCK_R=block_r, BLOCK_K=block_k, num_warps=_NUM_WARPS)
+                                  BLOCK_R=block_r, BLOCK_K=block_k, num_warps=_NUM_WARPS, enable_fp_fusion=FP_FUSION)
     return (gws or [None] * len(weights)), (gas or [None] * len(weights))

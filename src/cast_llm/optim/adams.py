@@ -25,8 +25,17 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
+from cast_llm import kernels
 from cast_llm.errors import NonFiniteError
-from cast_llm.optim.functional import DECAY_MODES, adams, dense_adam, fused_dense_takes, kernel_device
+from cast_llm.optim.functional import (
+    DECAY_MODES,
+    DEVICE_STEP_PATHS,
+    adams,
+    dense_adam,
+    fused_dense_takes,
+    run_update,
+    update_path,
+)
 from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
 
 try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
@@ -256,14 +265,8 @@ class AdamS(Optimizer):
         """Recompute every sparse parameter's mask now from its current weights (Eq. 6), exactly as a
         ``t % mask_interval == 0`` step does — through the fused mask kernel where that step would use it."""
         for group in self.param_groups:
-            if not group["sparse"]:
-                continue
-            locals_ = [_local(p) for p in group["params"]]
-            reason = self._kernel_reason(group) if any(kernel_device(x) for x in locals_) else "no CUDA tensor"
-            # the parameter stands in for its gradient and states: the kernel takes what it takes of them
-            due = [(p, x, kernel_device(x) and reason is None and _kernel_unsupported(x, x, x, x) is None)
-                   for p, x in zip(group["params"], locals_)]
-            self._refresh_masks(due, group)
+            if group["sparse"]:
+                self._refresh_masks([(p, _local(p)) for p in group["params"]], group)
 
     @torch.no_grad()
     def prune_(self) -> None:
@@ -340,7 +343,16 @@ class AdamS(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamS step (Eq. 8) on every parameter that has a gradient."""
+        """One AdamS step (Eq. 8) on every parameter that has a gradient.
+
+        ``self.found_inf`` (a float32 scalar tensor on the parameters' device, None by default), set by a
+        training loop that checks finiteness later — as torch's ``GradScaler`` sets it on fused optimizers:
+        then the gradient check runs on the device and ORs its finding into ``found_inf`` in place, and a
+        non-zero ``found_inf`` skips the whole step on the device (weights, moments and step counts
+        untouched; no host read on the fast paths). The host copies of t that schedule the mask refreshes
+        still advance: the caller stops the run (cast-llm's loop does, at its next check) rather than going
+        on from a skipped step. A gradient whose L2 norm overflows float32 counts as non-finite there.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -350,17 +362,26 @@ class AdamS(Optimizer):
             return loss
         if any(g.is_sparse for g in grads):
             raise RuntimeError("AdamS does not support sparse (torch.sparse) gradients")
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            if self.nonfinite != "ignore":
+                _flag_nonfinite_(grads, found_inf)
+                if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+                    import torch.distributed as dist
+
+                    if dist.is_available() and dist.is_initialized():  # every rank skips alike (on the device)
+                        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         # before anything is touched: weights never see NaN/Inf (unless the caller asked for no check)
-        if self.nonfinite != "ignore" and not self._grads_finite(grads):
+        elif self.nonfinite != "ignore" and not self._grads_finite(grads):
             if self.nonfinite == "raise":
                 raise NonFiniteError(self._nonfinite_message())
             self.skipped_steps += 1
             return loss
         for group in self.param_groups:
             if group["sparse"]:
-                self._sparse_step(group)
+                self._sparse_step(group, found_inf)
             else:
-                self._dense_step(group)
+                self._dense_step(group, found_inf)
         return loss
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
@@ -388,14 +409,6 @@ class AdamS(Optimizer):
             step = state["step"] = torch.full((), float(t), dtype=torch.float32, device=device)
         return step
 
-    def _kernel_reason(self, group: dict[str, Any]) -> str | None:
-        """Why no parameter of this group can use the Triton kernels (None: each may, if it qualifies)."""
-        if group.get("fused") is False or group["foreach"] is False:
-            return "fused=False or foreach=False"
-        from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
-
-        return triton_adams.unavailable_reason()
-
     def _refuse(self, group: dict[str, Any], index: int, local: Tensor, reason: str) -> None:
         """fused=True and a parameter the kernels cannot take: say which and why."""
         gi = next(k for k, g in enumerate(self.param_groups) if g is group)
@@ -403,7 +416,7 @@ class AdamS(Optimizer):
                            f"cannot use the fused Triton kernel: {reason}. Pass fused=None to fall back to the "
                            "reference path.")
 
-    def _dense_step(self, group: dict[str, Any]) -> None:
+    def _dense_step(self, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps, stepped = [], [], [], [], [], []
         fused_ok = group["foreach"] is not False and group.get("fused") is not False
         for p in group["params"]:
@@ -427,18 +440,24 @@ class AdamS(Optimizer):
         dense_adam(
             params, grads, exp_avgs, exp_avg_sqs, steps, foreach=group["foreach"], fused=group.get("fused"),
             beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
+            maximize=group["maximize"], found_inf=found_inf,
         )  # fmt: skip
         self._advance(stepped)
 
-    def _sparse_step(self, group: dict[str, Any]) -> None:
-        # two lists of tensor sets: the Triton kernels' (checked here, once) and the other paths' (adams()).
-        # This loop runs for every parameter at every step: it is kept to a few attribute reads per tensor.
-        kernel = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, steps, parameters
-        other = ([], [], [], [], [], [])
-        due: list[tuple[Tensor, Tensor, bool]] = []  # (parameter, local tensor, by the kernel): Eq. 6 now
+    def _sparse_step(self, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
+        # the tensor sets grouped by the implementation that updates them (functional.update_path: a checked
+        # candidate of "adams.update", or the reference). This loop runs for every parameter at every step:
+        # it is kept to a few attribute reads per tensor, and the choice is looked up once per kind of tensor.
+        by_path: dict[str, tuple[list, ...]] = {}
+        due: list[tuple[Tensor, Tensor]] = []  # (parameter, local tensor): Eq. 6 now
         interval = group["mask_interval"] or 0
-        asked, group_reason = False, None  # asked at the first CUDA parameter: only then is Triton imported
+        hp = dict(beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], eps=group["eps"],
+                  l1_decay=group["l1_decay"], total_steps=group["total_steps"], weight_decay=group["weight_decay"],
+                  maximize=group["maximize"],
+                  # a state dict saved before decay modes existed has none: it was proportional
+                  decay_mode=group.get("decay_mode", "proportional"))
+        packed = self.mask_storage == "packed"
+        paths: dict[tuple, str] = {}
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -446,55 +465,51 @@ class AdamS(Optimizer):
             if "step" not in state:
                 state = self._init_state(p)
             local, grad, mu, v = _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            takes = False
-            if kernel_device(local):
-                if not asked:
-                    asked, group_reason = True, self._kernel_reason(group)
-                reason = group_reason or _kernel_unsupported(local, grad, mu, v)
-                if reason is not None and group.get("fused"):
-                    self._refuse(group, i, local, reason)
-                takes = reason is None
-            step = self._place_step(p, state, local.device if takes else _CPU)
+            kind = (local.device, local.dtype, mu.dtype, local.is_contiguous(), grad.dtype, grad.is_contiguous())
+            path = paths.get(kind)
+            if path is None:
+                path, refusal = update_path(local, grad, mu, v, None, None, foreach=group["foreach"],
+                                            fused=group.get("fused"), packed=packed, **hp)
+                if refusal is not None:
+                    self._refuse(group, i, local, refusal)
+                paths[kind] = path
+            step = self._place_step(p, state, local.device if path in DEVICE_STEP_PATHS else _CPU)
             t = self._steps_done(p, state) + 1  # the step about to be taken
             if "mask" not in state or (interval and t % interval == 0):
-                due.append((p, local, takes))
-            lists = kernel if takes else other
+                due.append((p, local))
+            lists = by_path.setdefault(path, ([], [], [], [], [], []))
             for lst, x in zip(lists, (local, grad, mu, v, step, p)):
                 lst.append(x)
-        if not kernel[0] and not other[0]:
+        if not by_path:
             return
         self._refresh_masks(due, group)
-        beta1, beta2 = group["betas"]
-        hp = dict(beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], l1_decay=group["l1_decay"],
-                  total_steps=group["total_steps"], weight_decay=group["weight_decay"], maximize=group["maximize"],
-                  # a state dict saved before decay modes existed has none: it was proportional
-                  decay_mode=group.get("decay_mode", "proportional"))
         state = self.state
-        if kernel[0]:
-            from cast_llm.optim import triton_adams
-
-            *tensors, steps, stepped = kernel
-            triton_adams.fused_adams_(*tensors, [state[p]["mask"] for p in stepped], steps, **hp)
-            self._advance(stepped)
-        if other[0]:
-            *tensors, steps, stepped = other
-            adams(*tensors, [state[p]["mask"] for p in stepped], steps, foreach=group["foreach"],
-                  fused=group.get("fused"), **hp)
+        for path, (*tensors, steps, stepped) in by_path.items():
+            run_update(path, *tensors, [state[p]["mask"] for p in stepped], steps, found_inf=found_inf, **hp)
             self._advance(stepped)
 
-    def _refresh_masks(self, due: list[tuple[Tensor, Tensor, bool]], group: dict[str, Any]) -> None:
+    def _refresh_masks(self, due: list[tuple[Tensor, Tensor]], group: dict[str, Any]) -> None:
         """Eq. 6 of θ_{t-1} for the parameters in ``due``, stored as NEW mask tensors (an old mask someone
-        kept stays valid): those the kernels update in one launch, the others one by one."""
-        for p, _, takes in due:
-            if not takes:
-                self.state[p]["mask"] = self._encode(self._compute_mask(p, group))
-        fused = [(p, local) for p, local, takes in due if takes]
-        if fused:
-            from cast_llm.optim import triton_adams
-
-            new = triton_adams.fused_nm_masks([local for _, local in fused], transposed=group["transposed"],
-                                              n=group["n"], m=group["m"], packed=self.mask_storage == "packed")
-            for (p, _), mask in zip(fused, new):
+        kept stays valid): through the checked path ``adams.masks`` (the Triton mask kernel, one launch per
+        kind of tensor) where it passed its probe, the reference one by one elsewhere."""
+        packed = self.mask_storage == "packed"
+        by_path: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        for p, local in due:
+            path = kernels.REFERENCE
+            if local.dim() == 2 and local.is_contiguous():  # (no candidate runs on a plain CPU: a dict lookup)
+                variant = (local.dtype, "transposed" if group["transposed"] else "rows",
+                           "packed" if packed else "bool", f"{group['n']}:{group['m']}")
+                path = kernels.choose("adams.masks", local.device, variant)
+            by_path.setdefault(path, []).append((p, local))
+        for path, members in by_path.items():
+            if path == kernels.REFERENCE:
+                for p, _ in members:
+                    self.state[p]["mask"] = self._encode(self._compute_mask(p, group))
+                continue
+            new = kernels.implementation("adams.masks", path)(
+                [local for _, local in members], transposed=group["transposed"], n=group["n"], m=group["m"],
+                packed=packed)
+            for (p, _), mask in zip(members, new):
                 self.state[p]["mask"] = mask
 
     def _advance(self, stepped: list[Tensor]) -> None:
@@ -583,10 +598,18 @@ def _check_sparse_param(p: Tensor, group: dict[str, Any], name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ functional core
-def _kernel_unsupported(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> str | None:
-    from cast_llm.optim.triton_adams import unsupported_reason  # lazy: it imports Triton
-
-    return unsupported_reason(param, grad, exp_avg, exp_avg_sq)
+def _flag_nonfinite_(grads: list[Tensor], found_inf: Tensor) -> None:
+    """``found_inf ← max(found_inf, 1 if any gradient is NaN/Inf)`` on the device, without a host read: one
+    fused L2 norm per (device, dtype), accumulated in fp32 at least (a finite gradient whose norm overflows
+    float32 counts as non-finite here)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), gs in by_kind.items():
+        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        bad = torch.stack(torch._foreach_norm(gs, 2, dtype=acc)).isfinite().all().logical_not()
+        torch.maximum(found_inf, bad.to(device=found_inf.device, dtype=found_inf.dtype, non_blocking=True),
+                      out=found_inf)
 
 
 def _is_dtensor(t: Tensor) -> bool:

@@ -1,15 +1,19 @@
 """The functional core of AdamS (method.md §2, Algorithm 1, Eq. 7-8), like ``torch.optim.adamw.adamw``.
 
-:func:`adams` updates lists of tensors in place through one of three implementations with the same math
-(see :class:`~cast_llm.optim.adams.AdamS` for it written out):
+:func:`adams` updates lists of tensors in place through implementations with the same math (see
+:class:`~cast_llm.optim.adams.AdamS` for it written out), the candidates of the checked kernel path
+``adams.update`` (:mod:`cast_llm.optim.checked_paths`: each is probed against the reference on first use per
+device and variant, and the fastest that passes runs):
 
 * ``_single_tensor_adams``: the reference, Eq. 7-8 one tensor at a time (``foreach=False``, and every
-  CUDA tensor the kernels below do not take);
-* ``_multi_tensor_adams``: the CPU fast path — Eq. 7 and the mask select per cache block into a scratch
-  vector, and the rest of Eq. 8 through torch's fused Adam. CPU only: on an H100 it disagreed with the
-  float64 reference (docs/results/gpu/README.md) while agreeing on CPU, so CUDA never takes it;
-* the multi-tensor Triton kernels of :mod:`cast_llm.optim.triton_adams` on CUDA: one launch per parameter
-  group, one pass over memory, the step count and α_t / bias corrections on the device.
+  tensor set no candidate takes or whose candidates failed their check);
+* ``blockwise`` (``_multi_tensor_adams``): the CPU fast path — Eq. 7 and the mask select per cache block into
+  a scratch vector, and the rest of Eq. 8 through torch's fused Adam. CPU only: on an H100 it disagreed with
+  the float64 reference (docs/results/gpu/README.md) while agreeing on CPU, so CUDA never takes it;
+* ``triton``: the multi-tensor Triton kernels of :mod:`cast_llm.optim.triton_adams` on CUDA: one launch per
+  parameter group, one pass over memory, the step count and α_t / bias corrections on the device;
+* ``compiled``: the same update written with torch operations and compiled by ``torch.compile``
+  (:mod:`cast_llm.optim.compiled_adams`: inductor's C++ on CPU, its Triton on CUDA).
 
 :func:`dense_adam` is the plain Adam(W) of the non-target parameter groups (method.md §2, last paragraph),
 through torch's own kernels so that it equals ``torch.optim.AdamW`` exactly.
@@ -17,6 +21,7 @@ through torch's own kernels so that it equals ``torch.optim.AdamW`` exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -24,9 +29,14 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
-from cast_llm.sparsity.mask import packed_numel, unpack_mask
+from cast_llm import kernels
+from cast_llm.kernels.switch import compiled_runs_on, host_runs_on, triton_runs_on
+from cast_llm.optim import adams_probes
+from cast_llm.optim.adams_probes import fast_path_unsupported
+from cast_llm.sparsity.mask import magnitude_mask, packed_numel, unpack_mask
 
-__all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "DECAY_MODES"]
+__all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "fast_path_unsupported", "update_path",
+           "run_update", "update_variant", "DECAY_MODES", "DEVICE_STEP_PATHS"]
 
 # "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
 DECAY_MODES = ("proportional", "additive")
@@ -54,21 +64,23 @@ def adams(
     weight_decay: float = 0.0,
     maximize: bool = False,
     decay_mode: str = "proportional",
+    found_inf: Tensor | None = None,
 ) -> None:
     """Functional AdamS (Eq. 7-8; see :class:`~cast_llm.optim.adams.AdamS` for the math), in place.
 
     ``masks[i]`` is the kept-mask of ``params[i]``: bool of its shape, or the 1-D uint8 of
     :func:`~cast_llm.sparsity.mask.pack_mask`. ``state_steps`` are float32 scalar tensors holding ``t - 1``;
     they are incremented here. Where they live picks the path for a CUDA tensor: on its device (as torch's
-    fused Adam keeps them), the multi-tensor Triton kernels read and increment them there; on the CPU, the
-    reference path reads them on the host.
+    fused Adam keeps them), a checked fast path (:func:`update_path`: the Triton kernels or the compiled
+    update) reads and increments them there; on the CPU, the reference path reads them on the host.
 
-    ``foreach=False`` runs the single-tensor reference for everything. Otherwise: ``fused=None`` = the
-    Triton kernels for every CUDA tensor they take (Triton importable, float32/bf16/fp16, contiguous, the
-    step on the device) and the reference for the other CUDA tensors; ``fused=True`` = the same, but an
-    error for a CUDA tensor the kernels cannot take; ``fused=False`` = the reference for every CUDA tensor.
-    CPU tensors take the cache-blocked fast path (same results to rounding). Gradients must be finite
-    (the class checks them).
+    ``foreach=False`` runs the single-tensor reference for everything. Otherwise every tensor set takes the
+    candidate of the checked path ``adams.update`` (:mod:`cast_llm.kernels`) that passed its probe on this
+    device — the Triton kernels or the ``torch.compile``'d update on CUDA, the cache-blocked path or the
+    compiled update on CPU — or the reference: ``fused=True`` raises for a tensor set no fused candidate
+    takes, ``fused=False`` allows the CPU's cache-blocked path only (CUDA tensors run the reference).
+    ``found_inf`` (a float32 scalar, as torch's ``GradScaler`` passes it): when non-zero, the whole update is
+    skipped — on the device for the fast paths, no host read. Gradients must be finite (the class checks).
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
     if decay_mode not in DECAY_MODES:
@@ -79,24 +91,23 @@ def adams(
         raise ValueError("adams: foreach=False (the reference path) and fused=True exclude each other")
     hp = dict(beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
               weight_decay=weight_decay, maximize=maximize, decay_mode=decay_mode)
-    if foreach is False:
-        return _single_tensor_adams(*lists, **hp)
-    rest = list(range(len(params)))
-    if fused is not False and any(kernel_device(p) for p in params):
-        rest = _triton_adams(*lists, required=bool(fused), **hp)
-    # Tensors off the CPU that the kernels did not take run the reference path: the block-wise path below
-    # disagreed with the float64 reference on an H100 (docs/results/gpu/README.md) and is kept CPU-only
-    other = [i for i in rest if params[i].device.type != "cpu"]
-    if other:
-        _single_tensor_adams(*([x[i] for i in other] for x in lists), **hp)
-        rest = [i for i in rest if params[i].device.type == "cpu"]
-    if rest:
-        _multi_tensor_adams(*([x[i] for i in rest] for x in lists), **hp)
+    by_path: dict[str, list[int]] = {}
+    for i, p in enumerate(params):
+        path, reason = update_path(p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i], state_steps[i],
+                                   foreach=foreach, fused=fused, **hp)
+        if reason is not None:
+            raise RuntimeError(f"AdamS(fused=True): a parameter of shape {tuple(p.shape)} cannot use the fused "
+                               f"Triton kernel: {reason}. Pass fused=None to fall back to the reference path.")
+        by_path.setdefault(path, []).append(i)
+    for path, idx in by_path.items():
+        run_update(path, *([x[i] for i in idx] for x in lists), found_inf=found_inf, **hp)
 
 
 # Triton's interpreter runs the kernels on CPU tensors (how they are tested without a GPU). Read once, as
 # Triton reads it once when it decorates the kernels.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# candidates that read and increment the step count where the parameter lives (as torch's fused Adam does)
+DEVICE_STEP_PATHS = ("triton", "compiled")
 
 
 def kernel_device(t: Tensor) -> bool:
@@ -104,29 +115,48 @@ def kernel_device(t: Tensor) -> bool:
     return t.is_cuda or (_INTERPRET and t.device.type == "cpu")
 
 
-def _triton_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, required, **hp) -> list[int]:
-    """Run the multi-tensor kernels on every tensor they take; return the indices left to the other paths."""
-    from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
+def update_variant(param: Tensor, exp_avg: Tensor, packed: bool, decay_mode: str, maximize: bool,
+                   weight_decay: float) -> tuple:
+    """What the fused update is compiled for: dtypes, mask storage and the flags it is specialised on."""
+    return (param.dtype, exp_avg.dtype, "packed" if packed else "bool", decay_mode,
+            "maximize" if maximize else "minimize", "decoupled decay" if weight_decay != 0 else "no decay")
 
-    why = triton_adams.unavailable_reason()
-    take, rest = [], []
-    for i, p in enumerate(params):
-        if not kernel_device(p):
-            rest.append(i)
-            continue
-        reason = why or triton_adams.unsupported_reason(p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i],
-                                                        state_steps[i])
-        if reason is None:
-            take.append(i)
-        elif required:
-            raise RuntimeError(f"AdamS(fused=True): a parameter of shape {tuple(p.shape)} cannot use the fused "
-                               f"Triton kernel: {reason}. Pass fused=None to fall back to the reference path.")
-        else:
-            rest.append(i)
-    if take:
-        lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
-        triton_adams.fused_adams_(*([x[i] for i in take] for x in lists), **hp)
-    return rest
+
+def update_path(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, mask: Tensor | None,
+                step: Tensor | None, *, foreach: bool | None, fused: bool | None, decay_mode: str, maximize: bool,
+                weight_decay: float, packed: bool | None = None, **_) -> tuple[str, str | None]:
+    """``(path, refusal)``: which implementation updates this tensor set — a candidate of the checked path
+    ``adams.update`` or ``REFERENCE`` — and, with ``fused=True``, why no fused one can (else None).
+
+    ``mask`` / ``step`` may be None (the optimizer places them after choosing); ``packed`` then says the
+    storage."""
+    if foreach is False:
+        return kernels.REFERENCE, None
+    packed = bool(mask is not None and mask.dtype == torch.uint8) if packed is None else packed
+    reason = fast_path_unsupported(param, grad, exp_avg, exp_avg_sq, mask, step)
+    cpu = param.device.type == "cpu" and not _INTERPRET
+    only = ("blockwise",) if (fused is False or reason is not None) else None
+    if reason is not None and not cpu and fused:
+        return kernels.REFERENCE, reason
+    if only is not None and not cpu:
+        return kernels.REFERENCE, None
+    variant = update_variant(param, exp_avg, packed, decay_mode, maximize, weight_decay)
+    path = kernels.choose("adams.update", param.device, variant, only)
+    if fused and path not in DEVICE_STEP_PATHS and kernel_device(param):
+        return path, f"no fused update passed its check here ({kernels.why_not('adams.update', param.device, variant)})"
+    return path, None
+
+
+def run_update(path: str, params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *,
+               found_inf: Tensor | None = None, **hp) -> None:
+    """One AdamS step of these tensor sets by ``path`` (see :func:`update_path`)."""
+    if path == kernels.REFERENCE:
+        if found_inf is not None and bool(found_inf):  # the reference reads its counts on the host anyway
+            return
+        _single_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, **hp)
+        return
+    kernels.implementation("adams.update", path)(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps,
+                                                 found_inf=found_inf, **hp)
 
 
 def _kept(mask: Tensor, param: Tensor) -> Tensor:
@@ -175,7 +205,8 @@ def _fused_kernel_ok(device: torch.device) -> bool:
 
 
 def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr,
-                        eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
+                        eps, l1_decay, total_steps, weight_decay, maximize, decay_mode="proportional",
+                        found_inf=None) -> None:
     """CPU fast path. Per cache block of ``_CHUNK`` elements: weight decay and μ_t, Eq. 7 and the mask
     select into one scratch vector ``s`` (= μ~), and the rest of Eq. 8 (v from μ~², bias corrections, θ
     update) as ONE pass of torch's fused Adam kernel — every input is read from memory once.
@@ -191,6 +222,8 @@ def _multi_tensor_adams(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps
     if any(p.device.type != "cpu" for p in params):
         raise ValueError("_multi_tensor_adams is the CPU fast path; CUDA tensors take the Triton kernels or "
                          "the single-tensor reference (see adams())")
+    if found_inf is not None and bool(found_inf):  # a CPU flag: reading it waits for nothing
+        return
     fast = [i for i, p in enumerate(params)
             if all(x.is_contiguous() for x in (p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i]))]
     if len(fast) < len(params):  # odd strides: the reference path handles them
@@ -260,7 +293,8 @@ def _step_on(device: torch.device, t: int, st: Tensor, cache: dict[int, Tensor])
 
 # ------------------------------------------------------------------------------------ dense groups
 def dense_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, foreach: bool | None, fused: bool | None,
-               beta1: float, beta2: float, lr: float, eps: float, weight_decay: float, maximize: bool) -> None:
+               beta1: float, beta2: float, lr: float, eps: float, weight_decay: float, maximize: bool,
+               found_inf: Tensor | None = None) -> None:
     """Plain Adam (AdamW when ``weight_decay > 0``) for the non-target groups, with torch's own kernels.
 
     ``foreach=False``: torch's single-tensor loop; ``fused=False``: torch's foreach path (both equal
@@ -269,13 +303,14 @@ def dense_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, foreach: bo
     floating tensor on CPU or CUDA; the rest goes through the foreach path. The kernel reads the step count
     where it lives: on the parameter's device (what AdamS keeps for CUDA tensors, as torch's
     ``AdamW(fused=True)`` does: no synchronisation) or, for a CPU count of a CUDA tensor, from a device copy
-    made per distinct ``t``.
+    made per distinct ``t``. ``found_inf`` (non-zero: skip the step) is read on the device by the fused kernel
+    (as with torch's ``GradScaler``), on the host for the tensors the other paths take.
     """
     rest = list(range(len(params)))
     if foreach is not False and fused is not False:
         rest = _fused_dense(params, grads, exp_avgs, exp_avg_sqs, state_steps, beta1=beta1, beta2=beta2, lr=lr,
-                            eps=eps, weight_decay=weight_decay, maximize=maximize)
-    if not rest:
+                            eps=eps, weight_decay=weight_decay, maximize=maximize, found_inf=found_inf)
+    if not rest or (found_inf is not None and bool(found_inf)):
         return
     P, G, MU, V, ST = ([x[i] for i in rest] for x in (params, grads, exp_avgs, exp_avg_sqs, state_steps))
     _torch_adam(
@@ -295,7 +330,7 @@ def fused_dense_takes(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: 
 
 
 def _fused_dense(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, beta1, beta2, lr, eps, weight_decay,
-                 maximize) -> list[int]:
+                 maximize, found_inf=None) -> list[int]:
     """torch's fused Adam(W) on every tensor it takes; returns the indices it did not take."""
     groups: dict[tuple[torch.device, torch.dtype, int | None], list[int]] = {}
     rest = []
@@ -311,11 +346,68 @@ def _fused_dense(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, beta1, be
     kernel = torch._fused_adamw_ if weight_decay != 0 else torch._fused_adam_
     cache: dict[int, Tensor] = {}
     for (device, _, t), idx in groups.items():
-        steps = [state_steps[i] for i in idx]
+        counts = steps = [state_steps[i] for i in idx]
         torch._foreach_add_(steps, 1)
         if t is not None:
             steps = [_step_on(device, t, st, cache) for st in steps]
+        skip = None if found_inf is None else found_inf.to(device, non_blocking=True)
         kernel([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize)
+               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize, found_inf=skip)
+        if skip is not None and t is None:  # a skipped step takes its count back, as torch's fused Adam does
+            torch._foreach_sub_(counts, [skip] * len(counts))
+        elif skip is not None and bool(found_inf):  # counts on the host: read the flag there (a rare layout)
+            torch._foreach_sub_(counts, 1)
     return rest
+
+
+# ------------------------------------------------------------------------------------------- checked paths
+def _triton_update(*args, **kwargs):
+    from cast_llm.optim import triton_adams  # lazy: Triton; looked up at every call (tests wrap it)
+
+    return triton_adams.fused_adams_(*args, **kwargs)
+
+
+def _compiled_update(*args, **kwargs):
+    from cast_llm.optim import compiled_adams  # lazy: the first call compiles
+
+    return compiled_adams.compiled_adams_(*args, **kwargs)
+
+
+def _triton_masks(*args, **kwargs):
+    from cast_llm.optim import triton_adams
+
+    return triton_adams.fused_nm_masks(*args, **kwargs)
+
+
+def _reference_masks(params, *, transposed, n, m, packed):
+    from cast_llm.sparsity.mask import pack_mask
+
+    return [pack_mask(k) if packed else k for k in (magnitude_mask(p, transposed, n, m) for p in params)]
+
+
+ADAMS_UPDATE = kernels.register(kernels.CheckedPath(
+    name="adams.update",
+    what="AdamS update, Eq. 7-8 (optim/functional.py)",
+    reference="the single-tensor AdamS in float64",
+    measure="max |x - ref| / max |ref| of θ, μ or v",
+    candidates=(
+        kernels.Candidate("triton", lambda: _triton_update, triton_runs_on),
+        kernels.Candidate("compiled", lambda: _compiled_update, compiled_runs_on, compiles=True),
+        kernels.Candidate("blockwise", lambda: _multi_tensor_adams, host_runs_on),
+    ),
+    probe=functools.partial(adams_probes.update_probe, reference=_single_tensor_adams),
+    timer=functools.partial(adams_probes.update_timer, reference=_single_tensor_adams,
+                            host_counts=(_multi_tensor_adams,)),
+    variants=adams_probes.update_variants, cuda_only=False,
+))
+ADAMS_MASKS = kernels.register(kernels.CheckedPath(
+    name="adams.masks",
+    what="AdamS mask refresh, Eq. 6 (optim/adams.py)",
+    reference="magnitude_mask (nm_mask's rule, ties to the lower index)",
+    measure="fraction of mask entries that differ",
+    candidates=(kernels.Candidate("triton", lambda: _triton_masks, triton_runs_on),),
+    probe=functools.partial(adams_probes.mask_probe, reference=_reference_masks),
+    timer=functools.partial(adams_probes.mask_timer, reference=_reference_masks),
+    variants=adams_probes.mask_variants,
+))

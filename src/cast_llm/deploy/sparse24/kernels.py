@@ -13,9 +13,10 @@ padding off again — a view, no copy.
   i.e. ``y (n, out)`` row-major — again no copy. Bias is fused (cuSPARSELt's bias pointer, one value per
   output feature); the output dtype is the input's (``out_dtype`` is for int8/fp8 inputs only). The algorithm
   is searched once per shape and token count (``torch._C._cusparselt.mm_search`` where torch has it, which
-  also returns split-K settings; ``torch._cslt_sparse_mm_search`` before that) and cached. **Every call still
-  builds and destroys a cuSPARSELt plan inside the op** (≈0.5 ms of host time on the H100 of
-  docs/results/gpu): fine inside a CUDA graph, where only the kernel is replayed, ruinous in eager mode.
+  also returns split-K settings; ``torch._cslt_sparse_mm_search`` before that) and cached per token bucket
+  (the dispatch's). **Every call still builds and destroys a cuSPARSELt plan inside the op** (≈0.5 ms of host
+  time on the H100 of docs/results/gpu): fine inside a CUDA graph, where only the kernel is replayed, ruinous
+  in eager mode.
 * ``cusparselt-direct`` — the same packed weight and the same cuSPARSELt library, called through
   :mod:`.cusparselt_direct` with the plan built once per shape (a few µs of host time per call). Probed in a
   child process before first use, because a wrong C binding would crash rather than raise.
@@ -29,6 +30,11 @@ padding off again — a view, no copy.
 
 Shape rules (``shape_error``) follow torch's own tables (``SparseSemiStructuredTensor*._DTYPE_SHAPE_CONSTRAINTS``)
 and are pure functions, tested on CPU.
+
+The three GPU kernels are the candidates of the checked kernel path ``sparse24.gemm`` (:mod:`cast_llm.kernels`):
+before a kernel is offered to a layer (:func:`available_kernels`) it is probed once per device and dtype —
+a 2:4 GEMM at SmolLM2 shapes against ``F.linear`` (max|Δ|/max|y| ≤ 0.02) — and a kernel that fails is never
+offered again on this machine (the verdict is cached); ``CAST_LLM_KERNELS=reference`` offers none (dense).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cast_llm import kernels
 from cast_llm.deploy.sparse24 import cusparselt_direct
+from cast_llm.deploy.sparse24.buckets import token_bucket
 from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.sparsity.mask import nm_mask
 
@@ -47,6 +55,7 @@ __all__ = [
     "available_kernels",
     "padded_rows",
     "sparse_linear",
+    "SPARSE24_GEMM",
 ]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -187,7 +196,8 @@ class CusparseltOpKernel(_CusparseltBase):
 
     def mm(self, x2d, state, bias, out_features):
         packed = state["packed"]
-        key = (packed.dtype, out_features, x2d.shape[1], x2d.shape[0], packed.device.index)
+        # one search per token bucket (the dispatch's): a new prompt length reuses its bucket's algorithm
+        key = (packed.dtype, out_features, x2d.shape[1], token_bucket(x2d.shape[0]), packed.device.index)
         cfg = self._configs.get(key)
         if cfg is None:
             if capturing():
@@ -207,7 +217,8 @@ class CusparseltDirectKernel(_CusparseltBase):
         reason = super().unavailable_reason(device, dtype)
         if reason:
             return reason
-        return cusparselt_direct.unavailable_reason(torch.device(device))
+        # the child-process probe runs as part of this kernel's check (sparse24.gemm): see available_kernels
+        return cusparselt_direct.binding_reason(torch.device(device))
 
     def mm(self, x2d, state, bias, out_features):
         return cusparselt_direct.mm(state["packed"], x2d, out_features)
@@ -309,17 +320,60 @@ GPU_KERNELS = ("cusparselt-direct", "cusparselt", "cutlass")
 
 
 def available_kernels(device, dtype, names=GPU_KERNELS) -> tuple[list[str], dict[str, str]]:
-    """(kernels of ``names`` that can run on ``device`` in ``dtype``, {kernel: why not} for the others)."""
+    """(kernels of ``names`` that can run on ``device`` in ``dtype`` and passed their check there, {kernel: why
+    not} for the others)."""
     ok, why = [], {}
+    device = torch.device(device)
     for name in names:
         if name not in KERNELS:
             raise ValueError(f"unknown 2:4 kernel {name!r}; known: {', '.join(KERNELS)}")
-        reason = KERNELS[name].unavailable_reason(torch.device(device), dtype)
+        reason = KERNELS[name].unavailable_reason(device, dtype)
+        if reason is None and name in GPU_KERNELS:
+            if kernels.choose(SPARSE24_GEMM.name, device, (dtype,), only=(name,)) == kernels.REFERENCE:
+                reason = kernels.why_not(SPARSE24_GEMM.name, device, (dtype,))
         if reason is None:
             ok.append(name)
         else:
             why[name] = reason
     return ok, why
+
+
+def _gemm_probe(impl: Kernel, device: torch.device, variant: tuple) -> kernels.Check:
+    """``impl`` against ``F.linear`` on random exactly-2:4 weights at SmolLM2 shapes, padded and unpadded rows
+    (the direct binding first passes its crash-safe child-process probe)."""
+    (dtype,) = variant
+    if impl.name == "cusparselt-direct":
+        reason = cusparselt_direct.crash_probe_reason(device)
+        if reason is not None:
+            raise RuntimeError(reason)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for (m, k), n in (((192, 576), 16), ((576, 1536), 5)):
+        w = torch.randn(m, k, generator=gen)
+        w = w.masked_fill_(~nm_mask(w, 2, 4), 0).to(device=device, dtype=dtype)
+        x = torch.randn(n, k, generator=gen).to(device=device, dtype=dtype)
+        ref = F.linear(x, w).float()
+        y = sparse_linear(impl, x, impl.compress(w), None, m).float()
+        worst = max(worst, float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    return kernels.Check(worst, 0.02)
+
+
+def _gemm_runs_on(name: str):
+    def runs_on(device: torch.device) -> str | None:
+        return KERNELS[name].unavailable_reason(device, torch.float16)
+    return runs_on
+
+
+SPARSE24_GEMM = kernels.register(kernels.CheckedPath(
+    name="sparse24.gemm",
+    what="2:4 GEMM of a Sparse24Linear layer (deploy/sparse24/kernels.py)",
+    reference="dense F.linear",
+    measure="max |Δ| / max |y| against F.linear",
+    candidates=tuple(kernels.Candidate(name, lambda name=name: KERNELS[name], _gemm_runs_on(name))
+                     for name in GPU_KERNELS),
+    probe=_gemm_probe,
+    variants=lambda device: [(torch.bfloat16,), (torch.float16,)],
+))
 
 
 def sparse_linear(kernel: Kernel, x: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None,

@@ -22,15 +22,23 @@ padding off, no other copy). Under ``torch.compile`` the layer is one opaque cus
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.deploy.sparse24.dispatch import DENSE, Dispatcher, token_bucket
-from cast_llm.deploy.sparse24.kernels import GPU_KERNELS, KERNELS, available_kernels, sparse_linear
+from cast_llm.deploy.sparse24.kernels import (
+    GPU_KERNELS,
+    KERNELS,
+    available_kernels,
+    padded_rows,
+    sparse_linear,
+)
 from cast_llm.errors import CastError
 from cast_llm.layers import is_linear_like, linear_features
 from cast_llm.sparsity.mask import is_nm
@@ -39,6 +47,7 @@ __all__ = ["Sparse24Linear", "check_sparse24_weight"]
 
 _IDS = itertools.count()
 _LAYERS: dict[int, weakref.ReferenceType] = {}  # for the torch.compile custom op
+_SAID: set[str] = set()  # layers that said they run another kernel inside a capture
 
 
 def check_sparse24_weight(weight: torch.Tensor, name: str = "weight",
@@ -186,6 +195,8 @@ class Sparse24Linear(nn.Module):
 
     def _runner(self, tokens: int):
         kernel = self.kernel_for(tokens)
+        if kernel == "cusparselt-direct" and capturing() and not self._direct_plan_ready(tokens):
+            kernel = self._capture_fallback(tokens)
         if kernel == DENSE:
             weight, bias = self.dense_weight, self.bias
             run = lambda x: F.linear(x, weight, bias)  # noqa: E731
@@ -198,6 +209,29 @@ class Sparse24Linear(nn.Module):
                 self._runs.clear()
             self._runs[tokens] = run
         return run
+
+    def _direct_plan_ready(self, tokens: int) -> bool:
+        """Whether the direct cuSPARSELt plan for these rows exists (none can be built inside a capture)."""
+        rows = padded_rows(tokens, KERNELS["cusparselt-direct"].row_multiple(self.dtype))
+        return cusparselt_direct.has_plan(self.dtype, self.out_features, self.in_features, rows,
+                                          self.device.index or 0)
+
+    def _capture_fallback(self, tokens: int) -> str:
+        """Inside a capture, without a plan for this row count: the layer's eager choice (or another kernel, or
+        dense), said once per layer."""
+        eager = self._choices.get((token_bucket(tokens), "eager"))
+        options = [eager] if eager not in (None, "cusparselt-direct") else []
+        options += [k for k in self.kernels if k != "cusparselt-direct"]
+        options += [DENSE] if self.dense_weight is not None else []
+        if not options:
+            raise CastError(f"{self.name}: no cuSPARSELt plan for {tokens} tokens exists and none can be built "
+                            "during a CUDA-graph capture; run one eager forward with this token count first")
+        if self.name not in _SAID:
+            _SAID.add(self.name)
+            print(f"cast-llm: {self.name or 'Sparse24Linear'}: no cuSPARSELt plan for {tokens} tokens was built "
+                  f"before this CUDA-graph capture; the layer runs {options[0]} in the graph (one eager forward "
+                  "with this token count before capturing builds the plan)", file=sys.stderr, flush=True)
+        return options[0]
 
     # -- memory -------------------------------------------------------------------------------------------------
     def release_(self, keep: set[str]) -> None:

@@ -1,0 +1,47 @@
+"""``cast-llm doctor``: the environment and every checked kernel path's verdict, on this machine (a CPU here)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from cast_llm import kernels
+from cast_llm.cli import main
+
+
+def test_doctor_json_lists_every_kernel_path_and_exits_0(capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and "triton" in env and "gpus" in env and "driver" in env
+    assert {"nccl", "cusparselt", "cuda_runtime", "verdict_file"} <= set(env)
+    rows = report["rows"]
+    assert {r["path"] for r in rows} == set(kernels.REGISTRY) >= {
+        "adams.update", "adams.masks", "kd.loss", "scaled_weight.layer", "scaled_weight.block", "teacher.cuda_graph",
+        "sparse24.gemm", "sparse24.decode_graph"}
+    assert all(r["verdict"] in ("pass", "fail", "not here", "CUDA-only") for r in rows)
+    if not torch.cuda.is_available():
+        cpu_ok = [r for r in rows if r["verdict"] == "pass"]
+        assert [(r["path"], r["candidate"]) for r in cpu_ok] == [("adams.update", "blockwise")]
+        assert cpu_ok[0]["runs"] and cpu_ok[0]["seconds"] > 0 and cpu_ok[0]["reference_seconds"] > 0
+        cuda_only = {r["path"] for r in rows if r["verdict"] == "CUDA-only"}
+        assert cuda_only >= {"adams.masks", "scaled_weight.layer", "teacher.cuda_graph", "sparse24.gemm"}
+        assert all(r["verdict"] != "fail" for r in rows)
+
+
+def test_doctor_table_reads_the_verdict_file_and_says_how_to_read_it(capsys):
+    assert main(["doctor"]) == 0
+    first = capsys.readouterr().out
+    assert "environment" in first and "adams.update" in first and "CUDA-only" in first and "docs/gpu.md" in first
+    kernels.reset()  # a second run: the verdicts come from the file (no probe)
+    probes = []
+    path = kernels.REGISTRY["adams.update"]
+    real = path.probe
+    kernels.REGISTRY["adams.update"] = type(path)(**{**path.__dict__, "probe": lambda *a, **k: probes.append(1) or
+                                                     real(*a, **k)})
+    try:
+        assert main(["doctor"]) == 0
+    finally:
+        kernels.REGISTRY["adams.update"] = path
+    assert not probes and "adams.update" in capsys.readouterr().out
