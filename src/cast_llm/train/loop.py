@@ -386,11 +386,11 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     window = _new_window()
     if resumed_window:
         window.update(resumed_window)
+    guard = FiniteGuard(ctx.device)  # losses checked on the device, read on log steps (train/finite.py)
     if not resuming and cfg.save_every != 0 and work.shared.get("start_s", 0.0) >= START_CHECKPOINT_S:
         save(0, required=False)  # the one-shot start is saved with the run: a resume never computes it again
     grad_accum = cfg.grad_accum
     save_every = cfg.save_every
-    guard = FiniteGuard(ctx.device)  # losses checked on the device, read on log steps (train/finite.py)
     peak.start()
     step_t0 = time.perf_counter()
     for step in range(start_step, total_steps):
