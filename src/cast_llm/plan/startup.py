@@ -24,7 +24,7 @@ group of the training collectives need only cover the skew between ranks doing t
 largest being a checkpoint, each rank writing and hashing its own files (``collective``). Both are the
 estimates at the rates below × :data:`TIMEOUT_MARGIN`, never below the defaults of torch. The estimates
 are of the right order, not measurements: ``benchmarks/rehearsal.py`` sets them beside measured phases
-(docs/results/rehearsal.md: on a loaded 2-core CPU, loading took ~9 × its estimate — transformers' own work
+(docs/results/rehearsal.md: on a loaded 2-core CPU, loading took 6-9 × its estimate — transformers' own work
 is not in it — and the rest 0.3-1.6 ×); the margin and the floor are what make them safe to wait on.
 """
 
