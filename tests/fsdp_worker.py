@@ -1,25 +1,53 @@
-"""Run under torchrun (gloo, CPU) by tests/test_train.py: AdamS masks of row-sharded (FSDP2-style) DTensor
-parameters equal the masks of the full tensors, restricted to each rank's rows (uneven shards included).
+"""Run under torchrun (gloo, CPU, 2 processes) by tests/test_train.py. Checks, in one launch:
+
+* AdamS masks of row-sharded (FSDP2-style) DTensor parameters equal the masks of the full tensors,
+  restricted to each rank's rows (uneven shards included);
+* a sharded model loaded by rank 0 alone: rank 1 builds it empty (every parameter on the meta device, no
+  whole tensor ever allocated), and after the broadcast each rank holds exactly its shards, equal to the
+  full model's rows; the teacher likewise, cast to bf16;
+* gradient accumulation under FSDP2 as the loop runs it: after a micro-batch that is not the last, every
+  rank's gradients are its shards (no whole gradient anywhere), and the accumulated gradients equal those of
+  the whole batch in one process;
+* rank 0's error inside ``waiting_for_main`` reaches rank 1 as one line; a checkpoint that fails on rank 0
+  alone (its publishing) fails on every rank, and the previous checkpoint stays.
 
 Prints "OK <rank>" on success; any failed check raises (non-zero exit).
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import tiny
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from cast_llm.errors import CastError
+from cast_llm.models import empty_model
 from cast_llm.optim import AdamS
 from cast_llm.sparsity.mask import nm_mask
 from cast_llm.train import fsdp
+from cast_llm.train.checkpoint import CheckpointWriteError, list_checkpoints
+from cast_llm.train.distributed import Sharded
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    check_masks(rank, mesh)
+    check_sharded_load_and_accumulation(rank, world, mesh)
+    check_errors_reach_every_rank(rank, world, Path(sys.argv[1]) if len(sys.argv) > 1 else None)
+    print(f"OK {rank}", flush=True)
+    dist.destroy_process_group()
+
+
+def check_masks(rank, mesh) -> None:
     g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     # (out, in) weights sharded by rows (FSDP2's Shard(0)); 7 rows: uneven shards (4 + 3 on 2 ranks); one
     # weight with many exact ties (quantised values), where a tie-break on a different tensor could differ
@@ -66,8 +94,95 @@ def main() -> None:
         assert torch.equal(m, masks[id(q)])
         assert torch.equal(opt2.state[q]["exp_avg"].to_local(), opt.state[q]["exp_avg"].to_local())
         assert type(opt2.state[q]["exp_avg"]).__name__ == "DTensor"
-    print(f"OK {rank}", flush=True)
-    dist.destroy_process_group()
+
+
+def _distribution(rank, world) -> Sharded:
+    """The loop's FSDP2 strategy over the initialised process group (a stand-in for the accelerator)."""
+    acc = types.SimpleNamespace(is_main_process=rank == 0, num_processes=world, process_index=rank,
+                                device=torch.device("cpu"), wait_for_everyone=dist.barrier)
+    return Sharded(acc, wait_timeout_s=120)
+
+
+def check_sharded_load_and_accumulation(rank, world, mesh) -> None:
+    d = _distribution(rank, world)
+    d.mesh = mesh
+    cfg = types.SimpleNamespace(n=2, m=4, skip_incompatible=False, model="tiny")
+    reference = tiny.model("llama", num_hidden_layers=2, intermediate_size=96)  # (for the checks only)
+    config = reference.config
+    if rank == 0:
+        model = tiny.model("llama", num_hidden_layers=2, intermediate_size=96)  # rank 0 alone loads it
+    else:
+        model = empty_model("tiny", config=config)
+        assert all(p.device.type == "meta" for p in model.parameters())  # no whole tensor on rank 1, ever
+    d.shard(model, None, cfg, say=lambda *a: None, fill=True)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert isinstance(p, DTensor) and p.to_local().numel() < q.numel(), name
+        assert torch.equal(p.full_tensor(), q), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    # the teacher: built empty on every rank, filled from rank 0's dense model, cast to bf16 tensor by tensor
+    import cast_llm.train.distributed as distributed
+
+    distributed.empty_model = lambda name, dtype: empty_model(name, dtype=dtype, config=config)
+    teacher = d.build_teacher(reference if rank == 0 else None, cfg, torch.bfloat16, say=None)
+    for (name, p), (_, q) in zip(teacher.named_parameters(), reference.named_parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p.full_tensor(), q.bfloat16()), name
+
+    # gradient accumulation, two micro-batches, as the loop runs it (distribution.no_sync, then backward)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, tiny.VOCAB, (world, 16), generator=g) for _ in range(2)]
+    for micro, batch in enumerate(batches):
+        with d.no_sync(model, micro == 1):
+            loss = model(input_ids=batch[rank : rank + 1], labels=batch[rank : rank + 1]).loss
+            (loss / 2).backward()
+        if micro == 0:  # between micro-batches: each rank holds its gradient shards, nothing whole
+            for name, p in model.named_parameters():
+                assert isinstance(p.grad, DTensor) and p.grad.to_local().shape == p.to_local().shape, name
+    ref_loss = sum(reference(input_ids=b, labels=b).loss for b in batches) / 2  # the whole batch, one process
+    ref_loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def check_errors_reach_every_rank(rank, world, shared: Path | None) -> None:
+    d = _distribution(rank, world)
+    try:
+        with d.waiting_for_main("testing errors") as work:
+            if work.main:
+                raise CastError("something only rank 0 saw")
+        raise AssertionError("no error")
+    except CastError as e:
+        assert str(e) == ("something only rank 0 saw" if rank == 0
+                          else "rank 0 failed while testing errors: something only rank 0 saw"), str(e)
+    with d.waiting_for_main("sharing") as work:
+        if work.main:
+            work.shared["x"] = 3
+    assert work.shared == {"x": 3}
+    assert d.first_error("disk full" if rank == 1 else None) == ("disk full" if rank == 1 else "on rank 1: disk full")
+    # a checkpoint whose publishing fails on rank 0 alone fails on every rank; the previous one stays
+    out = shared if shared is not None else Path(tempfile.mkdtemp())
+    states = {"model": {"w": torch.full((2,), float(rank))}, "rng": {"x": rank}}
+    d.save(out, 1, {**states, "scheduler": {"s": 1}}, {"fingerprint": {}}, keep=2)
+    ck = out / "checkpoints"
+    if rank == 0:
+        meta = (ck / "step-00000001" / "meta.json").read_text()
+        assert "model-rank00001.safetensors" in meta and (ck / "step-00000001" / ".cast-llm-checkpoint").is_file()
+        import errno
+
+        import cast_llm.train.checkpoint as checkpoint
+
+        def full_disk(tmp, final, replace=False):  # rank 0's rename into place fails
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpoint.publish_dir = full_disk
+    dist.barrier()
+    try:
+        d.save(out, 2, {**states, "scheduler": {"s": 2}}, {"fingerprint": {}}, keep=2)
+        raise AssertionError("no error")
+    except CheckpointWriteError as e:
+        assert "the previous checkpoint is intact" in str(e) and (rank == 0 or "on rank 0" in str(e)), str(e)
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000001"]
+    states, _ = d.load(ck / "step-00000001", {})
+    assert torch.equal(states["model"]["w"], torch.full((2,), float(rank)))
 
 
 if __name__ == "__main__":

@@ -100,3 +100,23 @@ def test_regrow_scales_only_the_pruned_entries_updates_and_only_in_its_phase():
 def test_refused_combinations(kw, message):
     with pytest.raises(CastError, match=message):
         _cfg(**kw)
+
+
+def test_start_masks_are_freed_once_adams_holds_them_and_a_resume_computes_no_start():
+    """The one-shot start's masks live on in AdamS alone (the method's copy is dropped: 1 byte per target
+    weight for the whole run otherwise); start="skip" (a resume) computes no start and leaves the weights."""
+    model = tiny.model("llama")
+    cfg = _cfg()
+    method = get_method("cast")
+    method.prepare_model(model, cfg)
+    started = {k: v.clone() for k, v in method._init_masks.items()}
+    opt = method.build_optimizer(model, cfg, cfg.max_steps)
+    assert method._init_masks is None
+    held = {method._names[id(p)]: m for p, m in opt.masks().items()}
+    assert held.keys() == started.keys() and all(torch.equal(held[k], m) for k, m in started.items())
+    fresh = tiny.model("llama")
+    before = _weights(fresh)
+    resumed = get_method("cast")
+    resumed.prepare_model(fresh, cfg, start="skip")
+    assert resumed._init_masks is None
+    assert all(torch.equal(before[k], w) for k, w in _weights(fresh).items())

@@ -251,3 +251,35 @@ def test_plan_against_the_peak_a_small_run_measures(tmp_path):
     assert row["measured_peak"] > row["framework"] > 0
     assert 0.85 <= row["tensor_ratio"] <= 1.15, row
     assert 0.85 <= row["ratio"] <= 1.15, row
+
+
+def test_plan_around_the_steps_8b_on_8_gpus(capsys, monkeypatch):
+    """The terms a paper-scale run meets around its steps: rank 0's start-up and end peaks, the checkpoint
+    each rank copies and writes, host memory per node, rank 0's own work and the timeouts derived from it;
+    --batch-size 0 picks the micro-batch the trainer would (a global batch of 256 on 8 GPUs)."""
+    from cast_llm.plan.startup import MIN_COLLECTIVE_S, MIN_WAIT_S, StartupWork, plan_startup
+
+    s8 = model_shape("llama-3.1-8b")
+    setup = Setup(world=8, strategy="fsdp", batch_size=1, seq_len=4096, grad_accum=32, activation_checkpointing=True)
+    sp = plan_startup(s8, setup, StartupWork(native_bytes=s8.native_bytes))
+    trainable = s8.params + s8.target_rows * 2
+    assert s8.native_bytes == 2  # the config's bf16: what the export is written in
+    assert sp.checkpoint_bytes == (12 * trainable + s8.target_params) // 8
+    assert sp.memory["rank 0 host: loading the model (fp32, and its file)"] == (4 + 2) * s8.params
+    assert sp.host_per_node["a checkpoint"] > 8 * sp.checkpoint_bytes
+    assert sp.timeouts.collective >= MIN_COLLECTIVE_S and sp.timeouts.wait >= MIN_WAIT_S
+    assert sp.timeouts.wait >= 4 * sp.seconds["SparseGPT warm start (rank 0)"]
+    ddp = plan_startup(s8, replace(setup, strategy="ddp"), StartupWork(native_bytes=2))
+    assert ddp.host_per_node["start-up (every process loads the model)"] > 8 * 4 * s8.params
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp", "--activation-checkpointing",
+                 "--batch-size", "0", "--host-memory", "1TB"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 4 × 4096 tokens, grad-accum 8" in out  # 4 × 8 × 8 GPUs = 256 sequences
+    for needle in ("rank 0 device: baseline evaluation (whole fp32 model)", "each rank host: a checkpoint",
+                   "host memory per node (8 processes)", "timeouts: training collectives / waiting for rank 0",
+                   "start-up and end: needs", "host per node:", "SparseGPT warm start (rank 0)"):
+        assert needle in out, needle
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["startup"]["device_fits"] and d["startup"]["timeouts"]["wait"] >= MIN_WAIT_S

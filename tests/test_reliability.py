@@ -205,20 +205,18 @@ def test_enospc_during_a_checkpoint_keeps_the_previous_one_which_resumes_bitwise
                                                                                 capsys):
     """The step-4 checkpoint write fails with ENOSPC: a warning, the run goes on; it then crashes at step 5.
     The step-2 checkpoint is intact and resumes to the same model as an uninterrupted run."""
-    import safetensors.torch
-
-    from cast_llm.train import trainer
+    from cast_llm.train import state_io, trainer
 
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(_args(workdir, ref, "--max-steps", "8")) == 0
-    real_save = safetensors.torch.save_file
+    real_save = state_io.write_safetensors  # (checkpoints write their tensors through it)
     writes = {"n": 0}
 
-    def full_disk(tensors, filename, *a, **k):
+    def full_disk(tensors, filename):
         if "step-00000004" in str(filename):
             raise OSError(errno.ENOSPC, "No space left on device", str(filename))
         writes["n"] += 1
-        return real_save(tensors, filename, *a, **k)
+        return real_save(tensors, filename)
 
     real_batch = trainer.PretrainJob.batch
 
@@ -227,7 +225,7 @@ def test_enospc_during_a_checkpoint_keeps_the_previous_one_which_resumes_bitwise
             raise RuntimeError("the node died")
         return real_batch(self, step, micro)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(state_io, "write_safetensors", full_disk)
     monkeypatch.setattr(trainer.PretrainJob, "batch", crash)
     with pytest.raises(RuntimeError, match="node died"):
         main(_args(workdir, cut, "--max-steps", "8", "--save-every", "2"))
@@ -235,7 +233,7 @@ def test_enospc_during_a_checkpoint_keeps_the_previous_one_which_resumes_bitwise
     assert "warning: writing checkpoint" in err.out + err.err and "No space left" in err.out + err.err
     names = sorted(c.name for c in (cut / "checkpoints").iterdir())
     assert names == ["step-00000002"], names  # no torn step-4 folder
-    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    monkeypatch.setattr(state_io, "write_safetensors", real_save)
     monkeypatch.setattr(trainer.PretrainJob, "batch", real_batch)
     assert main(["train", "--output-dir", str(cut), "--resume"]) == 0
     _same_run(ref, cut)
@@ -319,6 +317,25 @@ def test_state_io_round_trips_what_checkpoints_hold_without_pickle(tmp_path):
         save_state(tmp_path / "bad", {"f": lambda: 0})
 
 
+def test_checkpoint_tensors_are_written_one_at_a_time_in_the_safetensors_format(tmp_path):
+    """state_io writes safetensors itself, one tensor at a time (safetensors.torch.save_file would first copy
+    every tensor into bytes: a second host copy of a whole checkpoint shard); safetensors reads it back
+    exactly, every dtype a checkpoint holds, views of one storage and empty tensors included."""
+    from safetensors.torch import load_file
+
+    from cast_llm.train.state_io import write_safetensors
+
+    base = torch.randn(6, 8)
+    tensors = {"f32": base, "view": base[2:4], "col": base[:, 1], "bf16": torch.randn(3, 5).bfloat16(),
+               "f16": torch.randn(2).half(), "i64": torch.arange(7), "u8": torch.arange(9, dtype=torch.uint8),
+               "bool": torch.rand(4, 4) > 0.5, "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5)}
+    write_safetensors(tensors, tmp_path / "x.safetensors")
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+
+
 # --------------------------------------------------------------------------------------- never destroy data
 def test_overwrite_refuses_the_models_own_folder_and_foreign_weights(workdir, tmp_path, capsys):
     model = tmp_path / "tiny-copy"
@@ -346,6 +363,21 @@ def test_overwrite_of_our_own_run_removes_only_what_it_wrote(workdir, tmp_path):
     (out / "my-notes.txt").write_text("keep me")
     assert main(_args(workdir, out, "--max-steps", "2", "--overwrite")) == 0
     assert (out / "my-notes.txt").read_text() == "keep me" and (out / "model.safetensors").is_file()
+
+
+def test_a_filesystem_without_locks_is_not_taken_for_a_folder_in_use(tmp_path, monkeypatch):
+    """flock failing for want of support (Lustre's noflock, NFSv3: ENOLCK / ENOSYS) is said as such and the job
+    runs unlocked; only EWOULDBLOCK means another job holds the folder."""
+    import fcntl
+
+    from cast_llm.train.rundir import RunLock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = RunLock(tmp_path / "run").acquire()
+    assert lock.unsupported and "No locks available" in lock.unsupported and lock.fd is None
 
 
 def test_a_second_job_on_a_folder_in_use_is_refused_and_a_dead_holder_frees_it(workdir, tmp_path, capsys):

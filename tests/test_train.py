@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from cast_llm.cli import main
+from cast_llm.train.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["--batch-size", "2", "--seq-len", "32", "--log-every", "2", "--val-sequences", "2",
@@ -291,12 +292,16 @@ def _data_args(workdir):
 
 
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks():
+def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path):
     """AdamS on DTensor parameters sharded like FSDP2 (rows; Conv1D-style weights by columns), uneven shards
     and tied magnitudes included: every rank's mask == the full tensor's mask on its rows, at every step;
     gathered masks == full masks; a full-tensor set_mask keeps the local rows; the per-rank optimizer state
-    (moments, masks, packed or not) round-trips exactly."""
-    r = _torchrun([str(REPO / "tests" / "fsdp_worker.py")])
+    (moments, masks, packed or not) round-trips exactly. In the same launch (tests/fsdp_worker.py): a model
+    loaded by rank 0 alone reaches every rank's shards (rank 1 never holds a whole tensor), the teacher in
+    bf16 likewise; between micro-batches no rank holds more than its gradient shards, and the accumulated
+    gradients equal one process's; rank 0's errors reach rank 1 as one line, a checkpoint failing on rank 0
+    alone fails everywhere."""
+    r = _torchrun([str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK 0" in r.stdout and "OK 1" in r.stdout
 
@@ -465,3 +470,137 @@ def test_split_is_the_same_for_every_seed_and_a_one_file_corpus_gets_a_sequence_
     res = json.loads((out / "results.json").read_text())
     assert res["data_split"]["kind"] == "sequences" and res["heldout_sequences"] >= 1
     assert res["perplexity"]["heldout"]["sparse"] > 1 and "n/a" not in printed.split("test ppl")[-1].split("\n")[0]
+
+
+# ------------------------------------------------------------------------- paper-scale runs, scaled down
+def test_global_batch_is_split_over_any_number_of_processes():
+    """--global-batch (the presets' paper batch) is micro-batch × accumulation × processes on 1, 2 and 8
+    processes; --batch-size 0 takes the largest micro-batch the plan fits; what cannot split is refused."""
+    from cast_llm.errors import CastError
+    from cast_llm.train.batch import split_global_batch
+    from cast_llm.train.config import PRESETS
+
+    assert PRESETS["llama"]["global_batch"] == 256 and PRESETS["llama"]["batch_size"] == 0
+    for world in (1, 2, 8):
+        fits_up_to_4 = lambda b, a: b <= 4  # noqa: E731
+        micro, accum = split_global_batch(256, world, batch_size=0, grad_accum=1, fits=fits_up_to_4)
+        assert micro * accum * world == 256 and micro == 4, world
+        micro, accum = split_global_batch(256, world, batch_size=2, grad_accum=1, fits=fits_up_to_4)
+        assert (micro, accum * world) == (2, 128)
+    assert split_global_batch(256, 8, batch_size=0, grad_accum=1, fits=lambda b, a: False) == (1, 32)
+    assert split_global_batch(None, 8, batch_size=4, grad_accum=3, fits=None) == (4, 3)
+    with pytest.raises(CastError, match="cannot be split over 3 processes"):
+        split_global_batch(256, 3, batch_size=0, grad_accum=1, fits=lambda b, a: True)
+    with pytest.raises(CastError, match="--batch-size 3 does not divide"):
+        split_global_batch(256, 2, batch_size=3, grad_accum=1, fits=None)
+    with pytest.raises(CastError, match="contradicts --global-batch"):
+        split_global_batch(256, 2, batch_size=4, grad_accum=4, fits=None)
+    with pytest.raises(CastError, match="needs --global-batch"):
+        split_global_batch(None, 1, batch_size=0, grad_accum=1, fits=None)
+
+
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory):
+    return tiny.write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", docs=240)
+
+
+def _preset_args(workdir, corpus):
+    """--preset llama, scaled down to the tiny model: its sequence length and a few steps."""
+    return ["--preset", "llama", "--model", str(workdir / "llama"), "--data", str(corpus), "--wikitext-file",
+            str(workdir / "eval.txt"), "--seq-len", "32", "--calib-samples", "8", "--val-sequences", "2",
+            "--wikitext-windows", "2", "--no-progress", "--log-every", "1", "--device", "cpu", "--no-report",
+            "--lr", "1e-3"]
+
+
+def test_preset_llama_is_the_papers_global_batch_on_one_process(workdir, big_corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *_preset_args(workdir, big_corpus), "--max-steps", "1", "--output-dir", str(out)]) == 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["batch_size"] * cfg["grad_accum"] == 256 and cfg["global_batch"] == 256
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["tokens"] == 256 * 32
+
+
+@pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
+def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp_path):
+    """The paper's run scaled down, on 2 gloo processes with FSDP2: --preset llama (a global batch of 256
+    sequences), the SparseGPT warm start and the baseline evaluation on rank 0, SIGTERM after a checkpoint:
+    every rank stops at the same step with a checkpoint whose first save printed its cost. The resume
+    computes no warm start again, removes the partial checkpoint folders a killed save of ours left (and
+    only those), and ends with an exact 2:4 export in the model's own dtype."""
+    out = tmp_path / "run"
+    args = ["-m", "cast_llm.cli", "train", *_preset_args(workdir, big_corpus), "--fsdp", "--max-steps", "16",
+            "--save-every", "2", "--output-dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), *args], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step-00000002").is_dir() and p.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+    log = p.communicate(timeout=300)[0]
+    assert "SIGTERM received" in log and "stopped at step" in log, log[-3000:]
+    assert "start: model prepared for cast, its one-shot start included" in log and "on rank 0 alone" in log
+    assert "dense model (the original)" in log and "one-shot SparseGPT 2:4 (the warm start)" in log
+    assert "a SIGTERM needs" in log
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["batch_size"] * cfg["grad_accum"] * 2 == 256
+    results = json.loads((out / "results.json").read_text())
+    assert results["checkpoint"]["bytes_per_rank"] > 0 and "one-shot start" in results["phases"]
+    meta = json.loads((list_checkpoints(out)[-1] / "meta.json").read_text())
+    assert {"model-rank00000.safetensors", "model-rank00001.safetensors"} <= set(meta["files"])
+    ours, theirs = out / "checkpoints" / "step-00000099.tmp", out / "checkpoints" / "step-00000098.tmp"
+    for d in (ours, theirs):
+        d.mkdir()
+        (d / "model-rank00000.safetensors").write_bytes(b"partial")
+    (ours / ".cast-llm-checkpoint").write_text("{}")
+    r = _torchrun(["-m", "cast_llm.cli", "train", "--output-dir", str(out), "--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "not computed again" in r.stdout and "one-shot start included" not in r.stdout
+    assert "dense model (the original)" not in r.stdout  # the baseline is measured once per run
+    assert "removed 1 partial checkpoint folder(s)" in r.stdout and not ours.exists() and theirs.exists()
+    sp = json.loads((out / "config.json").read_text())["sparsity"]
+    w = load_file(out / "model.safetensors")
+    for fqn in sp["targets"]:
+        assert _is_24(w[f"{fqn}.weight"], transposed=False), fqn
+    assert json.loads((out / "results.json").read_text())["export_dtype"] == "float32"  # the tiny model's own
+
+
+@pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
+def test_fsdp2_a_nan_on_one_rank_stops_every_rank_with_one_line(workdir, tmp_path):
+    """The finiteness check is agreed: a NaN loss on rank 1 alone stops both ranks at the same step, each with
+    one line (no hang, no traceback) — rank 0 sees it in its gradients, which the reduce-scatter brought —
+    and no model is written."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CAST_TEST_NAN_RANK": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(REPO / "tests" / "rank_fault_worker.py"), "train", *_data_args(workdir), *FSDP_COMMON, "--max-steps",
+           "4", "--batch-size", "1", "--fsdp", "--output-dir", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "error: loss became nan at step 3; stopped (no checkpoint was written)" in r.stderr, r.stderr[-3000:]
+    assert "error: a gradient became non-finite (NaN/Inf) at step 3 while the loss was finite" in r.stderr
+    assert "cast_llm/train" not in r.stderr and not (out / "model.safetensors").exists()  # no traceback of ours
+
+
+def test_a_slow_one_shot_start_is_saved_at_once_and_checkpoints_follow_the_clock(workdir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A one-shot start slower than START_CHECKPOINT_S is saved at once (a step-0 checkpoint: a run stopped
+    before its first periodic checkpoint never computes it again); without --save-every a checkpoint is
+    written whenever AUTO_SAVE_S of wall time has passed (here 0: after every step), the last step's too; the
+    first checkpoint says what a SIGTERM's grace must cover."""
+    import cast_llm.train.loop as loop
+
+    monkeypatch.setattr(loop, "START_CHECKPOINT_S", 0.0)
+    monkeypatch.setattr(loop, "AUTO_SAVE_S", 0.0)
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--max-steps", "3", "--keep-last", "10", "--keep-checkpoints-after") == 0
+    assert [c.name for c in list_checkpoints(out)] == [f"step-{s:08d}" for s in range(4)]
+    said = capsys.readouterr().out
+    assert said.count("a SIGTERM needs") == 1 and "start: model prepared for cast" in said
+    assert json.loads((out / "results.json").read_text())["checkpoint"]["seconds"] >= 0
+    monkeypatch.setattr(loop, "AUTO_SAVE_S", 3600.0)  # a short run with a quick start: no checkpoint at all
+    monkeypatch.setattr(loop, "START_CHECKPOINT_S", 60.0)
+    assert _train(workdir, tmp_path / "short", "--max-steps", "3", "--keep-checkpoints-after") == 0
+    assert list_checkpoints(tmp_path / "short") == []

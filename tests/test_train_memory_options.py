@@ -131,17 +131,30 @@ def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_a_run_that_will_not_fit_is_warned_with_the_options(monkeypatch):
-    """The plan at the top of `cast-llm train`: when it does not fit the device, a warning names the flags."""
+def test_a_run_that_will_not_fit_stops_before_loading_anything_with_the_options(workdir, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The plan is made from the model's config before any weight is read: when it does not fit the device,
+    the run stops there (exit 2, no run folder, the model never loaded) with the flags that would make it fit;
+    --no-memory-check starts anyway."""
     import cast_llm.train.memory as memory
+    from cast_llm.errors import CastError
     from cast_llm.plan import Setup, model_shape, plan_memory
 
     plan = plan_memory(model_shape("llama-3.1-8b"), Setup(device="cuda", world=8, strategy="ddp", seq_len=4096))
     monkeypatch.setattr(memory, "device_capacity", lambda device, world: 80 * 10**9)
-    said = []
-    memory.warn_if_too_large(plan, torch.device("cpu"), 8, said.append)
-    assert len(said) == 1 and "probably run out of memory" in said[0] and "--fsdp" in said[0]
-    small = plan_memory(model_shape("smollm2-135m"), Setup(device="cuda", seq_len=512))
-    said.clear()
-    memory.warn_if_too_large(small, torch.device("cpu"), 1, said.append)
-    assert said == []
+    with pytest.raises(CastError, match="run out of memory; it would fit with --fsdp"):
+        memory.refuse_if_too_large(plan, torch.device("cpu"), 8)
+    memory.refuse_if_too_large(plan_memory(model_shape("smollm2-135m"), Setup(device="cuda", seq_len=512)),
+                               torch.device("cpu"), 1)  # fits: nothing said
+
+    loaded = []
+    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: loaded.append(a) or tiny.model("llama"))
+    for module in (trainer, memory):
+        monkeypatch.setattr(module, "device_capacity", lambda device, world: 2**20)  # 1 MiB per process
+    out = tmp_path / "run"
+    assert main(["train", *_args(workdir), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "run out of memory" in err and "--no-memory-check" in err and "--batch-size 1" not in err
+    assert not out.exists() and loaded == []
+    assert main(["train", *_args(workdir), "--output-dir", str(out), "--no-memory-check"]) == 0
+    assert len(loaded) == 1

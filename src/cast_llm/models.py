@@ -324,6 +324,43 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device:
     return model.to(device).eval()
 
 
+def model_config(name_or_path: str):
+    """The transformers config of a model argument (anything :func:`resolve_model` takes), without weights."""
+    from transformers import AutoConfig
+
+    src = resolve_model(name_or_path)
+    kwargs = dict(src.hub_kwargs, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
+    try:
+        return AutoConfig.from_pretrained(src.path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise _load_error(src, e) from None
+
+
+def native_dtype(name_or_path: str) -> torch.dtype:
+    """The dtype a model's weights are stored in (its config's ``dtype``; fp32 when it names none, as for a
+    GGUF file dequantised on load): what an export of it should be written in."""
+    config = model_config(name_or_path)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def empty_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, config=None):
+    """The causal LM of ``name_or_path`` built from its config with every parameter on the ``meta`` device
+    (no memory) and its buffers real (rotary tables are computed in ``__init__`` and are not in a state
+    dict); tied weights tied. For processes that receive their weights from elsewhere (their FSDP2 shards
+    broadcast from rank 0, a checkpoint, a gathered state dict)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = config if config is not None else model_config(name_or_path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
+    return model.eval()
+
+
 def resolve_device(name: str) -> torch.device:
     """The device a ``--device`` value names: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``,
     ``cuda:N``; a CastError for an unknown name or for CUDA on a machine without it."""

@@ -80,15 +80,18 @@ def target_weight(params: dict[str, torch.nn.Parameter], fqn: str) -> torch.nn.P
 
 @torch.no_grad()
 def with_masks_applied(model, masks: dict[str, torch.Tensor], fn):
-    """Run ``fn(model)`` with the target weights hard-masked, then restore them exactly."""
+    """Run ``fn(model)`` with the target weights hard-masked, then restore them exactly.
+
+    Only the entries the masks remove are kept aside (half of the targets at 2:4), on the weights' device."""
     params = dict(model.named_parameters())
-    saved = {}
+    removed = {}
     for fqn, mask in masks.items():
         w = target_weight(params, fqn)
-        saved[fqn] = w.detach().clone()
-        w.mul_(mask.to(w.dtype))
+        pruned = ~mask.to(w.device)
+        removed[fqn] = (pruned, w[pruned].clone())
+        w.masked_fill_(pruned, 0.0)
     try:
         return fn(model)
     finally:
-        for fqn, w0 in saved.items():
-            target_weight(params, fqn).copy_(w0)
+        for fqn, (pruned, values) in removed.items():
+            target_weight(params, fqn).masked_scatter_(pruned, values)

@@ -48,7 +48,7 @@ class FinetuneMode(TrainingMethod):
                 f"{format_sparsity_report(rows, n=cfg.n, m=cfg.m)} (e.g. {worst}); make it {cfg.n}:{cfg.m} "
                 "first (cast-llm train, or cast-llm prune --method magnitude) or use --mode dense")
 
-    def prepare_model(self, model, cfg, *, data=None, device=None):
+    def prepare_model(self, model, cfg, *, data=None, device=None, start="compute"):
         self.cfg = cfg
         self.targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         return self.prepare(model, self.targets, cfg)

@@ -21,10 +21,12 @@ from cast_llm.plan.decay import DecayPlan, plan_decay
 from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
 from cast_llm.plan.shapes import ModelShape, embedded_key, model_shape, shape_of
 from cast_llm.plan.sizes import fmt_size, parse_size
+from cast_llm.plan.startup import StartupPlan, StartupWork, Timeouts, plan_startup
 from cast_llm.plan.timing import TimePlan, plan_time
 
 __all__ = ["Plan", "PlanConfig", "Setup", "MemoryPlan", "ModelShape", "make_plan", "model_shape", "shape_of",
-           "plan_memory", "parse_size", "fmt_size", "setup_for_run", "process_rss", "machine_ram"]
+           "plan_memory", "parse_size", "fmt_size", "setup_for_run", "process_rss", "machine_ram", "StartupPlan",
+           "StartupWork", "Timeouts", "plan_startup", "startup_fits"]
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Plan:
     time: TimePlan
     decay: DecayPlan | None
     fit_time: TimePlan | None = None  # the time with the options of `fit` (they change the FLOPs)
+    startup: StartupPlan | None = None  # around the steps: start-up and end peaks, host per node, timeouts
 
     def as_dict(self) -> dict:
         from dataclasses import asdict
@@ -51,7 +54,11 @@ class Plan:
                 "options": [{"flag": o.flag, "needed": p.needed(), "fits": p.fits(self.capacity)}
                             for o, p in self.effects],
                 "time": self.time.as_dict(), "time_with_options": self.fit_time and self.fit_time.as_dict(),
-                "decay": None if self.decay is None else self.decay.as_dict()}
+                "decay": None if self.decay is None else self.decay.as_dict(),
+                "startup": None if self.startup is None else {
+                    **self.startup.as_dict(), **startup_fits(self.startup, self.setup, self.capacity,
+                                                              self.cfg.host_memory and parse_size(
+                                                                  self.cfg.host_memory, "--host-memory"))}}
 
 
 def process_rss() -> int:
@@ -71,15 +78,36 @@ def machine_ram() -> int:
         return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0
 
 
-def _setup(cfg: PlanConfig, framework: int) -> Setup:
+def startup_fits(sp: StartupPlan, setup: Setup, capacity: int, host_memory: int | None) -> dict:
+    """Whether the start-up and end peaks fit the device (with the same margins as the steps) and the host
+    peak per node fits ``host_memory`` (None: unknown)."""
+    from cast_llm.plan.memory import CUDA_CONTEXT, FRAGMENTATION
+
+    device = max((v for k, v in sp.memory.items() if "device" in k), default=0)
+    needed = int(device * (1 + FRAGMENTATION)) + CUDA_CONTEXT if setup.device == "cuda" else device
+    return {"device_peak": device, "device_needed": needed, "device_fits": needed <= capacity,
+            "host_fits": None if not host_memory else sp.host_peak_per_node <= host_memory}
+
+
+def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: ModelShape | None = None) -> Setup:
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cfg.device == "cuda" else "fp32")
     strategy = "fsdp" if cfg.fsdp else ("ddp" if cfg.gpus > 1 else "single")
+
+    def setup(batch: int, accum: int) -> Setup:
+        return Setup(device=cfg.device, world=cfg.gpus, strategy=strategy, precision=precision,
+                     batch_size=batch, grad_accum=accum, seq_len=cfg.seq_len, kd=cfg.kd, scaling=cfg.scaling,
+                     scale_groups=cfg.scale_groups, activation_checkpointing=cfg.activation_checkpointing,
+                     teacher_dtype=cfg.teacher_dtype, fused_head=cfg.fused_head, kd_chunk_size=cfg.kd_chunk_size,
+                     packed_masks=cfg.packed_masks, framework=framework)
+
+    if cfg.batch_size == 0:  # as `cast-llm train --batch-size 0` with the paper's global batch
+        from cast_llm.train.batch import split_global_batch
+
+        batch, accum = split_global_batch(PAPER_GLOBAL_BATCH, cfg.gpus, batch_size=0, grad_accum=cfg.grad_accum or 1,
+                                          fits=lambda b, a: plan_memory(shape, setup(b, a)).fits(capacity))
+        return setup(batch, accum)
     accum = cfg.grad_accum or max(1, math.ceil(PAPER_GLOBAL_BATCH / (cfg.batch_size * cfg.gpus)))
-    return Setup(device=cfg.device, world=cfg.gpus, strategy=strategy, precision=precision,
-                 batch_size=cfg.batch_size, grad_accum=accum, seq_len=cfg.seq_len, kd=cfg.kd, scaling=cfg.scaling,
-                 scale_groups=cfg.scale_groups, activation_checkpointing=cfg.activation_checkpointing,
-                 teacher_dtype=cfg.teacher_dtype, fused_head=cfg.fused_head, kd_chunk_size=cfg.kd_chunk_size,
-                 packed_masks=cfg.packed_masks, framework=framework)
+    return setup(cfg.batch_size, accum)
 
 
 def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
@@ -91,7 +119,7 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     cpu = cfg.device == "cpu"
     total = parse_size(cfg.gpu_memory) if cfg.gpu_memory else (machine_ram() if cpu else 80 * 10**9)
     capacity = total // cfg.gpus if cpu else total  # CPU processes share the machine's RAM
-    setup = _setup(cfg, framework=process_rss() if cpu else 0)
+    setup = _setup(cfg, framework=process_rss() if cpu else 0, capacity=capacity, shape=shape)
     memory = plan_memory(shape, setup)
     fit = None if memory.fits(capacity) else make_it_fit(shape, setup, capacity)
     effects = option_effects(shape, setup)
@@ -115,7 +143,13 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
         grad_rms = cfg.grad_rms or GRAD_RMS_AT_512 * math.sqrt(512 / per_step)
         decay = plan_decay(lrs, total_steps=steps, l1_decay=cfg.l1_decay, grad_rms=grad_rms, weight_rms=weight_rms,
                            warm_start=not cfg.paper_exact, prune_step=prune_step, target=cfg.forecast_target)
-    return Plan(cfg, shape, setup, capacity, memory, fit, effects, time, decay, fit_time)
+    work = StartupWork(baseline_eval=cfg.baseline_eval, warm_start=not cfg.paper_exact,
+                       calib_tokens=cfg.calib_samples * cfg.seq_len, eval_tokens=(16 + 64) * cfg.seq_len,
+                       eval_window=max(cfg.seq_len, setup.batch_size * cfg.seq_len), native_bytes=shape.native_bytes,
+                       gpus_per_node=cfg.gpus_per_node,
+                       host_memory=parse_size(cfg.host_memory, "--host-memory") if cfg.host_memory else None)
+    startup = plan_startup(shape, setup, work)
+    return Plan(cfg, shape, setup, capacity, memory, fit, effects, time, decay, fit_time, startup)
 
 
 def setup_for_run(cfg, *, world: int, device_type: str, precision: str, framework: int = 0) -> Setup:

@@ -42,7 +42,8 @@ class PlanConfig:
     fsdp: bool = option(False, "FSDP2 (cast-llm train --fsdp); without it several GPUs run DDP", section=RUN)
     precision: str = option("auto", "auto (bf16 autocast on cuda, fp32 on cpu), bf16, fp32",
                             choices=("auto", "bf16", "fp32"), section=RUN)
-    batch_size: int = option(1, "sequences per micro-batch per GPU", min=1, section=RUN)
+    batch_size: int = option(1, "sequences per micro-batch per GPU (0: the largest that fits, dividing the global "
+                                "batch, as cast-llm train --batch-size 0 chooses it)", min=0, section=RUN)
     grad_accum: int | None = option(None, "micro-batches per step (default: a global batch of 256 sequences, "
                                           "the paper's)", min=1, section=RUN)
     seq_len: int = option(4096, "tokens per sequence", min=2, section=RUN)
@@ -79,6 +80,12 @@ class PlanConfig:
     grad_rms: float | None = option(None, "gradient-noise rms of a pruned entry at the run's batch (default: "
                                           "SmolLM2-135M's 3.9e-4 at 512 tokens, × sqrt(512 / tokens per step))",
                                     min=0, min_exclusive=True, section=DECAY)
+    gpus_per_node: int = option(8, "processes per node (host memory is planned per node)", min=1, section=RUN)
+    host_memory: str | None = option(None, "RAM of one node, e.g. 1TB or 2TiB: checked against the host memory the "
+                                           "run needs per node (default: not checked)", section=RUN)
+    baseline_eval: bool = option(True, "the run evaluates the dense model first (on rank 0's GPU, whole, fp32)",
+                                 section=RUN)
+    calib_samples: int = option(128, "calibration sequences of the SparseGPT warm start", min=1, section=RUN)
     json: bool = option(False, "print the plan as one JSON object", section=RUN)
 
     def validate(self) -> None:

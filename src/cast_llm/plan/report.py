@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
-from cast_llm.plan.sizes import fmt_size
+from cast_llm.plan.sizes import fmt_size, parse_size
 
-__all__ = ["plan_lines", "memory_lines", "setup_line", "duration"]
+__all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "duration"]
 
 _STRATEGY = {"single": "one process", "ddp": "DDP", "fsdp": "FSDP2"}
 
@@ -50,6 +50,24 @@ def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") 
     return out
 
 
+def startup_lines(sp, s: Setup, *, indent: str = "  ") -> list[str]:
+    """Around the steps (:mod:`cast_llm.plan.startup`): start-up and end peaks, host memory per node, the
+    checkpoint per rank, rank 0's own work and the timeouts derived from it."""
+    unit = "GPU" if s.device == "cuda" else "process"
+    out = [f"around the steps (per {unit}; estimates at stated rates: cast_llm/plan/startup.py):"]
+    out += [f"{indent}{k:<52}{fmt_size(v):>11}" for k, v in sp.memory.items()]
+    node = sp.per_node
+    out.append(f"host memory per node ({node} process{'es' if node > 1 else ''}):")
+    out += [f"{indent}{k:<52}{fmt_size(v):>11}" for k, v in sp.host_per_node.items()]
+    out.append("work and waits:")
+    out += [f"{indent}{k:<52}{duration(v):>11}" for k, v in sp.seconds.items()]
+    t = sp.timeouts
+    out.append(f"{indent}{'timeouts: training collectives / waiting for rank 0':<52}"
+               f"{duration(t.collective):>11} / {duration(t.wait)}")
+    out += [f"{indent}note: {n}" for n in sp.notes]
+    return out
+
+
 def plan_lines(p) -> list[str]:
     """All of ``cast-llm plan``'s report for a :class:`cast_llm.plan.Plan`."""
     sh, s = p.shape, p.setup
@@ -74,6 +92,18 @@ def plan_lines(p) -> list[str]:
         for opt, mp in p.effects:
             ok = "fits" if mp.fits(p.capacity) else "does not fit"
             lines.append(f"  {opt.flag:<34}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
+    if p.startup is not None:
+        from cast_llm.plan import startup_fits
+
+        lines += ["", *startup_lines(p.startup, s)]
+        host = p.cfg.host_memory and parse_size(p.cfg.host_memory, "--host-memory")
+        f = startup_fits(p.startup, s, p.capacity, host)
+        verdict = "fits" if f["device_fits"] else "DOES NOT FIT (--no-baseline-eval, or more memory per GPU)"
+        lines.append(f"  start-up and end: needs {fmt_size(f['device_needed'])} of {fmt_size(p.capacity)} per {unit}: "
+                     f"{verdict}")
+        if f["host_fits"] is not None:
+            lines.append(f"  host per node: {fmt_size(p.startup.host_peak_per_node)} of {fmt_size(host)}: "
+                         + ("fits" if f["host_fits"] else "DOES NOT FIT"))
     lines += ["", _time_line(p)]
     if p.fit_time is not None:
         lines.append(f"  with the options above: {duration(p.fit_time.seconds)} "

@@ -57,6 +57,7 @@ class ModelShape:
     vocab: int
     max_positions: int | None
     source: str = ""  # where the config came from, for the report
+    native_bytes: int = 4  # bytes per parameter of the dtype the config names (the export's), fp32 if none
 
     @property
     def llama_like(self) -> bool:
@@ -175,6 +176,8 @@ def shape_of(model, *, name: str = "", source: str = "", n: int = 2, m: int = 4)
     inter = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", None)
                 or getattr(cfg, "n_inner", None) or 4 * hidden)
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    native = {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(dtype).removeprefix("torch."), 4)
     return ModelShape(
         name=name, model_type=str(getattr(cfg, "model_type", "?")),
         params=sum(p.numel() for p in unique.values()),
@@ -185,4 +188,5 @@ def shape_of(model, *, name: str = "", source: str = "", n: int = 2, m: int = 4)
         head_params=head.weight.numel() if head is not None else 0, tied=tied,
         hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim,
         vocab=int(getattr(cfg, "vocab_size", 0)), max_positions=int(max_pos) if max_pos else None, source=source,
+        native_bytes=native,
     )

@@ -8,6 +8,11 @@ into ``step-….tmp`` and renamed into place only when complete, so a run killed
 previous checkpoint intact; old checkpoints are removed only after the new one is complete. Loading checks
 the fingerprint and the checksums and refuses a corrupt, incompatible or pickle-bearing checkpoint with a
 message naming the file.
+
+Every folder a save creates carries :data:`CHECKPOINT_MARKER` from its first instant, so that a ``*.tmp``
+left by a save that was killed is known to be ours: :func:`remove_stale_partials` removes those (and only
+those) when a run starts. Under FSDP2 every rank hashes the files it wrote and verifies, when resuming, the
+files it reads: no rank reads another's shards.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from cast_llm.io import atomic_dir, fsync_path, publish_dir, sha256_file
 from cast_llm.train.state_io import StateFormatError, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
-           "list_checkpoints", "save_checkpoint", "save_sharded_checkpoint", "load_checkpoint", "FINGERPRINT_KEYS"]
+           "list_checkpoints", "save_checkpoint", "save_sharded_checkpoint", "load_checkpoint", "FINGERPRINT_KEYS",
+           "CHECKPOINT_MARKER", "remove_stale_partials"]
 
 # config keys that must match for a resume to continue the same run (others, e.g. logging, may change)
 FINGERPRINT_KEYS = (
@@ -40,6 +46,8 @@ FINGERPRINT_KEYS = (
 )
 # files a checkpoint of ours never holds: pickle-based formats can run code when loaded
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
+# written first into every checkpoint folder: a partial one (``step-N.tmp``, ``step-N.old``) with it is ours
+CHECKPOINT_MARKER = ".cast-llm-checkpoint"
 
 
 class CheckpointWriteError(CastError):
@@ -84,15 +92,39 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
                   if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and (p / "meta.json").is_file())
 
 
+def _mark(folder: Path, step: int) -> None:
+    (folder / CHECKPOINT_MARKER).write_text(json.dumps({"writer": "cast-llm", "step": step}))
+
+
+def remove_stale_partials(run_dir: Path) -> tuple[list[Path], int]:
+    """Remove the partial checkpoint folders (``step-N.tmp`` / ``step-N.old``) that a killed save of ours
+    left in ``run_dir/checkpoints``; folders without our marker are left alone. Returns (removed, bytes)."""
+    root = checkpoint_root(run_dir)
+    removed, size = [], 0
+    if not root.is_dir():
+        return removed, size
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and p.name.startswith("step-") and p.suffix in (".tmp", ".old") \
+                and (p / CHECKPOINT_MARKER).is_file():
+            size += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed, size
+
+
 def _rotate(run_dir: Path, keep: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_meta(folder: Path, meta: dict[str, Any], step: int, extra: dict[str, Any] | None = None) -> None:
-    files = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != "meta.json"}
-    (folder / "meta.json").write_text(json.dumps({**meta, "step": step, "files": files, **(extra or {})},
-                                                 indent=2, default=str))
+def _write_meta(folder: Path, meta: dict[str, Any], step: int, extra: dict[str, Any] | None = None,
+                files: dict[str, str] | None = None) -> None:
+    """``meta.json`` with the sha256 of every file (``files``: digests already computed, by their writers)."""
+    if files is None:
+        files = {f.name: sha256_file(f) for f in sorted(folder.iterdir())
+                 if f.is_file() and f.name not in ("meta.json", CHECKPOINT_MARKER)}
+    (folder / "meta.json").write_text(json.dumps({**meta, "step": step, "files": dict(sorted(files.items())),
+                                                  **(extra or {})}, indent=2, default=str))
 
 
 def save_checkpoint(run_dir: Path, step: int, states: dict[str, Any], meta: dict[str, Any], *,
@@ -105,6 +137,7 @@ def save_checkpoint(run_dir: Path, step: int, states: dict[str, Any], meta: dict
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
         with atomic_dir(final, replace=True) as tmp:
+            _mark(tmp, step)
             for name, obj in states.items():
                 save_state(tmp / name, obj)
             _write_meta(tmp, meta, step)
@@ -128,25 +161,34 @@ def save_sharded_checkpoint(
     *,
     rank: int,
     world_size: int,
-    barrier: Callable[[], None],
-    all_ok: Callable[[bool], bool],
+    first_error: Callable[[str | None], str | None],
+    gather: Callable[[Any], list[Any]],
     keep: int = 2,
 ) -> Path:
     """Atomic checkpoint of a sharded (FSDP2) run: every rank writes ``NAME-rankRRRRR.*`` for each entry of
     ``per_rank`` (its own shards), rank 0 also ``NAME.*`` for ``shared``, all into the same ``*.tmp`` folder
-    (a filesystem every rank sees). Only when every rank has written and synced its files (``all_ok``:
-    every rank's success, agreed collectively) does rank 0 checksum them, write ``meta.json`` (with
-    ``sharded.world_size``) and rename the folder into place; otherwise every rank raises
-    :class:`CheckpointWriteError` and the previous checkpoint stays. Collective: every rank must call it.
+    (a filesystem every rank sees), and hashes what it wrote — the ranks hash in parallel, each its own
+    bytes. Only when every rank has written, synced and hashed its files does rank 0 write ``meta.json``
+    (every rank's digests, ``sharded.world_size``) and rename the folder into place. An error on any rank,
+    rank 0's publishing included, raises :class:`CheckpointWriteError` on every rank with that rank's
+    message (``first_error``: agreed collectively) and the previous checkpoint stays. Collective: every rank
+    must call it.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
     error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            _mark(tmp, step)
+        except OSError as e:
+            error = f"{tmp}: {e.strerror or e}"
+    error = first_error(error)  # (a barrier too: nobody writes before the folder exists)
+    if error is not None:
+        raise CheckpointWriteError(f"writing checkpoint {final} failed ({error}); the previous checkpoint is intact")
+    digests: dict[str, str] = {}
     try:
         written = []
         for name, obj in per_rank.items():
@@ -156,25 +198,33 @@ def save_sharded_checkpoint(
                 written += save_state(tmp / name, obj)
         for f in written:
             fsync_path(f)
+            digests[Path(f).name] = sha256_file(f)
     except OSError as e:
-        error = e
-    if not all_ok(error is None):
+        error = f"{e.strerror or e}"
+    error = first_error(error)
+    if error is None:
+        every = gather(digests)
+        if rank == 0:
+            try:
+                files = {k: v for d in every for k, v in d.items()}
+                expected = {f"{_rank_name(n, r)}{x}" for n in per_rank for r in range(world_size)
+                            for x in (".json", ".safetensors")} | {f"{n}{x}" for n in shared
+                                                                  for x in (".json", ".safetensors")}
+                missing = sorted(expected - {f.name for f in tmp.iterdir()})
+                if missing:
+                    raise CastError(f"files of other ranks are missing in {tmp} ({missing[:3]}); --fsdp "
+                                    "checkpoints need an --output-dir every process can see")
+                _write_meta(tmp, meta, step, {"sharded": {"world_size": world_size}}, files=files)
+                fsync_path(tmp / "meta.json")
+                publish_dir(tmp, final, replace=True)
+                _rotate(run_dir, keep)
+            except (OSError, CastError) as e:
+                error = str(e) if isinstance(e, CastError) else f"{e.strerror or e}"
+        error = first_error(error)
+    if error is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        why = f" ({error.strerror or error})" if error is not None else " on another rank"
-        raise CheckpointWriteError(f"writing checkpoint {final} failed{why}; the previous checkpoint is intact")
-    if rank == 0:
-        expected = {f"{_rank_name(n, r)}{s}" for n in per_rank for r in range(world_size)
-                    for s in (".json", ".safetensors")} | {f"{n}{s}" for n in shared for s in (".json", ".safetensors")}
-        present = {f.name for f in tmp.iterdir()}
-        if expected - present:
-            raise CastError(f"checkpoint {tmp}: files of other ranks are missing ({sorted(expected - present)[:3]}); "
-                            "--fsdp checkpoints need an --output-dir every process can see")
-        _write_meta(tmp, meta, step, {"sharded": {"world_size": world_size}})
-        fsync_path(tmp / "meta.json")
-        publish_dir(tmp, final, replace=True)
-        _rotate(run_dir, keep)
-    barrier()
+        raise CheckpointWriteError(f"writing checkpoint {final} failed ({error}); the previous checkpoint is intact")
     return final
 
 
@@ -214,6 +264,8 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
                         f"with the same number of processes (now {world_size})")
     files = meta.get("files", {})
     for fname, digest in files.items():
+        if rank is not None and "-rank" in fname and int(fname.split("-rank")[-1].split(".")[0]) != rank:
+            continue  # another rank's shard: that rank verifies it (each reads and hashes only its own)
         f = path / fname
         if not f.is_file() or sha256_file(f) != digest:
             raise CastError(f"checkpoint {path} is corrupt: {fname} is missing or its checksum does not match; "

@@ -114,8 +114,10 @@ class RunConfig(PatternSettings):
     eval_every: int = option(0, "steps between validation evaluations (0 = only at the start and end)", min=0,
                              section=CKPT)
     baseline_eval: bool = option(True, "also evaluate the starting model before training", section=CKPT)
-    save_every: int = option(0, "steps between atomic checkpoints (0 = none; SIGTERM/SIGINT still write one)",
-                             min=0, section=CKPT)
+    save_every: int | None = option(None, "steps between atomic checkpoints (default: one whenever 30 minutes of "
+                                          "wall time have passed since the last, so a run longer than an hour "
+                                          "always has one; 0 = none; SIGTERM/SIGINT write one in every case)",
+                                    min=0, section=CKPT)
     keep_last: int = option(2, "checkpoints kept (older ones are removed once a newer one is complete)", min=1,
                             section=CKPT)
     keep_checkpoints_after: bool = option(False, "keep the checkpoints after the run completes (they are only "
@@ -158,6 +160,12 @@ class TrainConfig(RunConfig, CastSettings):
     method: str = option("cast", "training method", choices=METHODS, section=RUN)
     tokens: int | None = option(None, "training-token budget, e.g. 20M; sets the steps (give this or "
                                       "--max-steps)", parse=_opt_count, min=1, section=BUDGET)
+    batch_size: int = option(4, "sequences (examples) per micro-batch per process; 0 = the largest that the "
+                                "memory plan fits (with --global-batch: one that divides it)", min=0,
+                             section=BUDGET)
+    global_batch: int | None = option(None, "sequences per optimizer step over all processes (the paper's batch): "
+                                            "--grad-accum becomes global / (--batch-size × processes), on any "
+                                            "number of processes", min=1, section=BUDGET)
     max_documents: int | None = option(None, "use only the first this many documents of --data (quick runs)",
                                        min=1, section=BUDGET)
     lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
@@ -277,6 +285,9 @@ class TrainConfig(RunConfig, CastSettings):
                                      "full tokens × vocabulary logits of student and teacher never exist (128k "
                                      "vocabularies; same FLOPs)", section=MEMORY)
     packed_masks: bool = option(False, "AdamS keeps its N:M masks as bits (1/8 of the bool masks)", section=MEMORY)
+    memory_check: bool = option(True, "stop before loading anything when the memory plan says the run does not fit, "
+                                      "with the options that would make it fit (--no-memory-check starts anyway)",
+                                section=MEMORY)
 
     def validate(self) -> None:
         super().validate()
@@ -387,13 +398,14 @@ class TrainConfig(RunConfig, CastSettings):
         return 0 if self.fixed_mask else self.mask_interval
 
 
-# Paper hyperparameters (method.md §5, Table 11). Batch = global sequences per step; with batch_size 8 the
-# accumulation is set so one process reaches it (accelerate launch divides it across processes).
+# Paper hyperparameters (method.md §5, Table 11). The batch is the paper's global batch (sequences per
+# optimizer step over all processes) on any number of processes; the per-process micro-batch is the largest
+# the memory plan fits (batch_size 0), the accumulation makes up the rest.
 PRESETS: dict[str, dict] = {
-    "gpt2": dict(lr=1e-4, l1_decay=1e-6, seq_len=1024, batch_size=8, grad_accum=16, max_steps=60_000, eta=2 / 3),
-    "opt": dict(lr=1e-4, l1_decay=2e-6, seq_len=2048, batch_size=8, grad_accum=16, max_steps=30_000, eta=2 / 3),
+    "gpt2": dict(lr=1e-4, l1_decay=1e-6, seq_len=1024, global_batch=128, batch_size=0, max_steps=60_000, eta=2 / 3),
+    "opt": dict(lr=1e-4, l1_decay=2e-6, seq_len=2048, global_batch=128, batch_size=0, max_steps=30_000, eta=2 / 3),
     # η 1/3 is the paper's LLaMA choice for zero-shot accuracy (its perplexity is lower at 2/3)
-    "llama": dict(lr=2e-5, l1_decay=4e-7, seq_len=4096, batch_size=8, grad_accum=32, max_steps=7_500, eta=1 / 3),
+    "llama": dict(lr=2e-5, l1_decay=4e-7, seq_len=4096, global_batch=256, batch_size=0, max_steps=7_500, eta=1 / 3),
     # CPU-sized (`make run`): the embedded SmolLM2-135M on the embedded corpus in ~10 minutes on 2 idle cores,
     # with CAST's short-budget defaults (warm start from SparseGPT, masked repair) at the settings the CPU-tier
     # comparison measured best (lr 1e-4, η 1/2: docs/results/compare-smollm2-135m-cpu-notes.md).

@@ -8,6 +8,11 @@ auto-wraps by class name. Calling ``torch.distributed.fsdp.fully_shard`` ourselv
 block, then the root) is the same FSDP2 on every backend (gloo on CPU, NCCL on GPUs), is tested here on CPU,
 and keeps the rest of the loop on accelerate (process setup, device, autocast, reductions).
 
+Loading: only rank 0 reads the model; every other rank builds it on the meta device
+(:func:`cast_llm.models.empty_model`), and after ``fully_shard`` each rank receives its shards from rank 0
+one tensor at a time (:func:`fill_from_main`), so a node holds one host copy of the weights, not one per
+process.
+
 What is sharded: every parameter of student and teacher, dim 0 (rows of an ``(out, in)`` weight), so the
 N:M groups along dim 1 stay whole on one rank and AdamS's masks, computed from each rank's local rows, are
 exactly the rows of the full tensor's mask. GPT-2 ``Conv1D`` targets store ``(in, out)`` (groups along dim
@@ -15,8 +20,9 @@ exactly the rows of the full tensor's mask. GPT-2 ``Conv1D`` targets store ``(in
 
 Checkpoints are per-rank files (local shards of the model, of AdamS's state with its masks, RNG and
 observer state; see :func:`cast_llm.train.checkpoint.save_sharded_checkpoint`): resume needs the same
-number of processes. The final model is gathered on rank 0 as a full state dict, loaded into a plain
-(unsharded) copy of the student, pruned with the gathered final masks and folded there.
+number of processes. The final model is gathered on rank 0 as a full state dict, which becomes the
+parameters of a plain (unsharded) student built empty from the config, pruned with the gathered final
+masks and folded there.
 """
 
 from __future__ import annotations
@@ -28,11 +34,9 @@ import torch
 from torch import nn
 
 from cast_llm.errors import CastError
-from cast_llm.models import load_model
-from cast_llm.nn import wrap_scaling_
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
 from cast_llm.sparsity.stats import l1_mass
-from cast_llm.targets import find_block_list, find_targets
+from cast_llm.targets import find_block_list
 from cast_llm.train.observers import target_weight
 
 try:
@@ -113,17 +117,62 @@ def unsharded_head(model: nn.Module | None):
         raw.reshard()
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """Gradient accumulation: no reduce-scatter on the micro-batches before the last one."""
-    model.set_requires_gradient_sync(sync)
+# ---------------------------------------------------------------------------- weights from rank 0
+def materialize_(model: nn.Module, device: torch.device) -> None:
+    """Allocate the local shards of a sharded model built on the meta device (:func:`cast_llm.models.empty_model`)
+    on ``device``, uninitialised; its buffers (rotary tables: computed at construction, not in a state dict)
+    keep their values."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+@torch.no_grad()
+def fill_from_main(model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> int:
+    """Give a sharded (FSDP2) model the weights of the full state dict ``full`` that only rank 0 holds (None on
+    the others): one tensor at a time is broadcast, in the model's dtype, and every rank keeps its own shard
+    of it, so no rank but 0 ever holds more than one whole tensor. Ranks whose model is on the meta device
+    allocate their shards first. Returns the bytes broadcast. Collective: every rank calls it."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    materialize_(model, device)
+    main = dist.get_rank() == 0
+    if main and full is None:
+        raise ValueError("fill_from_main: rank 0 must give the full state dict")
+    seen: set[int] = set()
+    sent = 0
+    for key, t in model.state_dict().items():
+        dst = local(t)
+        if dst.untyped_storage().data_ptr() in seen:  # a tied weight: filled under its first name
+            continue
+        seen.add(dst.untyped_storage().data_ptr())
+        if main:
+            if key not in full:
+                raise CastError(f"the model has {key}, which the loaded weights lack")
+            whole = full[key].to(device=device, dtype=t.dtype)
+        else:
+            whole = torch.empty(t.shape, dtype=t.dtype, device=device)
+        dist.broadcast(whole, src=0)
+        sent += whole.numel() * whole.element_size()
+        if is_dtensor(t):  # this rank's rows (or columns) of the whole tensor, as FSDP2 split them
+            whole = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
+        dst.copy_(whole)
+        del whole
+    return sent
 
 
 # ------------------------------------------------------------------------------------- sharded state
 def _to_local_cpu(obj):
+    """Local shards on the CPU: a copy from a GPU, the tensor itself on a CPU (a checkpoint writes it at once)."""
     if is_dtensor(obj):
-        return obj.to_local().detach().cpu().clone()
+        return obj.to_local().detach().cpu()
     if torch.is_tensor(obj):
-        return obj.detach().cpu().clone()
+        return obj.detach().cpu()
     if isinstance(obj, dict):
         return {k: _to_local_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -193,15 +242,6 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def build_plain_student(cfg) -> nn.Module:
-    """An unsharded student with the trained model's structure (weights to be loaded into it)."""
-    plain = load_model(cfg.model, dtype=torch.float32)
-    if cfg.use_scaling:  # as CastMethod.prepare_model
-        fqns = {t.fqn for t in find_targets(plain, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)}
-        wrap_scaling_(plain, filter_fn=lambda mod, fqn: fqn in fqns, n_groups=cfg.scale_groups, m=cfg.m)
-    return plain
 
 
 # ---------------------------------------------------------------------------------- mask statistics

@@ -6,20 +6,26 @@ distillation in :mod:`cast_llm.train.trainer`, fine-tuning in :mod:`cast_llm.fin
 it, what it does around each step, how the final model is made), and a **distribution**
 (:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
 
-Per optimizer step: ``method.begin_step`` → ``grad_accum`` micro-batches (forward, ``job.loss``, backward,
-no gradient sync before the last; losses summed on the device and watched for NaN/Inf there,
-:mod:`cast_llm.train.finite`) → ``method.before_optimizer_step`` → clipping → optimizer step (skipped on the
-device after a non-finite loss or gradient) → ``method.end_step`` → LR schedule → observers and, every
-``log_every`` steps, the finiteness check and the log record (the host's only reads of the step) → a
-checkpoint every ``save_every`` steps. Around it: the run folder and its lock, exact resume
-(``--resume`` / ``--resume auto``), SIGTERM/SIGINT → checkpoint → exit 75, and at the end
-``distribution.finish`` (``method.finalize``) and ``job.finish`` (export, evaluation, summary).
+Per optimizer step: ``method.begin_step`` → ``grad_accum`` micro-batches (forward, ``job.loss``, backward;
+DDP syncs gradients on the last only, FSDP2 reduce-scatters every one; losses summed on the device and
+watched for NaN/Inf there, :mod:`cast_llm.train.finite`) → what every rank must agree on, in one all-reduce
+(several processes only): a stop signal anywhere, a periodic checkpoint due → ``method.before_optimizer_step``
+→ clipping → optimizer step (skipped on the device on every rank after a non-finite loss or gradient on any)
+→ ``method.end_step`` → LR schedule → observers and, every ``log_every`` steps, the finiteness check and the
+log record (the host's only reads of the step) → a checkpoint (every ``save_every`` steps, or by default
+every :data:`AUTO_SAVE_S` of wall time). Around it: the run folder and its lock (with the partial
+checkpoints of a killed save removed), exact resume (``--resume`` / ``--resume auto``), SIGTERM/SIGINT →
+checkpoint → exit 75, and at the end ``distribution.finish`` (``method.finalize``) and ``job.finish``
+(export, evaluation, summary). Work only rank 0 does (``job.setup``'s loading and evaluation, the one-shot
+start, ``job.finish``) is bracketed by ``distribution.waiting_for_main``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -38,18 +44,27 @@ from cast_llm.train.checkpoint import (
     CheckpointWriteError,
     fingerprint,
     list_checkpoints,
+    remove_stale_partials,
     rng_state,
     set_rng_state,
 )
 from cast_llm.train.distributed import build_distribution
 from cast_llm.train.finite import FiniteGuard
 from cast_llm.train.memory import PeakMemory
+from cast_llm.train.phases import Phases
 from cast_llm.train.preemption import Preempted, StopRequest
 from cast_llm.train.rundir import RunLock, prepare_run_dir, record_written, write_marker
 from cast_llm.train.schedule import build_scheduler
 from cast_llm.train.threads import setup_threads
 
-__all__ = ["Job", "run", "build_accelerator", "resolve_precision"]
+__all__ = ["Job", "run", "build_accelerator", "resolve_precision", "device_type"]
+
+# --save-every's default: a checkpoint whenever this much wall time has passed since the last one, so a run
+# longer than an hour never has more than half an hour to lose to a node that dies without a signal
+AUTO_SAVE_S = 1800.0
+# a one-shot start (the SparseGPT warm start) that took longer than this is saved with the run at once (a
+# step-0 checkpoint), so a run stopped before its first periodic checkpoint does not compute it again
+START_CHECKPOINT_S = 60.0
 
 
 class Job:
@@ -66,6 +81,12 @@ class Job:
     marker_kind = "cast-llm-run"
     default_warmup = 0.02
     uses_fsdp = False
+
+    def before_launch(self, *, world: int, device_type: str, precision: str):
+        """Before the processes connect and before anything is loaded: settle what depends on the number of
+        processes and refuse, with the options that would work, what cannot run (every rank does the same).
+        Returns the :class:`~cast_llm.plan.startup.Timeouts` the process groups should use (None: torch's)."""
+        return None
 
     def setup(self, ctx: LoopContext, results: dict[str, Any], resuming: bool) -> None:
         """Load tokenizer, data and model (``self.model``, ``self.teacher``), set ``self.total_steps``; on a
@@ -113,6 +134,7 @@ class LoopContext:
         self.out = out
         self.say = say
         self.precision = precision
+        self.phases = Phases(self.device)  # wall time and peak memory of the phases around the steps
         self.t_start = time.perf_counter()
         self.elapsed_before = 0.0  # wall time of the earlier segments of a resumed run
 
@@ -127,21 +149,31 @@ def resolve_precision(cfg, device_type: str) -> str:
     return "no" if cfg.precision == "fp32" else cfg.precision
 
 
-def build_accelerator(cfg):
-    """The Accelerator of a job: its device from ``cfg.device`` (``auto``: CUDA when visible) and its mixed
-    precision from ``cfg.precision``; returns ``(accelerator, precision)``."""
-    from accelerate import Accelerator
-
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+def device_type(cfg) -> str:
+    """``"cuda"`` or ``"cpu"``: where ``cfg.device`` (``auto``: CUDA when visible) puts the job."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise CastError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    precision = resolve_precision(cfg, "cpu" if cpu else "cuda")
-    from accelerate.utils import DistributedDataParallelKwargs
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    return "cpu" if cpu else "cuda"
 
+
+def build_accelerator(cfg, *, collective_timeout_s: float | None = None):
+    """The Accelerator of a job: its device from ``cfg.device`` (``auto``: CUDA when visible) and its mixed
+    precision from ``cfg.precision``; returns ``(accelerator, precision)``. ``collective_timeout_s``: the
+    process group's timeout (None: torch's default, 10 minutes for NCCL)."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    kind = device_type(cfg)
+    precision = resolve_precision(cfg, kind)
     # DDP's gradients as views of its communication buckets: one fp32 copy of the gradients instead of two
     # (the buckets alone are as large as the gradients); the values are the same
-    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-    return Accelerator(cpu=cpu, mixed_precision=precision, kwargs_handlers=[ddp]), precision
+    handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    if collective_timeout_s is not None:
+        handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s)))
+    return Accelerator(cpu=kind == "cpu", mixed_precision=precision, kwargs_handlers=handlers), precision
 
 
 def keep_output_dtype(module) -> None:
@@ -187,7 +219,10 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     cfg = job.cfg
     kernels.apply_flag(getattr(cfg, "kernels", None))  # --kernels auto|reference (or CAST_LLM_KERNELS)
     threads_note = setup_threads(cfg)
-    accelerator, precision = build_accelerator(cfg)
+    kind = device_type(cfg)
+    timeouts = job.before_launch(world=int(os.environ.get("WORLD_SIZE", "1")), device_type=kind,
+                                 precision=resolve_precision(cfg, kind))
+    accelerator, precision = build_accelerator(cfg, collective_timeout_s=timeouts.collective if timeouts else None)
     is_main = accelerator.is_main_process
     say = log if is_main else (lambda *a, **k: None)
     if threads_note and accelerator.device.type == "cpu":
@@ -202,19 +237,27 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
                       model=getattr(cfg, "model", None), kind=job.kind)
         prepare_run_dir(out, is_main=False, **folder)  # every refusal before anything is written
         lock.acquire()
+        if lock.unsupported:
+            say(f"warning: the filesystem of {out} cannot lock {lock.path.name} ({lock.unsupported}); the run goes "
+                "on unlocked: a second job on this folder would not be refused")
     try:
         with StopRequest(say) as stop:
-            return _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder)
+            return _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder, timeouts)
     finally:
         lock.release()
 
 
-def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder) -> dict[str, Any]:
-    distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False))
+def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder, timeouts) -> dict[str, Any]:
+    distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False),
+                                      wait_timeout_s=timeouts.wait if timeouts else None)
     is_main = distribution.is_main
-    if is_main:
-        prepare_run_dir(out, is_main=True, **folder)
-    distribution.barrier()
+    with distribution.waiting_for_main("preparing the run folder"):
+        if is_main:
+            prepare_run_dir(out, is_main=True, **folder)
+            removed, size = remove_stale_partials(out)  # what a killed save of ours left behind
+            if removed:
+                say(f"removed {len(removed)} partial checkpoint folder(s) a killed save left ({size / 2**30:.2f} "
+                    "GiB): " + ", ".join(p.name for p in removed))
     if not is_main:
         found = list_checkpoints(out) if cfg.resume else []
         checkpoint = found[-1] if found else None
@@ -225,13 +268,26 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     results: dict[str, Any] = {}
     if checkpoint is not None and (out / "results.json").is_file():
         results = json.loads((out / "results.json").read_text())
-    job.setup(ctx, results, resuming=checkpoint is not None)
+    resuming = checkpoint is not None
+    job.setup(ctx, results, resuming=resuming)
     total_steps = job.total_steps
-    model = method.prepare_model(job.model, cfg, data=getattr(job, "data", None), device=ctx.device) or job.model
-    job.after_prepare(ctx, model, results, resuming=checkpoint is not None)
+    start = distribution.start_mode(resuming)
+    with distribution.waiting_for_main("computing the run's one-shot start") as work, ctx.phases("one-shot start"):
+        t0 = time.perf_counter()
+        model = method.prepare_model(job.model, cfg, data=getattr(job, "data", None), device=ctx.device,
+                                     start=start) or job.model
+        job.after_prepare(ctx, model, results, resuming=resuming)
+        if work.main:
+            work.shared["start_s"] = time.perf_counter() - t0
+    if resuming:
+        say("start: the one-shot start (warm start, initial masks) is in the checkpoint; not computed again")
+    else:
+        say(f"start: model prepared for {method.name}, its one-shot start included, in {work.shared['start_s']:.1f} s"
+            + (" on rank 0 alone" if ctx.world > 1 else ""))
     model.train()
     teacher = job.teacher
-    distribution.shard(model, teacher, cfg, say)
+    with ctx.phases("student: sharded" if cfg_fsdp(cfg) else "student: to the device"):
+        distribution.shard(model, teacher, cfg, say, fill=not resuming)
     optimizer = method.build_optimizer(model, cfg, total_steps)
     scheduler = build_scheduler(optimizer, cfg, total_steps, default_warmup=job.default_warmup)
     # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
@@ -260,6 +316,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         ctx.elapsed_before = float(meta.get("elapsed_s", 0.0))
         for ob in observers:
             ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
+        del states  # the model's copy was copied into its parameters: a second one for the whole run otherwise
         say(f"resumed from {checkpoint} at step {start_step}")
     if is_main:
         dump_yaml(cfg, out / "config.yaml")
@@ -273,12 +330,15 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     last_good = checkpoint
+    timing = {"saves": 0, "last_save": time.perf_counter(), "step_s": None}
 
     def save(step: int, *, required: bool) -> Path | None:
         """Write checkpoint ``step``. A failed periodic checkpoint is a warning (the run goes on, the previous
-        one stays); a failed required one (preemption) is an error naming the last good one."""
+        one stays); a failed required one (preemption) is an error naming the last good one. The first one
+        of a segment says what it cost: what a SIGTERM's grace period must cover."""
         nonlocal last_good
         guard.check(last_good)  # never a checkpoint of a run that went non-finite
+        t0 = time.perf_counter()
         if hasattr(method, "verify"):
             method.verify(raw)
         states = {"model": distribution.model_state(method, raw), "optimizer": distribution.optimizer_state(raw_opt),
@@ -304,6 +364,12 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
                 raise CastError(msg)
             say(f"warning: {msg}; training goes on")
             return None
+        seconds = time.perf_counter() - t0
+        timing["last_save"] = time.perf_counter()
+        if timing["saves"] == 0:
+            _report_save_cost(ctx, distribution, out / "checkpoints" / f"step-{step:08d}", seconds,
+                              timing["step_s"], results)
+        timing["saves"] += 1
         if is_main:
             record_written(out, ["checkpoints"])
             atomic_write_json(out / "results.json", results)
@@ -320,9 +386,13 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     window = _new_window()
     if resumed_window:
         window.update(resumed_window)
-    grad_accum = cfg.grad_accum
     guard = FiniteGuard(ctx.device)  # losses checked on the device, read on log steps (train/finite.py)
+    if not resuming and cfg.save_every != 0 and work.shared.get("start_s", 0.0) >= START_CHECKPOINT_S:
+        save(0, required=False)  # the one-shot start is saved with the run: a resume never computes it again
+    grad_accum = cfg.grad_accum
+    save_every = cfg.save_every
     peak.start()
+    step_t0 = time.perf_counter()
     for step in range(start_step, total_steps):
         method.begin_step(raw, raw_opt, step)
         for micro in range(grad_accum):
@@ -335,6 +405,12 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             for k, v in parts.items():
                 window["parts"][k] = window["parts"].get(k, 0.0) + v / grad_accum
             window["tokens"] += tokens * ctx.world
+        # what every rank must agree on, in one all-reduce (several processes only; one process reads no
+        # device value here): a stop signal anywhere stops every rank at this step; rank 0's clock says when a
+        # periodic checkpoint is due (--save-every's default). A non-finite loss is agreed on the device by
+        # the guard (every rank skips the step alike, and every rank stops at the next log step)
+        due = save_every is None and is_main and time.perf_counter() - timing["last_save"] >= AUTO_SAVE_S
+        stopping, due = distribution.any_of([stop.requested, due])
         method.before_optimizer_step(raw, raw_opt, step)
         if cfg.grad_clip > 0:
             distribution.clip(model, cfg.grad_clip)
@@ -347,6 +423,8 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
         window["n"] += 1
+        timing["step_s"] = time.perf_counter() - step_t0
+        step_t0 = time.perf_counter()
 
         is_log = done % cfg.log_every == 0 or done == total_steps
         measured = {}
@@ -373,10 +451,11 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             window = _new_window()
             if bar is not None:
                 bar.set_postfix(**_postfix(rec))
-        stopping = distribution.any(stop.requested) if ctx.world > 1 else stop.requested
         if stopping and done < total_steps:
             if bar is not None:
                 bar.close()
+            results["phases"] = ctx.phases.gathered(distribution)
+            _report_peak(job, ctx, distribution, peak, results)  # this segment's steps (before the save's copy)
             path = save(done, required=True)
             if tb is not None:
                 tb.close()
@@ -384,7 +463,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
                    f"checkpoint {path}. Resume with: {resume_command(cfg)}")
             say(msg)
             raise Preempted(msg)
-        if cfg.save_every and done % cfg.save_every == 0 and done != total_steps:
+        if (due or (save_every and done % save_every == 0)) and done != total_steps:
             save(done, required=False)
         if bar is not None:
             bar.update(1)
@@ -398,7 +477,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
     # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation. With
     # checkpoints on, the last step is saved first, so a failure in the export (a full disk, …) costs no
     # training: --resume goes straight to the finish.
-    if cfg.save_every and start_step < total_steps:
+    if (save_every or (save_every is None and timing["saves"])) and start_step < total_steps:
         save(total_steps, required=False)
     if observers:
         end_ctx = StepContext(step=total_steps, total_steps=total_steps, model=raw, is_log_step=False, run_dir=out,
@@ -407,18 +486,50 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         for ob in observers:
             ob.on_end(end_ctx)
     job.before_finalize(ctx, raw, results)
-    final = distribution.finish(raw, raw_opt, method, cfg, out)
+    teacher = job.teacher = None  # training is over: its memory goes to gathering and evaluating the final model
+    if getattr(job, "teacher_forward", None) is not None:
+        job.teacher_forward = None
+    with ctx.phases("final model: gathered and folded" if cfg_fsdp(cfg) else "final model: folded"):
+        final = distribution.finish(raw, raw_opt, method, cfg, out)
     results.update(method.results())
     results["kernels"] = kernels.taken()  # which path each checked kernel took (cast_llm.kernels)
-    distribution.barrier()
-    results = job.finish(ctx, final, results)
+    with distribution.waiting_for_main("exporting and evaluating the final model"):
+        results = job.finish(ctx, final, results)
+    results["phases"] = ctx.phases.gathered(distribution)
+    if is_main:
+        atomic_write_json(out / "results.json", results)
     if tb is not None:
         tb.close()
-    if is_main:
-        _drop_checkpoints(out, say, keep=getattr(cfg, "keep_checkpoints_after", False))
-    distribution.barrier()
+    with distribution.waiting_for_main("removing the run's checkpoints"):
+        if is_main:
+            _drop_checkpoints(out, say, keep=getattr(cfg, "keep_checkpoints_after", False))
     accelerator.end_training()
     return results
+
+
+def cfg_fsdp(cfg) -> bool:
+    return bool(getattr(cfg, "fsdp", False))
+
+
+def _report_save_cost(ctx, distribution, folder: Path, seconds: float, step_s: float | None,
+                      results: dict[str, Any]) -> None:
+    """The first checkpoint of a segment: what it cost (the slowest rank), which is what a SIGTERM's grace
+    period must cover after the step in flight; into results.json (``checkpoint``) and the log."""
+    mine = 0
+    if folder.is_dir():
+        sharded = any(folder.glob("*-rank00000.*"))  # FSDP2: every rank's own files; else rank 0 wrote it all
+        files = folder.glob(f"*-rank{ctx.rank:05d}.*") if sharded else (folder.iterdir() if ctx.is_main else [])
+        mine = sum(f.stat().st_size for f in files if f.is_file())
+    every = distribution.gather((seconds, mine))
+    slowest = max(s for s, _ in every)
+    largest = max(b for _, b in every)
+    need = slowest + (step_s or 0.0)
+    results["checkpoint"] = {"seconds": round(slowest, 2), "bytes_per_rank": largest,
+                             "step_seconds": None if step_s is None else round(step_s, 2),
+                             "sigterm_grace_needed_s": round(need, 2)}
+    step = f" + one step ({step_s:.1f} s)" if step_s is not None else ""
+    ctx.say(f"checkpoint: {largest / 2**30:.2f} GiB per process written in {slowest:.1f} s; a SIGTERM needs "
+            f"{need:.0f} s{step} of grace (SLURM --signal=TERM@…, torchrun --shutdown-timeout; docs/training.md)")
 
 
 def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, Any]) -> None:
@@ -427,14 +538,14 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
     if measured is None:
         return
     framework = peak.framework
-    if distribution.world > 1:
-        import torch.distributed as dist
-
-        t = torch.tensor([float(measured), float(framework or 0)], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        measured, framework = int(t[0].item()), (int(t[1].item()) if framework is not None else None)
+    every = distribution.gather((int(measured), framework))  # (the CPU group: no device sync)
+    per_rank = [m for m, _ in every]
+    measured = max(per_rank)
+    if framework is not None:
+        framework = max(f or 0 for _, f in every)
     plan = getattr(job, "memory_plan", None)
-    entry = {"measured_peak": measured, "measured": peak.what, "per_process": True}
+    entry = {"measured_peak": measured, "measured": peak.what, "per_process": True,
+             "measured_per_rank": per_rank, "framework_per_rank": [f for _, f in every]}
     line = f"peak memory per process over the steps: {measured / 2**30:.2f} GiB ({peak.what})"
     if plan is not None:
         entry.update(planned_peak=plan.peak, planned_moment=plan.peak_moment, plan=plan.as_dict())
@@ -451,7 +562,8 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
 
 
 def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
-    """A finished run needs no checkpoint to resume: remove them (ours), unless asked to keep them."""
+    """A finished run needs no checkpoint to resume: remove them (ours only: complete checkpoints and partial
+    ones with our marker; anything else in the folder stays), unless asked to keep them."""
     found = list_checkpoints(out)
     if not found:
         return
@@ -461,7 +573,11 @@ def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
     import shutil
 
     size = sum(f.stat().st_size for c in found for f in c.iterdir() if f.is_file())
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for c in found:
+        shutil.rmtree(c, ignore_errors=True)
+    remove_stale_partials(out)
+    with contextlib.suppress(OSError):  # (left in place when something else is in it)
+        (out / "checkpoints").rmdir()
     say(f"removed the run's {len(found)} checkpoint(s) ({size / 2**30:.1f} GiB): the run is complete "
         "(--keep-checkpoints-after keeps them)")
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 from cast_llm.plan import fmt_size, machine_ram, plan_memory, setup_for_run, shape_of
-from cast_llm.plan.report import memory_lines
+from cast_llm.plan.report import memory_lines, startup_lines
+from cast_llm.plan.startup import StartupWork, plan_startup
 
-__all__ = ["PeakMemory", "plan_for_run", "device_capacity", "peak_rss"]
+__all__ = ["PeakMemory", "plan_for_run", "device_capacity", "peak_rss", "reset_rss_peak", "refuse_if_too_large",
+           "startup_work_for_run"]
 
 
 def peak_rss() -> int | None:
@@ -30,7 +32,7 @@ def peak_rss() -> int | None:
         return None
 
 
-def _reset_rss_peak() -> bool:
+def reset_rss_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := the current RSS (Linux ≥ 4.0)
@@ -92,7 +94,7 @@ class PeakMemory:
         return "max_memory_allocated" if self.device.type == "cuda" else "peak RSS (VmHWM)"
 
     def measure_framework(self, *counted) -> None:
-        if self.device.type == "cpu" and _reset_rss_peak():
+        if self.device.type == "cpu" and reset_rss_peak():
             rss = peak_rss()  # = the current resident set, just after the reset
             if rss is not None:
                 self.framework = max(0, rss - tensor_bytes(*counted))
@@ -103,7 +105,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.ok = True
         else:
-            self.ok = _reset_rss_peak()
+            self.ok = reset_rss_peak()
 
     def read(self) -> int | None:
         if not self.ok:
@@ -115,33 +117,72 @@ class PeakMemory:
 
 
 def device_capacity(device: torch.device, world: int) -> int:
-    """Bytes one process may use: the GPU's memory, or this machine's RAM shared by the processes."""
+    """Bytes one process may use: the GPU's memory, or this machine's RAM shared by its processes."""
+    import os
+
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return machine_ram() // max(1, world)
+        index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    return machine_ram() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
-def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str, framework: int):
-    """``(MemoryPlan, lines to print)`` for the run about to start on ``model`` (before any wrapping)."""
+def startup_work_for_run(cfg, *, native_bytes: int, world: int) -> StartupWork:
+    """The :class:`StartupWork` of a ``cast-llm train`` configuration."""
+    import os
+
+    eval_len = cfg.eval_seq_len or cfg.seq_len
+    windows = cfg.wikitext_windows if cfg.wikitext_windows else 64
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return StartupWork(baseline_eval=cfg.baseline_eval,
+                       warm_start=cfg.use_warm_start or cfg.effective_init_mask == "sparsegpt",
+                       calib_tokens=cfg.calib_samples * cfg.seq_len,
+                       eval_tokens=(cfg.val_sequences or 64) * cfg.seq_len + windows * eval_len,
+                       eval_window=max(eval_len, cfg.seq_len * max(1, cfg.batch_size)), native_bytes=native_bytes,
+                       gpus_per_node=local, host_memory=machine_ram())
+
+
+def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str, framework: int,
+                 native_bytes: int = 4):
+    """``(MemoryPlan, StartupPlan, lines to print)`` for the run about to start on ``model`` (before any
+    wrapping; an empty model on the meta device will do: only its shape is read)."""
     shape = shape_of(model, name=cfg.model, source="loaded", n=cfg.n, m=cfg.m)
     setup = setup_for_run(cfg, world=world, device_type=device.type, precision=precision, framework=framework)
     plan = plan_memory(shape, setup)
+    startup = plan_startup(shape, setup, startup_work_for_run(cfg, native_bytes=native_bytes, world=world))
     capacity = device_capacity(device, world)
     lines = [f"memory plan (cast-llm plan; {fmt_size(framework)} of it measured before loading the model):"
              if device.type == "cpu" else "memory plan (cast-llm plan):"]
     lines += memory_lines(plan, capacity)
-    return plan, lines
+    lines += startup_lines(startup, setup)
+    return plan, startup, lines
 
 
-def warn_if_too_large(plan, device: torch.device, world: int, say) -> None:
-    """A warning with the options that would make the run fit, when the plan says it does not."""
+def refuse_if_too_large(plan, device: torch.device, world: int, startup=None) -> None:
+    """Before anything is loaded: a :class:`CastError` with the options that would make the run fit, when the
+    plan says it does not — its steps, or (``startup``) rank 0's start-up and end on the device (``cast-llm
+    train --no-memory-check`` starts anyway)."""
+    from cast_llm.errors import CastError
+    from cast_llm.plan import startup_fits
     from cast_llm.plan.advice import make_it_fit
 
     capacity = device_capacity(device, world)
+    if startup is not None and device.type == "cuda":
+        f = startup_fits(startup, plan.setup, capacity, None)
+        if not f["device_fits"]:
+            worst = max((k for k in startup.memory if "device" in k), key=startup.memory.get)
+            fix = ("--no-baseline-eval leaves the whole model off the GPU" if "baseline" in worst
+                   else "a GPU with more memory is needed")
+            raise CastError(f"the memory plan's start-up needs {fmt_size(f['device_needed'])} on one GPU ({worst}) "
+                            f"and {fmt_size(capacity)} are available; {fix} (cast-llm plan shows every term; "
+                            "--no-memory-check starts anyway)")
     if plan.fits(capacity):
         return
     fit = make_it_fit(plan.shape, plan.setup, capacity)
-    fix = (f"; it would fit with {' '.join(fit.flags)}" + (f" on {fit.gpus} GPUs" if fit.gpus else "")
-           if fit.gpus != 0 else "")
-    say(f"warning: the memory plan needs {fmt_size(plan.needed())} per process and {fmt_size(capacity)} are "
-        f"available: this run will probably run out of memory{fix} (cast-llm plan shows the options)")
+    if fit.gpus == 0:
+        fix = "nothing up to 4096 GPUs makes it fit"
+    else:
+        fix = f"it would fit with {' '.join(fit.flags)}" + (f" on {fit.gpus} processes" if fit.gpus else "") + \
+            f" ({fmt_size(fit.plan.needed())})"
+    raise CastError(f"the memory plan needs {fmt_size(plan.needed())} per process and {fmt_size(capacity)} are "
+                    f"available: this run would run out of memory; {fix} (cast-llm plan shows every option; "
+                    "--no-memory-check starts anyway)")

@@ -15,6 +15,7 @@ not write:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -76,6 +77,7 @@ class RunLock:
     def __init__(self, folder: Path):
         self.path = Path(folder) / LOCK_FILE
         self.fd: int | None = None
+        self.unsupported: str | None = None  # why the filesystem could not lock (then the job runs unlocked)
 
     def acquire(self) -> RunLock:
         try:
@@ -86,8 +88,12 @@ class RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
             os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # the filesystem cannot lock (Lustre mounted with noflock, NFSv3 without lockd): not "in use"
+                self.unsupported = f"{e.strerror or e} (errno {e.errno})"
+                return self
             holder = read_json(self.path)
             who = (f" (pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')})"
                    if holder else "")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,9 @@ class StateFormatError(CastError):
 
 
 def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``obj`` as a JSON-able tree plus the tensors it references (``{key: contiguous CPU tensor}``)."""
+    """``obj`` as a JSON-able tree plus the tensors it references (``{key: CPU tensor}``, not copied)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
-    storages: set[int] = set()
     alive: list[torch.Tensor] = []  # keeps every seen tensor alive, so no address is reused while encoding
 
     def tensor_key(t: torch.Tensor, where: str) -> str:
@@ -46,15 +46,8 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             if t.numel() else None
         if sig is not None and sig in seen:  # the same tensor twice (tied weights): stored once
             return seen[sig]
-        c = t.contiguous()
-        ptr = c.untyped_storage().data_ptr() if c.numel() else None
-        if ptr is not None and ptr in storages:  # a different view of stored memory: safetensors needs a copy
-            c = c.clone()
-            ptr = c.untyped_storage().data_ptr()
         key = f"t{len(tensors)}"
-        tensors[key] = c
-        if ptr is not None:
-            storages.add(ptr)
+        tensors[key] = t  # (views of one storage are fine: write_safetensors writes each tensor's own bytes)
         if sig is not None:
             seen[sig] = key
         return key
@@ -133,14 +126,40 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def save_state(stem: str | Path, obj: Any) -> list[Path]:
     """Write ``obj`` as ``STEM.json`` + ``STEM.safetensors``; returns the two paths (not atomic by itself:
     checkpoints write into a temporary folder that is renamed when complete)."""
-    from safetensors.torch import save_file
-
     stem = Path(stem)
     tree, tensors = encode(obj)
     js, st = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
     js.write_text(json.dumps({"format": "cast-llm-state/1", "tree": tree}))
-    save_file(tensors, str(st))
+    write_safetensors(tensors, st)
     return [js, st]
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """The safetensors format (an 8-byte little-endian header length, the JSON header padded to 8 bytes, then
+    every tensor's bytes), written one tensor at a time: ``safetensors.torch.save_file`` first turns every
+    tensor into ``bytes``, a second copy of a whole checkpoint shard in host memory (12 GiB per rank at 8B on
+    8 GPUs). ``safetensors.torch.load_file`` reads it back."""
+    header, offset = {}, 0
+    for key, t in tensors.items():
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise StateFormatError(f"tensor {key}: dtype {t.dtype} cannot be stored")
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():  # one contiguous copy at most, of this tensor alone
+                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def load_state(stem: str | Path) -> Any:

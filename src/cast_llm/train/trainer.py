@@ -4,12 +4,19 @@ The job of the one training loop (:mod:`cast_llm.train.loop`) for every training
 ``--data`` (a seeded, resumable batch order), the student and — when distilling — its frozen dense teacher,
 the loss of Eq. 13, the mask statistics observers, and at the end the verified N:M export with the
 dense / one-shot / sparse perplexities (:class:`Evaluator`) and a summary.
+
+Before anything is loaded (:meth:`PretrainJob.before_launch`), the model is built empty from its config:
+the memory plan is made from it, ``--global-batch`` is split over the processes with the largest
+micro-batch the plan fits, a run the plan says cannot fit stops with the options that would, and the
+process groups' timeouts are set from the work they must cover (:mod:`cast_llm.plan.startup`). Under
+``--fsdp`` only rank 0 then loads the weights (the others receive their shards from it); the baseline
+evaluation runs on rank 0 alone, in the training precision; the export is written in the model's own dtype.
 """
 
 from __future__ import annotations
 
-import copy
 import os
+import time
 from typing import Any
 
 import torch
@@ -21,15 +28,23 @@ from cast_llm.eval.ppl import packed_perplexity, perplexity, tokenize_text, wiki
 from cast_llm.export import save_sparse_checkpoint
 from cast_llm.head_loss import fused_head_loss, head_inputs
 from cast_llm.io import atomic_write_json
-from cast_llm.models import check_seq_len, load_model, load_tokenizer, max_positions
-from cast_llm.plan import process_rss
+from cast_llm.models import (
+    check_seq_len,
+    empty_model,
+    load_model,
+    load_tokenizer,
+    max_positions,
+    native_dtype,
+)
+from cast_llm.plan import fmt_size, process_rss
 from cast_llm.sparsity.mask import magnitude_mask
 from cast_llm.targets import find_targets
 from cast_llm.train import fsdp as fsdp2
+from cast_llm.train.batch import split_global_batch
 from cast_llm.train.checkpoint import FINGERPRINT_KEYS
 from cast_llm.train.config import TrainConfig
 from cast_llm.train.loop import Job, run
-from cast_llm.train.memory import plan_for_run, warn_if_too_large
+from cast_llm.train.memory import device_capacity, plan_for_run, refuse_if_too_large
 from cast_llm.train.memory_options import (
     disable_activation_checkpointing,
     enable_activation_checkpointing,
@@ -161,21 +176,44 @@ class PretrainJob(Job):
         self.teacher_forward = None
         self.say = lambda *a, **k: None
 
-    def setup(self, ctx, results, resuming: bool) -> None:
-        cfg, say = self.cfg, ctx.say
-        self.say = say
+    def before_launch(self, *, world: int, device_type: str, precision: str):
+        """The model built empty (config only), the plan made from it, the batch split over the processes, a
+        run that cannot fit refused, the timeouts set (see the module docstring); no weights are read."""
+        cfg = self.cfg
         if cfg.fsdp:
             fsdp2.check_supported(cfg)
-        framework = process_rss() if ctx.device.type == "cpu" else 0  # the plan's "framework" on a CPU
-        self.tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, dtype=torch.float32)
-        check_seq_len(model, cfg.seq_len, cfg.model)
-        self.memory_plan, lines = plan_for_run(cfg, model, world=ctx.world, device=ctx.device,
-                                               precision=ctx.precision, framework=framework)
-        for line in lines:
+        self.framework = process_rss() if device_type == "cpu" else 0  # the plan's "framework" on a CPU
+        self.skeleton = empty_model(cfg.model)
+        check_seq_len(self.skeleton, cfg.seq_len, cfg.model)
+        self.native_dtype = native_dtype(cfg.model)
+        device = torch.device(device_type)
+        native = torch.finfo(self.native_dtype).bits // 8
+
+        def plan(batch_size: int, grad_accum: int):
+            cfg.batch_size, cfg.grad_accum = batch_size, grad_accum
+            return plan_for_run(cfg, self.skeleton, world=world, device=device, precision=precision,
+                                framework=self.framework, native_bytes=native)
+
+        capacity = device_capacity(device, world)
+        cfg.batch_size, cfg.grad_accum = split_global_batch(
+            cfg.global_batch, world, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
+            fits=lambda b, a: plan(b, a)[0].fits(capacity))
+        self.memory_plan, self.startup_plan, self.plan_lines = plan(cfg.batch_size, cfg.grad_accum)
+        if cfg.memory_check:
+            refuse_if_too_large(self.memory_plan, device, world, startup=self.startup_plan)
+        return self.startup_plan.timeouts
+
+    def setup(self, ctx, results, resuming: bool) -> None:
+        cfg, say, dist = self.cfg, ctx.say, ctx.distribution
+        self.say = say
+        for line in self.plan_lines:
             say(line)
-        warn_if_too_large(self.memory_plan, ctx.device, ctx.world, say)
-        targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
+        if cfg.global_batch:
+            say(f"batch: --global-batch {cfg.global_batch} = micro-batch {cfg.batch_size} × --grad-accum "
+                f"{cfg.grad_accum} × {ctx.world} process(es)")
+        self.tokenizer = load_tokenizer(cfg.model)
+        skeleton = self.skeleton
+        targets = find_targets(skeleton, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         skipped = getattr(targets, "skipped", [])
         if skipped:
             say(f"leaving {len(skipped)} layer(s) dense (width not a multiple of {cfg.m}): "
@@ -193,47 +231,85 @@ class PretrainJob(Job):
         say(f"data split: {self.data.split_note} (split {self.data.split_sha256[:12]})")
         self.sampler = BatchSampler(self.data.train.shape[0], cfg.batch_size, seed=cfg.seed, rank=ctx.rank,
                                     world_size=ctx.world)
-        self.evaluator = Evaluator(cfg, self.tokenizer, self.data.test, max_positions(model), val=self.data.val,
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.data.test, max_positions(skeleton), val=self.data.val,
                                    train_tokens=self.total_steps * self.tokens_per_step, say=say)
         self.device = ctx.device
-        say(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        say(f"model {cfg.model}: {sum(p.numel() for p in skeleton.parameters()) / 1e6:.1f}M parameters, "
             f"{len(targets)} {cfg.n}:{cfg.m} targets; data {cfg.data}: {self.data.train.shape[0]} train / "
             f"{self.data.val.shape[0]} validation / {self.data.test.shape[0]} test sequences of {cfg.seq_len}; "
             f"{self.total_steps} steps × "
             f"{self.tokens_per_step} tokens on {ctx.world} process(es), {ctx.device}")
         say(f"evaluation: {self.evaluator.describe()} (--wikitext-windows 0: the full protocol)")
         results.setdefault("perplexity", {"heldout": {}, "wikitext2": {}})
-        # The teacher: the dense model, copied before anything changes the student, and before the baseline
-        # evaluation moves the student to the device (a copy made there would put two fp32 models on a GPU)
+        kd = self.method.uses_kd(cfg)
+        tdtype = teacher_dtype(cfg, ctx.precision)
+        # The dense model: every process under DDP (each GPU holds it); under FSDP2 rank 0 alone — and on a
+        # resume only for the teacher (the student's weights are in the checkpoint)
+        loads = dist.loads_weights(resuming) or (cfg.fsdp and ctx.is_main and resuming and kd)
+        with dist.waiting_for_main("loading the model and evaluating it"), ctx.phases("load the model"):
+            dense = load_model(cfg.model, dtype=tdtype if (cfg.fsdp and resuming) else torch.float32) \
+                if loads else None
+            if ctx.is_main and dense is not None:
+                say(f"loaded {cfg.model} on {'rank 0 alone' if cfg.fsdp else 'every process'} "
+                    f"({fmt_size(sum(p.numel() * p.element_size() for p in dense.parameters()))} in host memory)")
+            if not resuming and cfg.baseline_eval and ctx.is_main:
+                with ctx.phases("baseline evaluation (rank 0)"):
+                    self._baseline(ctx, dense, targets, results)
+        # the teacher: the dense model, before anything changes the student (and before it leaves the host)
         self.teacher = None
-        if self.method.uses_kd(cfg):
-            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
-            dtype = teacher_dtype(cfg, ctx.precision)
-            if dtype != torch.float32:
-                self.teacher.to(dtype)
-        if not resuming and cfg.baseline_eval:  # where every run starts from: the dense model, and one-shot N:M
-            model.to(ctx.device)
+        if kd:
+            with ctx.phases("teacher: sharded from rank 0" if cfg.fsdp else "teacher: copied"):
+                self.teacher = dist.build_teacher(dense, cfg, tdtype, say)
+        if cfg.fsdp:
+            model = dense if (dense is not None and not resuming) else skeleton
+            del dense  # on a resume rank 0's copy served the teacher only
+        else:
+            model = dense
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        self.model = model
+
+    def _baseline(self, ctx, model, targets, results) -> None:
+        """Where every run starts from, on rank 0 in the training precision: the dense model, and (without a
+        warm start, which measures its own) its one-shot magnitude N:M."""
+        cfg = self.cfg
+        with self.on_device(ctx, model):
             dense = self.evaluator.both(model, "dense model (the original)")
             for split in ("heldout", "wikitext2"):
                 results["perplexity"][split]["dense"] = dense[split]
-            if not cfg.use_warm_start:  # (a warm start measures its own one-shot start after preparing it)
-                mags = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m) for t in targets}
+            if not cfg.use_warm_start:
+                mags = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m)
+                        for t in find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)}
                 magnitude = with_masks_applied(
                     model, mags, lambda m: self.evaluator.both(m, f"one-shot magnitude {cfg.n}:{cfg.m}"))
                 for split in ("heldout", "wikitext2"):
                     results["perplexity"][split]["magnitude"] = magnitude[split]
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(model)
-        self.model = model
+
+    def on_device(self, ctx, model):
+        """Evaluate ``model`` on the device in the training precision (autocast). Under FSDP2 rank 0's whole
+        copy goes back to the host afterwards: the device is for the shards; without FSDP2 it stays."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctxmgr():
+            home = next(model.parameters()).device
+            model.to(ctx.device)
+            try:
+                with ctx.accelerator.autocast(), torch.no_grad():
+                    yield
+            finally:
+                if self.cfg.fsdp:
+                    model.to(home)
+        return ctxmgr()
 
     def after_prepare(self, ctx, model, results, resuming: bool) -> None:
         """A warm start begins from the one-shot pruned model: measure it (the baseline the run must beat)."""
         cfg = self.cfg
         if resuming or not cfg.baseline_eval or not cfg.use_warm_start or not ctx.is_main:
             return
-        model.to(ctx.device)
         name = {"sparsegpt": "SparseGPT", "wanda": "Wanda"}.get(cfg.effective_init_mask, cfg.effective_init_mask)
-        start = self.evaluator.both(model, f"one-shot {name} {cfg.n}:{cfg.m} (the warm start)")
+        with ctx.phases("one-shot evaluation (rank 0)"), self.on_device(ctx, model):
+            start = self.evaluator.both(model, f"one-shot {name} {cfg.n}:{cfg.m} (the warm start)")
         for split in ("heldout", "wikitext2"):
             results["perplexity"][split]["oneshot"] = start[split]
         results["oneshot_method"] = cfg.effective_init_mask
@@ -285,15 +361,22 @@ class PretrainJob(Job):
     def finish(self, ctx, final, results):
         cfg = self.cfg
         tokens_trained = self.total_steps * self.tokens_per_step
+        self.teacher = self.teacher_forward = None  # its device memory goes to the final evaluation
         if ctx.is_main:
             disable_activation_checkpointing(final)  # nothing of it belongs in the exported model
+            final.to(self.native_dtype)  # the model's own dtype (a bf16 model is exported in bf16, not fp32)
             final_targets = find_targets(final, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
-            save_sparse_checkpoint(final, self.tokenizer, ctx.out, n=cfg.n, m=cfg.m, method=cfg.method,
-                                             targets=final_targets,
-                                             metadata={"tokens_trained": tokens_trained, "steps": self.total_steps,
-                                                       "seq_len": cfg.seq_len, "base_model": cfg.model,
-                                                       "data": cfg.data, **self.method.export_metadata(cfg)})
-            sparse = self.evaluator.both(final, f"{cfg.method} {cfg.n}:{cfg.m} (the exported model)", validation=True)
+            with ctx.phases("export (rank 0)"):
+                save_sparse_checkpoint(final, self.tokenizer, ctx.out, n=cfg.n, m=cfg.m, method=cfg.method,
+                                       targets=final_targets,
+                                       metadata={"tokens_trained": tokens_trained, "steps": self.total_steps,
+                                                 "seq_len": cfg.seq_len, "base_model": cfg.model,
+                                                 "data": cfg.data, **self.method.export_metadata(cfg)})
+            t0 = time.perf_counter()
+            with ctx.phases("final evaluation (rank 0)"), self.on_device(ctx, final):
+                sparse = self.evaluator.both(final, f"{cfg.method} {cfg.n}:{cfg.m} (the exported model)",
+                                             validation=True)
+            results["final_eval_s"] = round(time.perf_counter() - t0, 2)
             for split in ("heldout", "validation", "wikitext2"):
                 results["perplexity"].setdefault(split, {})["sparse"] = sparse[split]
             results.update(
@@ -308,6 +391,7 @@ class PretrainJob(Job):
                 wikitext_windows_total=getattr(self.evaluator, "windows_total", None),
                 wikitext_file=getattr(self.evaluator, "wiki_source", None),
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out), threads=torch.get_num_threads(),
+                export_dtype=str(self.native_dtype).removeprefix("torch."),
             )
             if self.teacher_forward is not None:
                 results["teacher_forward"] = self.teacher_forward.mode

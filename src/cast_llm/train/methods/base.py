@@ -28,11 +28,17 @@ class TrainingMethod:
     def uses_kd(self, cfg) -> bool:
         return bool(getattr(cfg, "use_kd", False))
 
-    def prepare_model(self, model: torch.nn.Module, cfg, *, data=None, device=None) -> torch.nn.Module | None:
+    def prepare_model(self, model: torch.nn.Module, cfg, *, data=None, device=None,
+                      start: str = "compute") -> torch.nn.Module | None:
         """Modify the model before the optimizer is built (wrap weight scaling, adapters, …); return the
         model to train if it is a new object (None: the same one, modified in place).
 
         ``data`` is the job's data (one-shot masks calibrate on it), ``device`` the training device.
+        ``start`` says who computes the method's one-shot start (a warm start, an initial mask):
+        ``"compute"`` this process for itself; ``"send"`` this process (rank 0), which then gives it to the
+        others; ``"receive"`` another process (this model may be empty, on the meta device: change only its
+        structure); ``"skip"`` nobody (a resumed run: the checkpoint holds it). Methods that compute their
+        start identically on every process may ignore it.
         """
 
     def build_optimizer(self, model: torch.nn.Module, cfg, total_steps: int) -> torch.optim.Optimizer:

@@ -77,6 +77,7 @@ class CastMethod(TrainingMethod):
     def __init__(self):
         self._srste = None  # the SR-STE mask learner, when --mask-learner srste
         self._init_masks = None  # a one-shot mask for AdamS to start from (--init-mask wanda|sparsegpt)
+        self._start = "compute"  # who computes the one-shot start (prepare_model's ``start``)
         self._calib = None  # calibration sequences of the compensated prune
         self.repair_start = None  # optimizer steps done when the masked repair begins (None: no repair)
         self.prune_report: dict | None = None  # what the final prune removed (recorded in results.json)
@@ -84,12 +85,15 @@ class CastMethod(TrainingMethod):
         self.regrow_steps = 0  # steps whose pruned-entry updates are scaled (--regrow-factor)
         self._before_step = None  # the sparse weights before the optimizer step (regrow phase only)
 
-    def prepare_model(self, model, cfg, *, data=None, device=None):
+    def prepare_model(self, model, cfg, *, data=None, device=None, start="compute"):
         if cfg.mask_learner == "srste":
             self._srste = SRSTEMethod()
             return self._srste.prepare_model(model, cfg, data=data, device=device)
         self.cfg, self._device = cfg, device
-        if cfg.use_warm_start or cfg.effective_init_mask != "magnitude":
+        self._start = start
+        # the one-shot start is computed once (rank 0 under several processes; never again on a resume:
+        # the checkpoint holds the weights and the masks it led to)
+        if start in ("compute", "send") and (cfg.use_warm_start or cfg.effective_init_mask != "magnitude"):
             mix = cfg.effective_warm_start_mix if cfg.use_warm_start else 0.0
             dense = _target_weights(model, cfg, clone=True) if mix > 0 else None
             # Eq. 6 is what AdamS computes by itself at its first step; a warm start prunes the model too
@@ -127,9 +131,13 @@ class CastMethod(TrainingMethod):
             weight_decay=cfg.weight_decay,
             mask_storage="packed" if getattr(cfg, "packed_masks", False) else "bool",
         )
-        if self._init_masks is not None:
-            for t in targets:
-                opt.set_mask(t.weight, self._init_masks[t.fqn])
+        shared = self._start in ("send", "receive") and self.uses_one_shot_start
+        if self._init_masks is not None or shared:
+            for t in targets:  # AdamS keeps its own copy (its rows, under FSDP2): ours go one by one
+                mask = self._init_masks.pop(t.fqn) if self._init_masks is not None else None
+                opt.set_mask(t.weight, self._broadcast_mask(mask, t.weight) if shared else mask)
+                del mask
+        self._init_masks = None  # the start masks live on in AdamS alone
         self.total_steps = total_steps
         self._lrs = schedule_lrs(cfg, total_steps, cfg.lr, default_warmup=0.02)
         self.regrow_steps = round(cfg.regrow_steps_fraction * total_steps)
@@ -138,6 +146,22 @@ class CastMethod(TrainingMethod):
         repair_steps = round(fraction * total_steps)
         self.repair_start = total_steps - repair_steps if repair_steps > 0 else None
         return opt
+
+    @property
+    def uses_one_shot_start(self) -> bool:
+        return self.cfg.use_warm_start or self.cfg.effective_init_mask != "magnitude"
+
+    @torch.no_grad()
+    def _broadcast_mask(self, mask, weight) -> torch.Tensor:
+        """Rank 0's one-shot mask of ``weight`` (None elsewhere) on every rank, whole (as bytes: gloo has no
+        bool broadcast); under FSDP2 AdamS keeps only this rank's rows of it."""
+        import torch.distributed as dist
+
+        device = self._device  # the training device: the one the process group communicates on
+        m8 = (mask.to(device, torch.uint8) if dist.get_rank() == 0
+              else torch.empty(tuple(weight.shape), dtype=torch.uint8, device=device))
+        dist.broadcast(m8, src=0)
+        return m8.bool()
 
     def in_repair(self, step: int) -> bool:
         """Whether optimizer step ``step + 1`` belongs to the masked repair (``step`` = steps done)."""

@@ -25,7 +25,7 @@ from cast_llm.train.methods.masks import initial_masks, mask_keys
 class MaskLLMMethod(TrainingMethod):
     name = "maskllm"
 
-    def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
+    def prepare_model(self, model, cfg, *, data=None, device=None, start="compute") -> None:
         priors = initial_masks(model, cfg, data=data, device=device, apply=False)
         model.requires_grad_(False)  # weights frozen: only the mask logits learn
         self.tau, self.kappa = cfg.schedule("maskllm_tau"), cfg.schedule("maskllm_kappa")

@@ -24,7 +24,7 @@ class NaiveMethod(SparseForwardMethod):
     ste = False  # pruned weights get no gradient at all
     prune_at_start = True
 
-    def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
+    def prepare_model(self, model, cfg, *, data=None, device=None, start="compute") -> None:
         super().prepare_model(model, cfg, data=data, device=device)
         self.interval = 0  # the mask is fixed by definition
 

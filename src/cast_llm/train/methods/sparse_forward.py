@@ -22,7 +22,7 @@ class SparseForwardMethod(TrainingMethod):
     ste = True  # straight-through gradient to pruned weights (False: they get exactly 0)
     prune_at_start = False  # start from the one-shot pruned model instead of the dense weights
 
-    def prepare_model(self, model, cfg, *, data=None, device=None) -> None:
+    def prepare_model(self, model, cfg, *, data=None, device=None, start="compute") -> None:
         masks = initial_masks(model, cfg, data=data, device=device, apply=self.prune_at_start)
         if cfg.use_scaling:
             wrap_scaling_(model, filter_fn=lambda mod, fqn: fqn in masks, n_groups=cfg.scale_groups, m=cfg.m)
