@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from tiny import tokenizer, write_corpus
 
 from cast_llm.data import (
     CALIBRATION_POOL,
@@ -26,7 +27,6 @@ from cast_llm.data import (
 )
 from cast_llm.data import cache as cache_mod
 from cast_llm.errors import CastError
-from tests.tiny import tokenizer, write_corpus
 
 
 def _docs(n: int, seed: int = 0) -> list[str]:
@@ -280,3 +280,11 @@ def test_an_unwritable_cache_folder_is_a_one_line_error_naming_the_fix(tmp_path)
     src = _jsonl(tmp_path / "c.jsonl", _docs(50))
     with pytest.raises(CastError, match="cannot create the token cache folder .*CAST_LLM_CACHE"):
         prepare(str(src), tokenizer(), 16, cache_root=blocker / "tokens")
+
+
+def test_batch_sampler_index_list_is_its_indices():
+    from cast_llm.data import BatchSampler
+
+    s = BatchSampler(37, 4, seed=3, rank=1, world_size=2)
+    for k in (0, 1, 3, 4, 9):  # epochs of 4 global micro-batches: 4 and 9 start new ones
+        assert s.index_list(k) == s.indices(k).tolist()

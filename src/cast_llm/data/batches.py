@@ -29,18 +29,31 @@ class BatchSampler:
             )
         self.micro_batch, self.seed, self.rank = micro_batch, seed, rank
         self.per_epoch = n_sequences // self.global_batch
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm, self._perm_list = -1, None, None
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm, self._perm_epoch = torch.randperm(self.n, generator=g), epoch
+            # the order as host integers, made once per epoch: a batch's indices are then read from it with no
+            # tensor access (the training step reads nothing on the host between log steps)
+            self._perm_list = self._perm.tolist()
         return self._perm
 
-    def indices(self, k: int) -> torch.Tensor:
+    def _slice(self, k: int) -> tuple[int, int]:
         epoch, j = divmod(k, self.per_epoch)
+        self._order(epoch)
         start = j * self.global_batch + self.rank * self.micro_batch
-        return self._order(epoch)[start : start + self.micro_batch]
+        return start, start + self.micro_batch
+
+    def indices(self, k: int) -> torch.Tensor:
+        start, stop = self._slice(k)
+        return self._perm[start:stop]
+
+    def index_list(self, k: int) -> list[int]:
+        """:meth:`indices` as a list of ints."""
+        start, stop = self._slice(k)
+        return self._perm_list[start:stop]
 
     def epoch_of(self, k: int) -> float:
         return k / self.per_epoch

@@ -316,8 +316,7 @@ class PretrainJob(Job):
         model.train()
 
     def batch(self, step: int, micro: int) -> torch.Tensor:
-        idx = self.sampler.indices(step * self.cfg.grad_accum + micro)
-        rows = self.data.train[idx]
+        rows = self.data.train[self.sampler.index_list(step * self.cfg.grad_accum + micro)]
         if self.device.type == "cuda":  # from pinned memory, asynchronously: the host does not wait for the copy
             return rows.pin_memory().to(self.device, non_blocking=True)
         return rows.to(self.device)
