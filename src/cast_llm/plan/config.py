@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cast_llm.config import check_ranges, option, parse_count
 from cast_llm.errors import CastError
-from cast_llm.train.config import LR_SCHEDULES
+from cast_llm.optim.schedule import SCHEDULES as LR_SCHEDULES
 
 RUN, MEMORY, TIME, DECAY = ("the run", "memory options (cast-llm train flags)", "time", "decay forecast assumptions")
 SECTIONS = (RUN, MEMORY, TIME, DECAY)

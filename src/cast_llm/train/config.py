@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 from cast_llm.config import check_ranges, kernels_option, option, parse_count, parse_hist_steps
 from cast_llm.errors import CastError
+from cast_llm.optim.schedule import SCHEDULES
 
 # training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
 INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
-LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none; train/schedule.py)
+LR_SCHEDULES = SCHEDULES  # after the linear warm-up (the paper gives none; cast_llm.optim.schedule)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
 RESUME = ("latest", "auto")
 # the last fraction of a CAST run trained as the sparse model it exports (the masked repair), by default

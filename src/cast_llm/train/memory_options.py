@@ -9,7 +9,7 @@
 * ``--teacher-dtype``: the teacher's weights. Its forward runs under ``torch.no_grad`` (no graph, nothing
   saved; :meth:`cast_llm.train.trainer.PretrainJob.loss`), so its cost is its weights and one block's
   temporaries; under ``--fsdp`` it is sharded over the same mesh as the student (``train/distributed.py``).
-* ``--fused-head``: :mod:`cast_llm.head_loss`. ``--packed-masks``: AdamS's ``mask_storage="packed"``.
+* ``--fused-head``: :mod:`cast_llm.distill.head`. ``--packed-masks``: AdamS's ``mask_storage="packed"``.
 """
 
 from __future__ import annotations
