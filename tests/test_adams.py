@@ -526,3 +526,30 @@ def test_dtensor_params_match_plain_params(single_rank_mesh):
     transposed = torch.nn.Parameter(distribute_tensor(w0.clone(), single_rank_mesh, [Shard(0)]))
     with pytest.raises(NotImplementedError, match="sharded along its N:M dim"):
         AdamS([{"params": [transposed], "sparse": True, "transposed": True}], total_steps=3)
+
+
+def test_one_dispatcher_decides_every_sparse_update_and_mask(monkeypatch):
+    """The class collects each sparse group's lists and calls functional.adams once per group per step; that
+    call alone asks the kernel registry for an update or mask implementation (torch.optim's layout)."""
+    import inspect
+    from pathlib import Path
+
+    import cast_llm.optim.adams as adams_module
+
+    calls, chosen = [], []
+    real_adams, real_choose = adams_module.adams, functional.kernels.choose
+    monkeypatch.setattr(adams_module, "adams", lambda *a, **k: (calls.append(len(a[0])), real_adams(*a, **k))[1])
+    monkeypatch.setattr(functional.kernels, "choose", lambda name, *a, **k: (chosen.append(name),
+                                                                             real_choose(name, *a, **k))[1])
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(4, 8)) for _ in range(3)]
+    bias = torch.nn.Parameter(torch.randn(4))
+    opt = AdamS([{"params": ws, "sparse": True}, {"params": [bias]}], lr=1e-2, total_steps=4, mask_interval=2)
+    for _ in range(3):
+        for p in (*ws, bias):
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert calls == [3, 3, 3]  # one call per sparse group per step, all three tensors in it
+    assert set(chosen) <= {"adams.update", "adams.masks"}
+    src = Path(inspect.getsourcefile(adams_module)).read_text()
+    assert "kernels.choose" not in src and "run_update" not in src and "update_path" not in src

@@ -69,6 +69,9 @@ def test_every_method_trains_and_exports_an_exact_24_checkpoint(workdir, tmp_pat
     assert all({"flip_rate", "initial_flip_rate", "sparse_weight_ratio"} <= set(r) for r in recs)
     res = json.loads((out / "results.json").read_text())
     assert 1 < res["perplexity"]["heldout"]["sparse"] < 1e7
+    if "--mask-learner" in args:  # SR-STE with CAST's KD and scaling: both at work, and said in the checkpoint
+        assert sp["training"]["mask_learner"] == "srste" and sp["training"]["scaling"] is True
+        assert sp["training"]["srste_decay"] > 0 and any(r["kd"] > 0 for r in recs)
 
 
 def test_fixed_mask_no_kd_no_scaling_switches(workdir, tmp_path):
@@ -175,3 +178,16 @@ def test_mask_file_refusals_are_one_line_errors(workdir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds no mask for target" in err or "is (3, 4)" in err
     assert err.count("\n") == 1
+
+
+def test_cast_mask_learners_are_methods_not_branches():
+    """--mask-learner picks the method get_method returns; CastMethod itself has no SR-STE branch."""
+    import inspect
+
+    from cast_llm.train.methods import CastMethod, CastSRSTEMethod, SRSTEMethod, get_method
+    from cast_llm.train.methods import cast as cast_module
+
+    assert type(get_method("cast")) is CastMethod
+    learner = get_method("cast", mask_learner="srste")
+    assert isinstance(learner, SRSTEMethod) and type(learner) is CastSRSTEMethod and learner.name == "cast"
+    assert "srste" not in inspect.getsource(cast_module).split("class CastMethod", 1)[1].lower()

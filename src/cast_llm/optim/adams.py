@@ -25,16 +25,13 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
-from cast_llm import kernels
 from cast_llm.errors import NonFiniteError
 from cast_llm.optim.functional import (
     DECAY_MODES,
-    DEVICE_STEP_PATHS,
     adams,
     dense_adam,
     fused_dense_takes,
-    run_update,
-    update_path,
+    nm_masks,
 )
 from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
 
@@ -266,7 +263,10 @@ class AdamS(Optimizer):
         ``t % mask_interval == 0`` step does — through the fused mask kernel where that step would use it."""
         for group in self.param_groups:
             if group["sparse"]:
-                self._refresh_masks([(p, _local(p)) for p in group["params"]], group)
+                new = nm_masks([_local(p) for p in group["params"]], transposed=group["transposed"],
+                               n=group["n"], m=group["m"], packed=self.mask_storage == "packed")
+                for p, mask in zip(group["params"], new):
+                    self.state[p]["mask"] = mask
 
     @torch.no_grad()
     def prune_(self) -> None:
@@ -409,12 +409,10 @@ class AdamS(Optimizer):
             step = state["step"] = torch.full((), float(t), dtype=torch.float32, device=device)
         return step
 
-    def _refuse(self, group: dict[str, Any], index: int, local: Tensor, reason: str) -> None:
-        """fused=True and a parameter the kernels cannot take: say which and why."""
-        gi = next(k for k, g in enumerate(self.param_groups) if g is group)
-        raise RuntimeError(f"AdamS(fused=True): {_param_name(group, index, gi)} of shape {tuple(local.shape)} "
-                           f"cannot use the fused Triton kernel: {reason}. Pass fused=None to fall back to the "
-                           "reference path.")
+    def _name(self, p: Tensor) -> str:
+        """How an error names parameter ``p`` (its name where the group has ``param_names``)."""
+        gi, group, i = self._locate(p)
+        return _param_name(group, i, gi)
 
     def _dense_step(self, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps, stepped = [], [], [], [], [], []
@@ -445,72 +443,45 @@ class AdamS(Optimizer):
         self._advance(stepped)
 
     def _sparse_step(self, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
-        # the tensor sets grouped by the implementation that updates them (functional.update_path: a checked
-        # candidate of "adams.update", or the reference). This loop runs for every parameter at every step:
-        # it is kept to a few attribute reads per tensor, and the choice is looked up once per kind of tensor.
-        by_path: dict[str, tuple[list, ...]] = {}
-        due: list[tuple[Tensor, Tensor]] = []  # (parameter, local tensor): Eq. 6 now
+        # the lists of this group's tensor sets, as torch.optim's classes collect them; functional.adams then
+        # decides, in one place, which implementation updates each set and which computes each due mask
+        # (Eq. 6 at every t % mask_interval == 0, from θ_{t-1}), and places each step count where its path
+        # reads it. This loop runs for every parameter at every step: a few attribute reads per tensor.
+        params, grads, mus, vs, masks, steps, counts, due, stepped = [], [], [], [], [], [], [], [], []
         interval = group["mask_interval"] or 0
-        hp = dict(beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], eps=group["eps"],
-                  l1_decay=group["l1_decay"], total_steps=group["total_steps"], weight_decay=group["weight_decay"],
-                  maximize=group["maximize"],
-                  # a state dict saved before decay modes existed has none: it was proportional
-                  decay_mode=group.get("decay_mode", "proportional"))
-        packed = self.mask_storage == "packed"
-        paths: dict[tuple, str] = {}
-        for i, p in enumerate(group["params"]):
+        for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "step" not in state:
                 state = self._init_state(p)
-            local, grad, mu, v = _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            kind = (local.device, local.dtype, mu.dtype, local.is_contiguous(), grad.dtype, grad.is_contiguous())
-            path = paths.get(kind)
-            if path is None:
-                path, refusal = update_path(local, grad, mu, v, None, None, foreach=group["foreach"],
-                                            fused=group.get("fused"), packed=packed, **hp)
-                if refusal is not None:
-                    self._refuse(group, i, local, refusal)
-                paths[kind] = path
-            step = self._place_step(p, state, local.device if path in DEVICE_STEP_PATHS else _CPU)
-            t = self._steps_done(p, state) + 1  # the step about to be taken
-            if "mask" not in state or (interval and t % interval == 0):
-                due.append((p, local))
-            lists = by_path.setdefault(path, ([], [], [], [], [], []))
-            for lst, x in zip(lists, (local, grad, mu, v, step, p)):
-                lst.append(x)
-        if not by_path:
+            t = self._steps_done(p, state)
+            mask = state.get("mask")
+            params.append(_local(p))
+            grads.append(_local(p.grad))
+            mus.append(_local(state["exp_avg"]))
+            vs.append(_local(state["exp_avg_sq"]))
+            masks.append(mask)
+            steps.append(state["step"])
+            counts.append(t)
+            due.append(mask is None or bool(interval and (t + 1) % interval == 0))
+            stepped.append(p)
+        if not params:
             return
-        self._refresh_masks(due, group)
+        adams(params, grads, mus, vs, masks, steps, foreach=group["foreach"], fused=group.get("fused"),
+              beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], eps=group["eps"],
+              l1_decay=group["l1_decay"], total_steps=group["total_steps"], weight_decay=group["weight_decay"],
+              maximize=group["maximize"],
+              # a state dict saved before decay modes existed has none: it was proportional
+              decay_mode=group.get("decay_mode", "proportional"), found_inf=found_inf,
+              refresh=due, n=group["n"], m=group["m"], transposed=group["transposed"],
+              packed=self.mask_storage == "packed", host_steps=counts,
+              name_of=lambda i: self._name(stepped[i]))
         state = self.state
-        for path, (*tensors, steps, stepped) in by_path.items():
-            run_update(path, *tensors, [state[p]["mask"] for p in stepped], steps, found_inf=found_inf, **hp)
-            self._advance(stepped)
-
-    def _refresh_masks(self, due: list[tuple[Tensor, Tensor]], group: dict[str, Any]) -> None:
-        """Eq. 6 of θ_{t-1} for the parameters in ``due``, stored as NEW mask tensors (an old mask someone
-        kept stays valid): through the checked path ``adams.masks`` (the Triton mask kernel, one launch per
-        kind of tensor) where it passed its probe, the reference one by one elsewhere."""
-        packed = self.mask_storage == "packed"
-        by_path: dict[str, list[tuple[Tensor, Tensor]]] = {}
-        for p, local in due:
-            path = kernels.REFERENCE
-            if local.dim() == 2 and local.is_contiguous():  # (no candidate runs on a plain CPU: a dict lookup)
-                variant = (local.dtype, "transposed" if group["transposed"] else "rows",
-                           "packed" if packed else "bool", f"{group['n']}:{group['m']}")
-                path = kernels.choose("adams.masks", local.device, variant)
-            by_path.setdefault(path, []).append((p, local))
-        for path, members in by_path.items():
-            if path == kernels.REFERENCE:
-                for p, _ in members:
-                    self.state[p]["mask"] = self._encode(self._compute_mask(p, group))
-                continue
-            new = kernels.implementation("adams.masks", path)(
-                [local for _, local in members], transposed=group["transposed"], n=group["n"], m=group["m"],
-                packed=packed)
-            for (p, _), mask in zip(members, new):
-                self.state[p]["mask"] = mask
+        for p, mask, step in zip(stepped, masks, steps):
+            st = state[p]
+            st["mask"], st["step"] = mask, step
+        self._advance(stepped)
 
     def _advance(self, stepped: list[Tensor]) -> None:
         host = self._host_steps

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,7 +37,7 @@ from cast_llm.optim.adams_probes import fast_path_unsupported
 from cast_llm.sparsity.mask import magnitude_mask, packed_numel, unpack_mask
 
 __all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "fast_path_unsupported", "update_path",
-           "run_update", "update_variant", "DECAY_MODES", "DEVICE_STEP_PATHS"]
+           "run_update", "update_variant", "nm_masks", "DECAY_MODES", "DEVICE_STEP_PATHS"]
 
 # "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
 DECAY_MODES = ("proportional", "additive")
@@ -50,7 +51,7 @@ def adams(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    masks: list[Tensor],
+    masks: list[Tensor | None],
     state_steps: list[Tensor],
     *,
     foreach: bool | None = None,
@@ -65,8 +66,16 @@ def adams(
     maximize: bool = False,
     decay_mode: str = "proportional",
     found_inf: Tensor | None = None,
+    refresh: list[bool] | None = None,
+    n: int = 2,
+    m: int = 4,
+    transposed: bool = False,
+    packed: bool | None = None,
+    host_steps: list[int] | None = None,
+    name_of: Callable[[int], str] | None = None,
 ) -> None:
-    """Functional AdamS (Eq. 7-8; see :class:`~cast_llm.optim.adams.AdamS` for the math), in place.
+    """Functional AdamS (Eq. 6-8; see :class:`~cast_llm.optim.adams.AdamS` for the math), in place — the one
+    place that decides which implementation updates a tensor set and which computes a mask.
 
     ``masks[i]`` is the kept-mask of ``params[i]``: bool of its shape, or the 1-D uint8 of
     :func:`~cast_llm.sparsity.mask.pack_mask`. ``state_steps`` are float32 scalar tensors holding ``t - 1``;
@@ -81,6 +90,16 @@ def adams(
     takes, ``fused=False`` allows the CPU's cache-blocked path only (CUDA tensors run the reference).
     ``found_inf`` (a float32 scalar, as torch's ``GradScaler`` passes it): when non-zero, the whole update is
     skipped — on the device for the fast paths, no host read. Gradients must be finite (the class checks).
+
+    What the optimizer class passes besides (all optional):
+
+    * ``refresh``: ``refresh[i]`` (or ``masks[i] is None``) — Eq. 6 of ``params[i]`` *before* this update,
+      through :func:`nm_masks` (``n``, ``m``, ``transposed``, ``packed`` say which masks); the new tensor
+      replaces ``masks[i]`` in the list, so the caller keeps it.
+    * ``host_steps``: ``t - 1`` of every set, known on the host. Then the path is chosen first and each
+      ``state_steps[i]`` is replaced in the list by a count placed where that path reads it (the device for
+      the fused paths, the CPU otherwise), built from the host value without reading the device.
+    * ``name_of(i)``: how an error names ``params[i]``.
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs, masks, state_steps)
     if decay_mode not in DECAY_MODES:
@@ -91,16 +110,71 @@ def adams(
         raise ValueError("adams: foreach=False (the reference path) and fused=True exclude each other")
     hp = dict(beta1=beta1, beta2=beta2, lr=lr, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
               weight_decay=weight_decay, maximize=maximize, decay_mode=decay_mode)
+    # the path of every tensor set, looked up once per kind of tensor (this runs for every parameter at every
+    # step: a few attribute reads per tensor); with host counts the step and mask are placed after the choice
     by_path: dict[str, list[int]] = {}
+    paths: dict[tuple, tuple[str, str | None]] = {}
     for i, p in enumerate(params):
-        path, reason = update_path(p, grads[i], exp_avgs[i], exp_avg_sqs[i], masks[i], state_steps[i],
-                                   foreach=foreach, fused=fused, **hp)
+        g, mu, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
+        if host_steps is None:
+            path, reason = update_path(p, g, mu, v, masks[i], state_steps[i], foreach=foreach, fused=fused, **hp)
+        else:
+            kind = (p.device, p.dtype, mu.dtype, p.is_contiguous(), g.dtype, g.is_contiguous())
+            chosen = paths.get(kind)
+            if chosen is None:
+                chosen = paths[kind] = update_path(p, g, mu, v, None, None, foreach=foreach, fused=fused,
+                                                   packed=packed, **hp)
+            path, reason = chosen
         if reason is not None:
-            raise RuntimeError(f"AdamS(fused=True): a parameter of shape {tuple(p.shape)} cannot use the fused "
+            name = name_of(i) if name_of is not None else "a parameter"
+            raise RuntimeError(f"AdamS(fused=True): {name} of shape {tuple(p.shape)} cannot use the fused "
                                f"Triton kernel: {reason}. Pass fused=None to fall back to the reference path.")
+        if host_steps is not None:
+            state_steps[i] = _placed_step(state_steps[i], host_steps[i],
+                                          p.device if path in DEVICE_STEP_PATHS else _CPU)
         by_path.setdefault(path, []).append(i)
+    due = [i for i in range(len(params)) if masks[i] is None or (refresh is not None and refresh[i])]
+    if due:
+        new = nm_masks([params[i] for i in due], transposed=transposed, n=n, m=m,
+                       packed=bool(packed) if packed is not None else False)
+        for i, mask in zip(due, new):
+            masks[i] = mask
     for path, idx in by_path.items():
         run_update(path, *([x[i] for i in idx] for x in lists), found_inf=found_inf, **hp)
+
+
+_CPU = torch.device("cpu")
+
+
+def _placed_step(step: Tensor, t: int, device: torch.device) -> Tensor:
+    """A count ``t`` on ``device``: ``step`` itself if it is there, else a new one from the host value (a move
+    that never waits for the device)."""
+    if step.device == device:
+        return step
+    return torch.full((), float(t), dtype=torch.float32, device=device)
+
+
+def nm_masks(params: list[Tensor], *, transposed: bool, n: int, m: int, packed: bool) -> list[Tensor]:
+    """Eq. 6 — the N:M magnitude masks of ``params`` (new tensors, bool or packed), through the checked path
+    ``adams.masks`` (the Triton mask kernel, one launch per kind of tensor) where a candidate passed its
+    probe, the reference (:func:`~cast_llm.sparsity.mask.magnitude_mask`) elsewhere."""
+    by_path: dict[str, list[int]] = {}
+    for i, p in enumerate(params):
+        path = kernels.REFERENCE
+        if p.dim() == 2 and p.is_contiguous():  # (no candidate runs on a plain CPU: a dict lookup)
+            variant = (p.dtype, "transposed" if transposed else "rows", "packed" if packed else "bool", f"{n}:{m}")
+            path = kernels.choose("adams.masks", p.device, variant)
+        by_path.setdefault(path, []).append(i)
+    out: list[Tensor | None] = [None] * len(params)
+    for path, idx in by_path.items():
+        group = [params[i] for i in idx]
+        if path == kernels.REFERENCE:
+            new = _reference_masks(group, transposed=transposed, n=n, m=m, packed=packed)
+        else:
+            new = kernels.implementation("adams.masks", path)(group, transposed=transposed, n=n, m=m, packed=packed)
+        for i, mask in zip(idx, new):
+            out[i] = mask
+    return out
 
 
 # Triton's interpreter runs the kernels on CPU tensors (how they are tested without a GPU). Read once, as
@@ -383,7 +457,7 @@ def _triton_masks(*args, **kwargs):
 def _reference_masks(params, *, transposed, n, m, packed):
     from cast_llm.sparsity.mask import pack_mask
 
-    return [pack_mask(k) if packed else k for k in (magnitude_mask(p, transposed, n, m) for p in params)]
+    return [pack_mask(k) if packed else k.contiguous() for k in (magnitude_mask(p, transposed, n, m) for p in params)]
 
 
 ADAMS_UPDATE = kernels.register(kernels.CheckedPath(

@@ -82,7 +82,7 @@ class PretrainJob(Job):
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.method = get_method(cfg.method)
+        self.method = get_method(cfg.method, mask_learner=cfg.mask_learner)
         self.desc = f"{cfg.method} {cfg.n}:{cfg.m}"
         self.evaluator = None
         self.teacher_forward = None

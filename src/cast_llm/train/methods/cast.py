@@ -6,7 +6,8 @@ The ablations of method.md §6 are switches of this method:
 * ``--no-kd``: no teacher;  ``--no-scaling``: no weight scaling;
 * ``--fixed-mask``: AdamS keeps the initial mask (``mask_interval = 0``);
 * ``--mask-learner srste``: SR-STE (sparse STE forward + SR-STE decay, AdamW) learns the masks instead of
-  AdamS — exactly :class:`~cast_llm.train.methods.srste.SRSTEMethod` with CAST's KD and scaling defaults;
+  AdamS — exactly SR-STE with CAST's KD and scaling defaults, so :func:`~cast_llm.train.methods.get_method`
+  returns :class:`~cast_llm.train.methods.srste.CastSRSTEMethod` for it, not this class;
 * ``--init-mask wanda|sparsegpt``: AdamS starts from that one-shot mask instead of Eq. 6's.
 
 Beyond the paper, for budgets too short for the decay to finish (docs/training.md; off with
@@ -43,7 +44,6 @@ from cast_llm.sparsity.stats import l1_mass
 from cast_llm.targets import find_targets, param_groups
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.masks import initial_masks
-from cast_llm.train.methods.srste import SRSTEMethod
 
 MAX_FORECASTS = 20  # decay forecasts logged per run at most (see forecast_due)
 
@@ -75,7 +75,6 @@ class CastMethod(TrainingMethod):
     name = "cast"
 
     def __init__(self):
-        self._srste = None  # the SR-STE mask learner, when --mask-learner srste
         self._init_masks = None  # a one-shot mask for AdamS to start from (--init-mask wanda|sparsegpt)
         self._start = "compute"  # who computes the one-shot start (prepare_model's ``start``)
         self._calib = None  # calibration sequences of the compensated prune
@@ -86,9 +85,6 @@ class CastMethod(TrainingMethod):
         self._before_step = None  # the sparse weights before the optimizer step (regrow phase only)
 
     def prepare_model(self, model, cfg, *, data=None, device=None, start="compute"):
-        if cfg.mask_learner == "srste":
-            self._srste = SRSTEMethod()
-            return self._srste.prepare_model(model, cfg, data=data, device=device)
         self.cfg, self._device = cfg, device
         self._start = start
         # the one-shot start is computed once (rank 0 under several processes; never again on a resume:
@@ -113,10 +109,9 @@ class CastMethod(TrainingMethod):
             wrap_scaling_(model, filter_fn=lambda mod, fqn: fqn in fqns, n_groups=cfg.scale_groups, m=cfg.m)
 
     def build_optimizer(self, model, cfg, total_steps: int):
-        if self._srste is not None:
-            return self._srste.build_optimizer(model, cfg, total_steps)
         targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
-        groups = param_groups(model, targets=targets, l1_decay=cfg.l1_decay, weight_decay=cfg.weight_decay)
+        # λ once, AdamS's default, which the sparse groups take (the weight decay is per group: none on scales)
+        groups = param_groups(model, targets=targets, weight_decay=cfg.weight_decay)
         self._names = {id(t.weight): t.fqn for t in targets}
         opt = AdamS(
             groups,
@@ -168,8 +163,6 @@ class CastMethod(TrainingMethod):
         return self.repair_start is not None and step >= self.repair_start
 
     def begin_step(self, model, optimizer, step: int) -> None:
-        if self._srste is not None:
-            return self._srste.begin_step(model, optimizer, step)
         if self.in_repair(step):
             for group in optimizer.param_groups:  # masks frozen from here on (a deterministic function of
                 if group.get("sparse"):  # the step, so a resumed run freezes them again)
@@ -179,7 +172,7 @@ class CastMethod(TrainingMethod):
 
     def in_regrow(self, step: int) -> bool:
         """Whether optimizer step ``step + 1`` scales the pruned entries' updates (``--regrow-factor``)."""
-        return self._srste is None and step < self.regrow_steps and not self.in_repair(step)
+        return step < self.regrow_steps and not self.in_repair(step)
 
     def end_step(self, model, optimizer, step: int) -> None:
         if self._before_step is not None:
@@ -192,7 +185,7 @@ class CastMethod(TrainingMethod):
                     delta = (local - before).mul_(factor - 1).masked_fill_(mask, 0.0)
                     local.add_(delta)
             self._before_step = None
-        if self._srste is None and self.in_repair(step):
+        if self.in_repair(step):
             optimizer.prune_()  # the pruned entries stay exactly 0: the dense forward is the sparse one
 
     @torch.no_grad()
@@ -221,8 +214,6 @@ class CastMethod(TrainingMethod):
                              "removed_l1": removed, "removed_fraction": 1.0 - ratio}
 
     def current_masks(self, model, optimizer) -> dict[str, torch.Tensor]:
-        if self._srste is not None:
-            return self._srste.current_masks(model, optimizer)
         return {self._names[id(p)]: mask for p, mask in optimizer.masks().items()}
 
     # ---- will the decay finish? (optim/forecast.py; before the first update and on log steps)
@@ -233,14 +224,14 @@ class CastMethod(TrainingMethod):
         if self.in_regrow(step):  # the weights the step starts from (the step's mask is known only after it)
             self._before_step = {p: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
                                  for p in optimizer.masks()}
-        if self._srste is not None or step != 0 or self.cfg.fsdp:
+        if step != 0 or self.cfg.fsdp:
             return
         fc = self._forecast(optimizer, suggest=True)  # the first gradient is known: its noise sets σ
         self.start_forecast = fc.as_dict()
         ctx.say(fc.message(lr=self.cfg.lr, l1_decay=self.cfg.l1_decay))
 
     def log_metrics(self, model, optimizer, step: int, results: dict) -> dict:
-        if self._srste is not None or self.cfg.fsdp or self.in_repair(step) or step + 1 >= self.total_steps:
+        if self.cfg.fsdp or self.in_repair(step) or step + 1 >= self.total_steps:
             return {}
         if not forecast_due(step + 1, self.total_steps, getattr(self.cfg, "log_every", 1)):
             return {}
@@ -262,8 +253,6 @@ class CastMethod(TrainingMethod):
         return {"decay": decay} if decay else {}
 
     def finalize(self, model, optimizer, *, out=None, is_main=True):
-        if self._srste is not None:
-            return self._srste.finalize(model, optimizer, out=out, is_main=is_main)
         if self.repair_start is None:  # (with a masked repair the prune happened when it began)
             self.prune(model, optimizer, step=optimizer_step_count(optimizer))
         optimizer.prune_()
@@ -277,12 +266,15 @@ class CastMethod(TrainingMethod):
 
     def export_metadata(self, cfg):
         meta = super().export_metadata(cfg)
-        meta["training"]["mask_learner"] = cfg.mask_learner
-        meta["training"].update(warm_start=cfg.use_warm_start, repair_fraction=cfg.effective_repair_fraction,
-                                final_prune=cfg.effective_final_prune, paper_exact=cfg.paper_exact,
-                                warm_start_mix=cfg.effective_warm_start_mix if cfg.use_warm_start else None,
-                                regrow_factor=cfg.regrow_factor if cfg.regrow_steps_fraction else None,
-                                regrow_fraction=cfg.regrow_steps_fraction or None)
-        if cfg.mask_learner == "srste":
-            meta["training"]["srste_decay"] = cfg.srste_decay
+        meta["training"].update(cast_switches(cfg))
         return meta
+
+
+def cast_switches(cfg) -> dict:
+    """CAST's switches for the exported checkpoint's ``sparsity.training`` metadata (any mask learner)."""
+    return dict(mask_learner=cfg.mask_learner, warm_start=cfg.use_warm_start,
+                repair_fraction=cfg.effective_repair_fraction, final_prune=cfg.effective_final_prune,
+                paper_exact=cfg.paper_exact,
+                warm_start_mix=cfg.effective_warm_start_mix if cfg.use_warm_start else None,
+                regrow_factor=cfg.regrow_factor if cfg.regrow_steps_fraction else None,
+                regrow_fraction=cfg.regrow_steps_fraction or None)

@@ -7,13 +7,14 @@ the base optimizer (:class:`cast_llm.optim.SRSTEAdamW`).
 competes with the gradient inside the normalised update, so its effect scales with λ_W / |g|, not with the
 learning rate as under SGD.
 
-Also the mask learner of ``--method cast --mask-learner srste`` (the §6 ablation), which adds KD and weight
-scaling (inside the sparse forward) to exactly this.
+Also the mask learner of ``--method cast --mask-learner srste`` (the §6 ablation): :class:`CastSRSTEMethod`,
+which is exactly this with CAST's KD and weight scaling (inside the sparse forward) and CAST's metadata.
 """
 
 from __future__ import annotations
 
 from cast_llm.optim import SRSTEAdamW
+from cast_llm.train.methods.cast import cast_switches
 from cast_llm.train.methods.sparse_forward import SparseForwardMethod
 
 
@@ -30,4 +31,17 @@ class SRSTEMethod(SparseForwardMethod):
     def export_metadata(self, cfg):
         meta = super().export_metadata(cfg)
         meta["training"]["srste_decay"] = cfg.srste_decay
+        return meta
+
+
+class CastSRSTEMethod(SRSTEMethod):
+    """``--method cast --mask-learner srste`` (method.md §6): SR-STE learns the masks, with CAST's defaults —
+    KD from the dense teacher and learnable weight scaling, which the sparse forward and the loop take from
+    the config as for any method. A run of it is a CAST run (``name``), its checkpoint says which learner."""
+
+    name = "cast"
+
+    def export_metadata(self, cfg):
+        meta = super().export_metadata(cfg)
+        meta["training"].update(cast_switches(cfg))
         return meta
