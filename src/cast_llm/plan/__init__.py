@@ -12,9 +12,9 @@ that make it fit), :mod:`~cast_llm.plan.timing`, :mod:`~cast_llm.plan.decay` (S_
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
+from cast_llm.machine import machine_ram, process_rss  # (re-exported: the plan's old import path)
 from cast_llm.plan.advice import Fit, make_it_fit, option_effects
 from cast_llm.plan.config import GRAD_RMS_AT_512, PAPER_GLOBAL_BATCH, PAPER_STEPS, WEIGHT_RMS, PlanConfig
 from cast_llm.plan.decay import DecayPlan, plan_decay
@@ -59,23 +59,6 @@ class Plan:
                     **self.startup.as_dict(), **startup_fits(self.startup, self.setup, self.capacity,
                                                               self.cfg.host_memory and parse_size(
                                                                   self.cfg.host_memory, "--host-memory"))}}
-
-
-def process_rss() -> int:
-    """This process's resident set (bytes; 0 where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
-
-
-def machine_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0
 
 
 def startup_fits(sp: StartupPlan, setup: Setup, capacity: int, host_memory: int | None) -> dict:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from cast_llm.plan import fmt_size, machine_ram, plan_memory, setup_for_run, shape_of
+from cast_llm.machine import machine_ram
+from cast_llm.plan import fmt_size, plan_memory, setup_for_run, shape_of
 from cast_llm.plan.report import memory_lines, startup_lines
 from cast_llm.plan.startup import StartupWork, plan_startup
 

@@ -28,6 +28,7 @@ from cast_llm.distill.head import fused_head_loss, head_inputs
 from cast_llm.distill.teacher import TeacherForward
 from cast_llm.eval.evaluator import Evaluator
 from cast_llm.io import atomic_write_json
+from cast_llm.machine import process_rss
 from cast_llm.models import (
     check_seq_len,
     empty_model,
@@ -36,7 +37,7 @@ from cast_llm.models import (
     max_positions,
     native_dtype,
 )
-from cast_llm.plan import fmt_size, process_rss
+from cast_llm.plan import fmt_size
 from cast_llm.plan.batch import split_global_batch
 from cast_llm.sparsity.mask import magnitude_mask
 from cast_llm.targets import find_targets
