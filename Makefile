@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.cast-llm-installed
 # checkpoint) and starts a completed one afresh; it never touches files it did not write.
 RUN_DIR ?= runs/smollm2-cpu
 
-.PHONY: run test install lint clean
+.PHONY: run test test-fast install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ lint: install
 # share a 2-core machine well (measured here: 4 min 22 s against 6 min 44 s in one process)
 test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2
+
+# while editing: everything but the tests marked slow (the real model, long runs, other processes)
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -50,3 +50,40 @@ def pytest_configure(config):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------- markers
+def _spawning_tests(path) -> set[str]:
+    """Names of the test functions in ``path`` that start other processes: they call ``subprocess`` directly
+    or through a module-level helper that does (found in the source, so a new such test is marked too)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+
+    def calls(node, names) -> bool:
+        return any((isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name) and c.value.id in names)
+                   or (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in names)
+                   for c in ast.walk(node))
+
+    spawners = {"subprocess"}
+    for _ in range(len(funcs)):  # helpers that call helpers that spawn
+        more = {f.name for f in funcs if not f.name.startswith("test") and calls(f, spawners)}
+        if more <= spawners:
+            break
+        spawners |= more
+    return {f.name for f in funcs if f.name.startswith("test") and calls(f, spawners)}
+
+
+def pytest_collection_modifyitems(config, items):
+    # tests that start other processes (a CLI in a fresh interpreter, torchrun, the Triton interpreter) are
+    # `slow` too: `make test-fast` leaves them out, `make test` (and CI) runs everything
+    spawning: dict = {}
+    for item in items:
+        path = getattr(item, "path", None)
+        if path is None or path.suffix != ".py":
+            continue
+        if path not in spawning:
+            spawning[path] = _spawning_tests(path)
+        if item.originalname in spawning[path] if hasattr(item, "originalname") else False:
+            item.add_marker(pytest.mark.slow)
