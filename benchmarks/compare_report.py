@@ -220,16 +220,21 @@ def paired_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def _lr_note(s: dict) -> str:
+def _lr_note(s: dict, rows: list[dict] | None = None) -> str:
+    """The peak lr sentence: the tier's, and the rows of this table that ran with their own (a tuned choice or
+    the tier's per-row setting)."""
     adams = s.get("adams", {}).get("lr")
-    own = {k: v["lr"] for k, v in s.get("row_lr", {}).items() if "lr" in v and v["lr"] != s["lr"]}
+    if rows is None:
+        own = {k: v["lr"] for k, v in s.get("row_lr", {}).items() if "lr" in v and v["lr"] != s["lr"]}
+    else:
+        own = {r["key"]: r["lr"] for r in rows if r.get("lr") is not None and r["lr"] != s["lr"]}
     if adams is not None and adams != s["lr"]:
         note = (f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to "
                 "~0 during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")
     else:
         note = f"{s['lr']:g} " + ("unless the row has its own" if own else "for every method")
     if own:  # rows that start from a one-shot model have their own measured lr
-        note += "; " + ", ".join(f"{k} {v:g}" for k, v in sorted(own.items())) + " (each row at its measured best lr)"
+        note += "; " + ", ".join(f"{k} {v:g}" for k, v in sorted(own.items())) + " (a tuned row at its validation choice)"
     return note
 
 
@@ -251,16 +256,17 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     lines = [
         f"# 2:4 methods compared on {meta['model']} at equal compute ({meta['tier']} tier)",
         "",
+        *([f"Rerun every row from scratch (one command line; on the same runs folder it runs only what is missing): "
+           f"`{meta['regenerate']}`", ""] if meta.get("regenerate") else []),
         f"Generated {datetime.date.today().isoformat()} by `{meta['command']}` "
         f"({meta['total_wall_s']:.0f} s in all, runs in `{meta['runs_dir']}`)"
         + ("; rows finished by earlier invocations were reused (each row's own command is listed under "
-           "Commands, its wall time in the table). The one command that runs every row of this table from "
-           f"scratch: `{meta['regenerate']}`." if ("--only" in meta["command"] or "--report-only" in meta["command"]) and meta.get("regenerate")
+           "Commands, its wall time in the table)." if ("--only" in meta["command"] or "--report-only" in meta["command"])
            else "."),
         "",
         f"Model `{meta['model']}`, data `{meta['data']}`, training sequences of {s['seq_len']} tokens, "
         f"{s['batch_size'] * s['grad_accum']} sequences per step, {s.get('lr_schedule', 'cosine')} schedule after a "
-        f"2 % warm-up, peak lr as in the table ({_lr_note(s)}), AdamS λ {s['l1_decay']:g}, SR-STE/AST λ_W 2e-4 "
+        f"2 % warm-up, peak lr as in the table ({_lr_note(s, rows)}), AdamS λ {s['l1_decay']:g}, SR-STE/AST λ_W 2e-4 "
         f"unless the row says otherwise, KD η {s['eta']:.2f}, masks "
         f"recomputed every {s['mask_interval']} "
         f"steps, device {s['device']}, precision {s['precision']}. **Equal compute**: runs without a teacher get "

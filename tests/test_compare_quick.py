@@ -103,8 +103,16 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     cast = cmp.run_entry(entry["cast"], cmp.finished_seeds(entry["cast"]))
     assert len(cast["seeds"]) == 1 and _ppl(cast, "wikitext2") == "400.00<br>(1 seed)"
     argv = ["--tier", "cpu", "--tokens", "192k", "--only", "naive", "--seeds=0", "--fresh", "--threads", "2"]
-    assert compare_methods.regenerate_argv(argv, [naive, cast, {"key": "dense", "seed": None}]) == [
-        "--tier", "cpu", "--tokens", "192k", "--threads", "2", "--seeds", "0,1", "--only", "naive,cast,dense"]
+    assert compare_methods.regenerate_argv(argv, [naive, cast, {"key": "dense", "seed": None}]) == [[
+        "--tier", "cpu", "--tokens", "192k", "--threads", "2", "--seeds", "0,1", "--only", "naive,cast,dense"]]
+    # rows tuned over different grids: one tuning invocation per grid, then every row with every seed
+    tuned = [{**naive, "tuning": {"grid": {"lr": ["1e-4", "2e-4"]}}}, {**cast, "tuning": {"grid": {"lr": ["1e-3"]}}},
+             {"key": "far", "seeds": [], "tuning": {"grid": {"lr": ["1"]}, "from": "runs/48k"}}]
+    base = ["--tier", "cpu", "--tokens", "192k", "--threads", "2"]
+    assert compare_methods.regenerate_argv(argv, tuned) == [
+        base + ["--tune", "lr=1e-4,2e-4", "--tune-only", "naive", "--seeds", "0", "--only", "naive"],
+        base + ["--tune", "lr=1e-3", "--tune-only", "cast", "--seeds", "0", "--only", "cast"],
+        base + ["--tuning-from", "runs/48k", "--seeds", "0,1", "--only", "naive,cast,far"]]
     for r, kind, label in ((naive, "train", "Naive"), (cast, "train", "CAST")):
         r.update(kind=kind, label=label)
     png = write_chart([naive, cast], {"model": "m", "budget": 1000, "tier": "cpu"}, tmp_path / "c.png")
