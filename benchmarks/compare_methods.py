@@ -48,6 +48,7 @@ from compare_report import (  # noqa: E402
     write_report,
 )
 
+from cast_llm.io import RunDir  # noqa: E402
 from cast_llm.train.summary import mask_movement  # noqa: E402
 
 # Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib), except
@@ -437,7 +438,7 @@ class Comparison:
             row["command"] = "cast-llm " + shlex.join(argv)
             if self._run_cli(argv, out / "log.txt") != 0:
                 return self._failed(row, out)
-            res = json.loads((out / "model" / "results.json").read_text())
+            res = json.loads(RunDir(out / "model").results.read_text())
             ppl = {split: res["perplexity"].get(split, {}).get("sparse") for split in ("heldout", "validation",
                                                                                       "wikitext2")}
             row["tokens"] = res["tokens_trained"]
@@ -684,7 +685,7 @@ def _without_output_dir(cmd: str) -> str:
 def run_statistics(run: Path, results: dict) -> dict:
     """S_T (the sparse-weight ratio just before the final prune) and the median training tokens/s of a run."""
     records = []
-    metrics = run / "metrics.jsonl"
+    metrics = RunDir(run).metrics
     if metrics.is_file():
         records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     pruned = results.get("decay", {}).get("final_prune") or {}

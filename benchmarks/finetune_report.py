@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from cast_llm.io import RunDir
+
 
 def _pct(v) -> str:
     return "–" if v is None else f"{v:.1%}"
@@ -25,8 +27,8 @@ def _num(v) -> str:
 
 
 def row(run: Path) -> str:
-    r = json.loads((run / "results.json").read_text())
-    cfg = json.loads((run / "cast_run.json").read_text())["config"]
+    r = json.loads(RunDir(run).results.read_text())
+    cfg = json.loads(RunDir(run).marker.read_text())["config"]
     before, after, sp = r.get("before", {}), r.get("after", {}), r["sparsity"]
     metric = "accuracy" if r["task"] == "classification" else "exact_match"
     lr = cfg["lr"]

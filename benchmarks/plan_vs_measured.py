@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cast_llm.io import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15  # |measured / planned − 1| the CPU cases must stay within (whole peak, returning allocator)
 ALLOCATORS = {"default": {}, "returning": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
@@ -166,11 +168,11 @@ def run_case(case: Case, work: Path, *, device: str, steps: int, timeout: int, v
         cmd = [*py, "-m", "torch.distributed.run", "--nproc_per_node", str(case.procs), "--master_port",
                str(_free_port()), "-m", "cast_llm.cli", *train, "--fsdp"]
     t0 = time.perf_counter()
-    mem, err = _run_until_measured(cmd, env, out / "results.json", timeout, work / f"{case.name}.log")
+    mem, err = _run_until_measured(cmd, env, RunDir(out).results, timeout, work / f"{case.name}.log")
     wall = time.perf_counter() - t0
     if mem is None:
         return {"case": case.name, "allocator": allocator, "error": err, "wall_s": wall}
-    metrics = out / "metrics.jsonl"
+    metrics = RunDir(out).metrics
     recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
     rates = [x["tokens_per_s"] for x in recs[1:]] or [x["tokens_per_s"] for x in recs] or [float("nan")]
     plan = mem["plan"]

@@ -50,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from plan_vs_measured import _documents  # noqa: E402
 
+from cast_llm.io import RunDir  # noqa: E402
+
 GiB, MiB = 2**30, 2**20
 SHAPE = dict(num_hidden_layers=4, hidden_size=1024, intermediate_size=3584, num_attention_heads=16,
              num_key_value_heads=4, vocab_size=8192)  # 8B: 32 blocks, 4096, 14336, 32 heads, 8 kv, 128256
@@ -156,7 +158,7 @@ def segment(name, cmds, envs, out: Path, log: Path, *, stop_at: Path | None, tim
         codes = [p.wait(timeout=timeout) for p in procs]
         ended = time.perf_counter()
         peaks = sampler.stop()
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads(RunDir(out).results.read_text())
     return {"name": name, "commands": [shlex.join(c) for c in cmds], "exit_codes": codes,
             "wall_s": ended - t0, "sigterm_to_exit_s": None if signalled is None else ended - signalled,
             "rss_sampled_peak": peaks, "phases": results.get("phases", {}), "checkpoint": results.get("checkpoint"),
@@ -173,7 +175,7 @@ def the_plan(out: Path, framework: int):
     from cast_llm.train.config import TrainConfig
     from cast_llm.train.memory import plan_for_run
 
-    data = load_yaml(out / "config.yaml")
+    data = load_yaml(RunDir(out).config)
     data.pop("resume", None)
     cfg = resolve(TrainConfig, ("config.yaml", data))
     skeleton = empty_model(cfg.model)

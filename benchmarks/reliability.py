@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import tiny  # noqa: E402
 
+from cast_llm.io import RunDir  # noqa: E402
+
 STEPS = 12
 
 
@@ -73,14 +75,14 @@ class Work:
 
 def wait_step(out: Path, step: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 300
-    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= step):
+    while not (RunDir(out).metrics.is_file() and len(RunDir(out).metrics.read_text().splitlines()) >= step):
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError("the run ended before the fault")
         time.sleep(0.01)
 
 
 def steps_done(out: Path) -> int:
-    m = out / "metrics.jsonl"
+    m = RunDir(out).metrics
     return len(m.read_text().splitlines()) if m.is_file() else 0
 
 
@@ -97,7 +99,7 @@ def same_run(ref: Path, cut: Path) -> bool:
     if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
         return False
     strip = lambda p: [{k: v for k, v in json.loads(x).items() if k != "tokens_per_s"}  # noqa: E731
-                       for x in (p / "metrics.jsonl").read_text().splitlines()]
+                       for x in RunDir(p).metrics.read_text().splitlines()]
     return strip(ref) == strip(cut)
 
 

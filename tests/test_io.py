@@ -88,3 +88,16 @@ def test_staging_dir_then_move_into_puts_the_marker_last_and_cleans_up(tmp_path,
     with pytest.raises(RuntimeError), staging_dir(out, prefix=".export-"):
         raise RuntimeError("export failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_run_dir_names_the_files_the_trainer_writes(tmp_path):
+    from pathlib import Path
+
+    from cast_llm.io import RunDir
+    from cast_llm.train.rundir import RUN_FILES, RUN_MARKER
+
+    run = RunDir(tmp_path / "run")
+    assert run.results == tmp_path / "run" / "results.json" and run.metrics.name == "metrics.jsonl"
+    assert run.marker.name == RUN_MARKER and run.config.name == "config.yaml" and run / "x" == tmp_path / "run" / "x"
+    assert set(RUN_FILES) == set(RunDir.OWN) and RunDir.MARKER not in RunDir.OWN  # the marker is never replaced
+    assert Path(run) == tmp_path / "run"

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_text
+from cast_llm.io import RunDir, atomic_write_text
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None,
@@ -272,8 +272,8 @@ def run_config_layer(cli: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     if not cli.get("resume") or not cli.get("output_dir"):
         return []
     folder = Path(cli["output_dir"])
-    path = folder / "config.yaml"
-    if not path.is_file() or not any(folder.glob("checkpoints/step-*/meta.json")):
+    path = RunDir(folder).config
+    if not path.is_file() or not any(RunDir(folder).checkpoints.glob("step-*/meta.json")):
         return []
     data = load_yaml(path)
     for key in ("resume", "overwrite"):  # how this invocation treats the folder is its own business

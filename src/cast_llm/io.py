@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["FILE_MODE", "cache_dir", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes",
+__all__ = ["RunDir", "FILE_MODE", "cache_dir", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes",
            "atomic_write_text", "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into",
            "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json"]
 
@@ -219,3 +219,54 @@ def truncate_jsonl(path: str | Path, keep_through: int) -> None:
         return
     keep = [r for r in read_jsonl(path) if r.get("step", 0) <= keep_through]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+class RunDir:
+    """The file names of a run folder (``--output-dir`` of ``cast-llm train`` / ``finetune``), in one place for
+    the trainer that writes them and every reader (report, scaling law, analysis, benchmarks, the GPU kit)::
+
+        run = RunDir("runs/smollm2-cpu")
+        read_json(run.results), read_jsonl(run.metrics)
+
+    Names only: nothing is read or created here."""
+
+    MARKER = "cast_run.json"  # the run's marker: kind, config, and every file it wrote
+    CONFIG = "config.yaml"
+    METRICS = "metrics.jsonl"
+    RESULTS = "results.json"
+    TENSORBOARD = "tensorboard"
+    CHECKPOINTS = "checkpoints"
+    LAYERS = "layers.jsonl"  # per-layer statistics (analysis)
+    DYNAMICS = "dynamics.json"
+    RATIO_HIST = "ratio_hist.npz"
+    REPORT = "report.html"
+    REPORT_ASSETS = "report"
+    LOCK = ".cast-llm.lock"
+    EXPORT_MARKER = "cast_llm.json"  # the exported model's own marker (its files)
+    # what every run writes besides the exported model (always its own)
+    OWN = (CONFIG, METRICS, RESULTS, TENSORBOARD, CHECKPOINTS, LAYERS, DYNAMICS, RATIO_HIST, REPORT, REPORT_ASSETS)
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    marker = property(lambda self: self.path / self.MARKER)
+    config = property(lambda self: self.path / self.CONFIG)
+    metrics = property(lambda self: self.path / self.METRICS)
+    results = property(lambda self: self.path / self.RESULTS)
+    tensorboard = property(lambda self: self.path / self.TENSORBOARD)
+    checkpoints = property(lambda self: self.path / self.CHECKPOINTS)
+    layers = property(lambda self: self.path / self.LAYERS)
+    dynamics = property(lambda self: self.path / self.DYNAMICS)
+    ratio_hist = property(lambda self: self.path / self.RATIO_HIST)
+    report = property(lambda self: self.path / self.REPORT)
+    lock = property(lambda self: self.path / self.LOCK)
+    export_marker = property(lambda self: self.path / self.EXPORT_MARKER)

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from cast_llm.analysis.ratios import LIN_BINS, LIN_MAX, LOG_BINS, LOG_MAX, LOG_MIN
-from cast_llm.io import atomic_write, atomic_write_text, read_json
+from cast_llm.io import RunDir, atomic_write, atomic_write_text, read_json
 
-LAYERS_FILE = "layers.jsonl"
-RATIO_FILE = "ratio_hist.npz"
-DYNAMICS_FILE = "dynamics.json"
+LAYERS_FILE = RunDir.LAYERS
+RATIO_FILE = RunDir.RATIO_HIST
+DYNAMICS_FILE = RunDir.DYNAMICS
 LAYER_METRICS = ("flip_rate", "initial_flip_rate", "sparse_weight_ratio")
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from cast_llm.analysis.files import DYNAMICS_FILE, LAYERS_FILE, RATIO_FILE, load_ratio_histograms, read_layers
+from cast_llm.analysis.files import load_ratio_histograms, read_layers
 from cast_llm.errors import CastError
-from cast_llm.io import read_json
+from cast_llm.io import RunDir, read_json
 
-RUN_MARKERS = ("cast_run.json", "metrics.jsonl", "results.json")
+RUN_MARKERS = (RunDir.MARKER, RunDir.METRICS, RunDir.RESULTS)
 
 
 @dataclass
@@ -89,21 +89,22 @@ def load_run(path: str | Path) -> Run:
         raise CastError(f"{p} is a file, not a run folder (pass the --output-dir of a `cast-llm train` run)")
     if not any((p / name).is_file() for name in RUN_MARKERS):
         raise CastError(f"{p} is not a cast-llm run folder (none of {', '.join(RUN_MARKERS)} in it)")
-    marker = read_json(p / "cast_run.json")
-    results = read_json(p / "results.json")
+    run = RunDir(p)
+    marker = read_json(run.marker)
+    results = read_json(run.results)
     config = marker.get("config") or {}
-    if not config and (p / "config.yaml").is_file():
+    if not config and run.config.is_file():
         import yaml
 
         try:
-            config = yaml.safe_load((p / "config.yaml").read_text()) or {}
+            config = yaml.safe_load(run.config.read_text()) or {}
         except yaml.YAMLError:
             config = {}
     method = marker.get("method") or results.get("method") or config.get("method") or "?"
     zeroshot = read_json(p / "zeroshot.json") or None
     return Run(path=p, label=p.name or str(p), method=str(method), config=config,
-               metrics=_read_jsonl(p / "metrics.jsonl"), results=results, dynamics=read_json(p / DYNAMICS_FILE),
-               layers=read_layers(p / LAYERS_FILE), ratio=load_ratio_histograms(p / RATIO_FILE),
+               metrics=_read_jsonl(run.metrics), results=results, dynamics=read_json(run.dynamics),
+               layers=read_layers(run.layers), ratio=load_ratio_histograms(run.ratio_hist),
                zeroshot=zeroshot)
 
 

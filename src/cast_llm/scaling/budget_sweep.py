@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cast_llm.config import parse_count
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_text
+from cast_llm.io import RunDir, atomic_write_text
 from cast_llm.scaling.fit import CHINCHILLA_BETA
 from cast_llm.scaling.points import load_results, read_runs, write_points_csv
 from cast_llm.scaling.report import FitReport, fit_report
@@ -96,7 +96,7 @@ def run_sweep(
             continue
         extra = []
         if run_dir.is_dir() and any(run_dir.iterdir()):
-            if not (run_dir / "cast_run.json").is_file():
+            if not RunDir(run_dir).marker.is_file():
                 raise CastError(
                     f"{run_dir} exists and is not a cast-llm run: move it away or use another --output-dir"
                 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cast_llm.config import parse_count
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_text
+from cast_llm.io import RunDir, atomic_write_text
 
 __all__ = ["METRICS", "Point", "read_points_csv", "load_results", "read_runs", "collect", "write_points_csv"]
 
@@ -72,7 +72,7 @@ def _ppl(results: dict, metric: str, model: str = "sparse") -> float | None:
 
 def load_results(run_dir: Path) -> dict | None:
     """``results.json`` of a *finished* run (tokens_trained and a sparse ppl present), else None."""
-    f = run_dir / "results.json"
+    f = RunDir(run_dir).results
     if not f.is_file():
         return None
     try:
@@ -96,7 +96,7 @@ def read_runs(
     for r in run_dirs:
         res = load_results(r)
         if res is None:
-            why = "holds no results.json" if not (r / "results.json").is_file() else "has not finished"
+            why = "holds no results.json" if not RunDir(r).results.is_file() else "has not finished"
             raise CastError(f"run folder {r} {why}: finish it (or `cast-llm train --resume`) before fitting")
         results.append((r, res))
     missing = [r for r, res in results if _ppl(res, metric) is None]

@@ -25,22 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json, read_json
+from cast_llm.io import RunDir, atomic_write_json, read_json
 
 __all__ = ["RUN_MARKER", "LOCK_FILE", "RunLock", "is_run_dir", "prepare_run_dir", "record_written", "written_files"]
 
-RUN_MARKER = "cast_run.json"
-LOCK_FILE = ".cast-llm.lock"
+RUN_MARKER = RunDir.MARKER
+LOCK_FILE = RunDir.LOCK
 # what every run writes besides the exported model (always its own, listed in the marker too)
-RUN_FILES = ("config.yaml", "metrics.jsonl", "results.json", "tensorboard", "checkpoints", "layers.jsonl",
-             "dynamics.json", "ratio_hist.npz", "report.html", "report")
+RUN_FILES = RunDir.OWN
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack",
                    "*.safetensors.index.json")
 
 
 def is_run_dir(path: Path) -> bool:
     path = Path(path)
-    return (path / RUN_MARKER).is_file() or (path / "cast_llm.json").is_file()
+    return (path / RUN_MARKER).is_file() or (path / RunDir.EXPORT_MARKER).is_file()
 
 
 def _holds_weights(path: Path) -> list[str]:
@@ -55,7 +54,7 @@ def _holds_weights(path: Path) -> list[str]:
 def written_files(path: Path) -> list[str]:
     """Names (relative to the run folder) of everything the run in ``path`` recorded as written by it."""
     marker = read_json(Path(path) / RUN_MARKER)
-    export = read_json(Path(path) / "cast_llm.json")  # the files of the model the run exported
+    export = read_json(Path(path) / RunDir.EXPORT_MARKER)  # the files of the model the run exported
     return list(dict.fromkeys(list(RUN_FILES) + list(marker.get("written", [])) + list(export.get("files", []))))
 
 

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cast_llm.io import RunDir
+
 __all__ = ["options_used", "summary_table", "reading", "mask_movement", "movement_line"]
 
 # Below this share of changed N:M groups a run's mask is called "not moved": it is the starting mask trained
@@ -99,7 +101,7 @@ def mask_movement(run_dir: str | Path) -> dict[str, float | None]:
     share of the tracked weight sample that flipped at least once (method.md §7). None where not logged."""
     run_dir = Path(run_dir)
     records = []
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics
     if metrics.is_file():
         records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
 
@@ -110,7 +112,7 @@ def mask_movement(run_dir: str | Path) -> dict[str, float | None]:
     flips = [r["flip_rate"] for r in records if r.get("flip_rate") is not None]
     out = {"initial_flip_rate": last("initial_flip_rate"), "changed_groups": last("changed_groups"),
            "flip_rate_mean": sum(flips) / len(flips) if flips else None, "flipped_fraction": None}
-    dyn = run_dir / "dynamics.json"
+    dyn = RunDir(run_dir).dynamics
     if dyn.is_file():
         try:
             tracking = json.loads(dyn.read_text()).get("weight_tracking") or {}
