@@ -40,3 +40,15 @@ def test_bf16_training_keeps_logits_in_bf16(tmp_path, monkeypatch, fresh_acceler
             "--device", "cpu", "--wikitext-file", str(tmp_path / "eval.txt")]
     assert main(argv) == 0
     assert seen and all(s == (torch.bfloat16, torch.bfloat16) for s in seen)
+
+
+def test_scoring_builds_no_kv_cache():
+    """Perplexity windows go through the model without a KV cache (it would keep every layer's K and V until
+    the forward returns)."""
+    from cast_llm.eval.ppl import window_nll
+
+    model = tiny.model("llama").eval()
+    seen = []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+    window_nll(model, torch.randint(0, model.config.vocab_size, (2, 16)))
+    assert seen == [False]

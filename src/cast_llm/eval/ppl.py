@@ -167,7 +167,8 @@ def tokenize_text(text: str, tokenizer) -> torch.Tensor:
 @torch.no_grad()
 def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
     """Sum of token NLLs (float64) of a batch of windows (B, L): predicts tokens 1..L-1 of each."""
-    logits = model(input_ids=windows).logits  # (B, L, V)
+    # no KV cache: it would keep every layer's keys and values until the forward returns
+    logits = model(input_ids=windows, use_cache=False).logits  # (B, L, V)
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
     return nll.double().sum()

@@ -17,7 +17,7 @@ from cast_llm.finetune.data import IGNORE_INDEX, Example, collate
 
 def batch_loss(model, batch: dict[str, torch.Tensor], task: str) -> tuple[torch.Tensor, int, int]:
     """``(mean loss, count, correct)``: count = labelled tokens (causal-lm) or examples; correct = argmax hits."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     labels = batch["labels"]
     if task == "classification":
         loss = F.cross_entropy(logits.float(), labels)

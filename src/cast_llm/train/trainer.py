@@ -237,7 +237,7 @@ class PretrainJob(Job):
     def loss(self, model, teacher, batch):
         if self.cfg.fused_head:
             return self._fused_loss(model, teacher, batch)
-        logits = model(input_ids=batch).logits
+        logits = model(input_ids=batch, use_cache=False).logits  # (a KV cache would hold every layer's K, V)
         t_logits = None
         if teacher is not None:
             if self.teacher_forward is None or self.teacher_forward.teacher is not teacher:
@@ -252,11 +252,11 @@ class PretrainJob(Job):
         """--fused-head: the models return their LM heads' inputs; the loss forms the logits chunk by chunk."""
         cfg = self.cfg
         with head_inputs(model, teacher):
-            hidden = model(input_ids=batch).logits
+            hidden = model(input_ids=batch, use_cache=False).logits
             t_hidden = None
             if teacher is not None:
                 with torch.no_grad():
-                    t_hidden = teacher(input_ids=batch).logits
+                    t_hidden = teacher(input_ids=batch, use_cache=False).logits
         weight = getattr(model, "module", model).get_output_embeddings().weight
         with fsdp2.unsharded_head(teacher) as t_weight:
             out = fused_head_loss(hidden, weight, t_hidden, t_weight, batch, eta=cfg.eta if teacher is not None
