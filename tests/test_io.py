@@ -101,3 +101,25 @@ def test_run_dir_names_the_files_the_trainer_writes(tmp_path):
     assert run.marker.name == RUN_MARKER and run.config.name == "config.yaml" and run / "x" == tmp_path / "run" / "x"
     assert set(RUN_FILES) == set(RunDir.OWN) and RunDir.MARKER not in RunDir.OWN  # the marker is never replaced
     assert Path(run) == tmp_path / "run"
+
+
+def test_a_killed_process_s_staging_folder_is_removed_by_the_next_one(tmp_path):
+    """staging_dir names its folder by host and pid; the next one made beside it removes only folders of
+    this host whose process is gone."""
+    import subprocess
+    import sys
+
+    from cast_llm.io import _host, staging_dir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f".export-{_host()}-{dead}-abc"
+    live = tmp_path / f".export-{_host()}-{os.getppid()}-def"
+    other_host = tmp_path / f".export-elsewhere-{dead}-ghi"
+    other_prefix = tmp_path / f".stage-{_host()}-{dead}-jkl"
+    for d in (stale, live, other_host, other_prefix):
+        (d / "part").mkdir(parents=True)
+    with staging_dir(tmp_path / "model", prefix=".export-") as tmp:
+        assert tmp.name.startswith(f".export-{_host()}-{os.getpid()}-")
+    assert not stale.exists() and live.exists() and other_host.exists() and other_prefix.exists()
+    assert not tmp.exists()

@@ -17,7 +17,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,14 +160,46 @@ def publish_dir(tmp: str | Path, final: str | Path, *, replace: bool = False) ->
 @contextlib.contextmanager
 def staging_dir(beside: str | Path, *, prefix: str) -> Iterator[Path]:
     """A private temporary folder next to ``beside`` (on its filesystem, so that what is built in it can be
-    renamed into place), created with its parents and always removed at the end of the block."""
+    renamed into place), created with its parents and always removed at the end of the block.
+
+    Its name carries this host and process id (``PREFIX<host>-<pid>-…``); a process killed before the end of
+    the block (SIGKILL, a power cut) leaves its folder behind, and the next staging folder made beside it
+    with the same prefix removes it — only folders of this host whose process is gone, never another's."""
     beside = Path(beside)
     beside.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=beside.parent))
+    remove_stale_staging(beside.parent, prefix)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{_host()}-{os.getpid()}-", dir=beside.parent))
     try:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_stale_staging(folder: str | Path, prefix: str) -> list[Path]:
+    """Remove the staging folders in ``folder`` that :func:`staging_dir` made with ``prefix`` on this host for
+    processes that no longer exist (what a killed run left); returns them."""
+    pattern = re.compile(re.escape(f"{prefix}{_host()}-") + r"(\d+)-")
+    removed = []
+    for p in Path(folder).glob(f"{prefix}{_host()}-*"):
+        match = pattern.match(p.name)
+        if match and p.is_dir() and not _alive(int(match.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def move_into(src: str | Path, dst: str | Path, *, last: str | None = None) -> list[str]:
