@@ -96,7 +96,8 @@ def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: 
     def setup(batch: int, accum: int) -> Setup:
         return Setup(device=cfg.device, world=cfg.gpus, strategy=strategy, precision=precision,
                      batch_size=batch, grad_accum=accum, seq_len=cfg.seq_len, kd=cfg.kd, scaling=cfg.scaling,
-                     scale_groups=cfg.scale_groups, activation_checkpointing=cfg.activation_checkpointing,
+                     scale_groups=cfg.scale_groups,
+                     activation_checkpointing=cfg.activation_checkpointing != "none",
                      teacher_dtype=cfg.teacher_dtype, fused_head=cfg.fused_head, kd_chunk_size=cfg.kd_chunk_size,
                      packed_masks=cfg.packed_masks, framework=framework)
 
@@ -159,7 +160,7 @@ def setup_for_run(cfg, *, world: int, device_type: str, precision: str, framewor
                  precision="bf16" if precision == "bf16" else "fp32", batch_size=cfg.batch_size,
                  grad_accum=cfg.grad_accum, seq_len=cfg.seq_len, kd=cfg.use_kd, scaling=cfg.use_scaling,
                  scale_groups=cfg.scale_groups,
-                 activation_checkpointing=getattr(cfg, "activation_checkpointing", False),
+                 activation_checkpointing=getattr(cfg, "activation_checkpointing", "none") not in ("none", False),
                  teacher_dtype=getattr(cfg, "teacher_dtype", "auto"), fused_head=getattr(cfg, "fused_head", False),
                  kd_chunk_size=cfg.kd_chunk_size, packed_masks=getattr(cfg, "packed_masks", False),
                  framework=framework)

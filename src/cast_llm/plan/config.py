@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cast_llm.config import check_ranges, option, parse_count
 from cast_llm.errors import CastError
-from cast_llm.train.config import LR_SCHEDULES
+from cast_llm.train.config import FSDP_PRECISIONS, LR_SCHEDULES, RECOMPUTE_MODES, recompute_mode
 
 RUN, MEMORY, TIME, DECAY = ("the run", "memory options (cast-llm train flags)", "time", "decay forecast assumptions")
 SECTIONS = (RUN, MEMORY, TIME, DECAY)
@@ -50,7 +50,13 @@ class PlanConfig:
     kd: bool = option(True, "distil from the dense teacher (--no-kd: no teacher)", section=RUN)
     scaling: bool = option(True, "learnable weight scaling (--no-scaling)", section=RUN)
     scale_groups: int = option(2, "column blocks per row of the weight scale", min=1, section=RUN)
-    activation_checkpointing: bool = option(False, "recompute each decoder block in backward", section=MEMORY)
+    activation_checkpointing: str = option("none", "recompute in backward: full (each block keeps its input), "
+                                                   "selective (also its matmul and attention outputs), none; the "
+                                                   "flag alone means full", choices=RECOMPUTE_MODES,
+                                            parse=recompute_mode, nargs="?", const="full", section=MEMORY)
+    fsdp_precision: str = option("auto", "with --fsdp in bf16: policy (FSDP2 MixedPrecisionPolicy: bf16 compute and "
+                                         "all-gather, fp32 reduce-scatter) or autocast (fp32 all-gathers); auto: "
+                                         "policy", choices=FSDP_PRECISIONS, section=MEMORY)
     fused_head: bool = option(False, "LM head and loss in token chunks (no full logits)", section=MEMORY)
     packed_masks: bool = option(False, "N:M masks as bits", section=MEMORY)
     teacher_dtype: str = option("auto", "teacher weights: auto (the training dtype), bf16, fp32",

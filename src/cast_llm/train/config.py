@@ -39,6 +39,10 @@ RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT = (
 MEMORY = "memory for large models (cast-llm plan says which a run needs)"
 SECTIONS = (RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT, MEMORY)  # the order of `train --help`
 TEACHER_DTYPES = ("auto", "bf16", "fp32")
+# --activation-checkpointing: nothing recomputed, the cheap operators between the matmuls, or whole blocks
+RECOMPUTE_MODES = ("none", "selective", "full")
+# --fsdp-precision (bf16 runs under --fsdp): FSDP2's MixedPrecisionPolicy, or fp32 all-gathers under autocast
+FSDP_PRECISIONS = ("auto", "policy", "autocast")
 
 
 def _opt_count(v):
@@ -50,6 +54,23 @@ def _count_ge0(v) -> int:
     if n < 0:
         raise ValueError(f"must be ≥ 0, got {v!r}")
     return n
+
+
+def recompute_mode(value) -> str:
+    """``--activation-checkpointing`` as one of :data:`RECOMPUTE_MODES`; the old boolean spelling (the flag
+    alone, YAML ``true`` / ``false``) means ``full`` / ``none``."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "full"
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on"):
+        return "full"
+    if text in ("false", "no", "off", ""):
+        return "none"
+    if text not in RECOMPUTE_MODES:
+        raise ValueError(f"expected one of {', '.join(RECOMPUTE_MODES)} (the flag alone: full), got {value!r}")
+    return text
 
 
 def _resume(v) -> str | None:
@@ -275,10 +296,18 @@ class TrainConfig(RunConfig, CastSettings):
                                    section=ANALYSIS)
     # --- memory for large models (docs/training.md, "Large models"; none changes what is computed except
     # --teacher-dtype, and --fused-head up to float summation order)
-    activation_checkpointing: bool = option(False, "recompute each decoder block of the student in backward instead "
-                                                   "of keeping its activations (~+25% step time); the teacher "
-                                                   "keeps none anyway (its forward runs without a graph)",
-                                            section=MEMORY)
+    activation_checkpointing: str = option("none", "recompute the student's decoder blocks in backward instead of "
+                                                   "keeping their activations: full (each block keeps its input; "
+                                                   "~+25% step time), selective (also the outputs of its matmuls "
+                                                   "and attention: the cheap operators are recomputed), none; the "
+                                                   "flag alone means full. The teacher keeps none anyway (its "
+                                                   "forward runs without a graph)", choices=RECOMPUTE_MODES,
+                                            parse=recompute_mode, nargs="?", const="full", section=MEMORY)
+    fsdp_precision: str = option("auto", "with --fsdp in bf16: policy (FSDP2's MixedPrecisionPolicy: bf16 weights "
+                                         "for compute and all-gather, fp32 reduce-scatter, fp32 sharded master "
+                                         "weights, no autocast; the weight scales stay fp32) or autocast (fp32 "
+                                         "all-gathers, bf16 autocast as without --fsdp); auto: policy. results.json "
+                                         "records which ran", choices=FSDP_PRECISIONS, section=MEMORY)
     teacher_dtype: str = option("auto", "the frozen teacher's weights: auto (bf16 when training in bf16, else "
                                         "fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY)
     fused_head: bool = option(False, "LM head and loss (KD or CE) together, --kd-chunk-size tokens at a time: the "

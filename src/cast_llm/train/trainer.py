@@ -265,8 +265,8 @@ class PretrainJob(Job):
             del dense  # on a resume rank 0's copy served the teacher only
         else:
             model = dense
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(model)
+        if cfg.activation_checkpointing != "none":
+            enable_activation_checkpointing(model, cfg.activation_checkpointing)
         self.model = model
 
     def _baseline(self, ctx, model, targets, results) -> None:
