@@ -143,7 +143,7 @@ def build_variants(base: torch.nn.Module, cfg, names: list[str], dtype: torch.dt
         method = get_method("cast")
         method.prepare_model(student, cfg)  # wraps the targets in ScaledLinear, as the trainer does
         opt = method.build_optimizer(student, cfg, 100_000)  # AdamS with the trainer's param groups
-        from cast_llm.train.teacher import TeacherForward
+        from cast_llm.distill.teacher import TeacherForward
 
         for name in CAST_VARIANTS:  # cast_kd_graph: the teacher as a CUDA graph
             if name in names:

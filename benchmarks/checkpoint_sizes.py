@@ -33,7 +33,7 @@ def main() -> None:
 
     from cast_llm.deploy.compressed import load_compressed, on_disk_bytes, save_compressed
     from cast_llm.deploy.compressed_tensors import load_compressed_tensors, save_compressed_tensors
-    from cast_llm.export import save_sparse_checkpoint
+    from cast_llm.deploy.export import save_sparse_checkpoint
     from cast_llm.models import load_model, load_tokenizer
     from cast_llm.prune.magnitude import magnitude_prune_
     from cast_llm.quant import quantize_model_

@@ -348,8 +348,8 @@ class Comparison:
         """The trainer's Evaluator on the same held-out slice and WikiText-2 windows as the training runs."""
         if getattr(self, "_evaluator", None) is None:
             from cast_llm.data import prepare
+            from cast_llm.eval.evaluator import Evaluator
             from cast_llm.models import load_tokenizer
-            from cast_llm.train.trainer import Evaluator
 
             cfg = self.train_config(self.budget, [], self.runs / "_eval")
             tok = load_tokenizer(cfg.model)

@@ -47,9 +47,9 @@ def forecast_curve(budgets: list[int], tier: dict, seed: int = 0) -> list[dict]:
     from cast_llm.data import prepare, steps_for_tokens
     from cast_llm.models import load_model, load_tokenizer
     from cast_llm.optim.forecast import decay_state, forecast_from_layers
+    from cast_llm.optim.schedule import schedule_lrs
     from cast_llm.train.config import TrainConfig
     from cast_llm.train.methods import get_method
-    from cast_llm.train.schedule import schedule_lrs
     from cast_llm.train.trainer import lm_loss
 
     cfg = TrainConfig(output_dir="unused", model=tier["model"], data=tier["data"], method="cast", paper_exact=True,

@@ -6,7 +6,7 @@ resident memory (``VmHWM``, reset once the inputs exist: Linux's ``clear_refs``)
 memory the loss itself needs on top of the model:
 
 * ``logits`` — the ordinary head: student and teacher logits whole (bf16), then the chunked KD loss;
-* ``fused`` — :func:`cast_llm.head_loss.fused_head_loss` of this checkout;
+* ``fused`` — :func:`cast_llm.distill.head.fused_head_loss` of this checkout;
 * ``fused@REV`` (``--before REV``) — the same function as of git revision REV (its file read with ``git show``),
   beside it in the same run: what a change to the fused head did.
 
@@ -62,7 +62,7 @@ def child(variant: str, vocab: int, hidden: int, tokens: int, chunk: int, module
         head_loss = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(head_loss)
     else:
-        from cast_llm import head_loss
+        from cast_llm.distill import head as head_loss
     from cast_llm.distill import causal_kd_loss
 
     weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = [run_child("logits", args), run_child("fused", args)]
     if args.before:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:src/cast_llm/head_loss.py"],
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:src/cast_llm/distill/head.py"],
                               capture_output=True, text=True, check=True).stdout
         with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
             f.write(text)

@@ -151,7 +151,7 @@ def check_kd(device: str) -> dict[str, float]:
         errors[f"{name}_loss"] = loss_err
         errors[f"{name}_grad"] = grad_err
     # labels read through their own stride: a strided view gives what a contiguous copy gives, bit for bit
-    from cast_llm import triton_kd
+    from cast_llm.distill import triton_kd
 
     s = (3 * torch.randn(6, 5000, generator=gen)).to(device)
     y = torch.randint(0, 5000, (6, 2), generator=gen).to(device)

@@ -151,11 +151,12 @@ def test_the_cycle_finder_finds_cycles():
 
 # the layers of docs/library.md: a module may import from its own layer and the ones below
 LAYERS = {
-    0: ("errors", "io", "config", "sparsity", "layers", "targets", "triton_support", "kernels"),  # core
-    1: ("nn", "optim", "distill", "triton_kd", "kd_paths", "head_loss", "data", "models", "prune", "quant", "deploy",
-        "export", "eval", "analysis"),
-    2: ("train", "plan", "finetune", "integrations", "scaling", "report", "doctor"),  # training, what runs/reads it
-    3: ("cli",),
+    0: ("errors", "io", "config", "machine", "sparsity", "layers", "targets", "triton_support", "kernels"),  # core
+    1: ("nn", "optim", "distill", "data", "models", "prune", "quant", "deploy", "export", "eval", "analysis"),
+    2: ("plan",),  # a run's needs, from its config alone
+    3: ("train", "finetune", "integrations"),  # training
+    4: ("scaling", "report", "doctor"),  # what runs, reads or checks training
+    5: ("cli",),
 }
 
 
@@ -284,3 +285,42 @@ def test_cast_llm_help_takes_under_half_a_second():
         times.append(time.perf_counter() - t0)
         assert proc.returncode == 0 and "usage: cast-llm" in proc.stdout, proc.stderr
     assert min(times) < 0.5, f"cast-llm --help took {min(times):.2f} s at best of 3 ({times})"
+
+
+def package_graph() -> dict[str, dict[str, tuple[str, int, bool]]]:
+    """``{package: {package it needs: (module, line, lazily)}}``: the import graph with every module folded into
+    the top-level package (or root module) it belongs to, imports inside functions included."""
+    def top(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, dict[str, tuple[str, int, bool]]] = {}
+    for module, needs in import_graph().items():
+        if module == PACKAGE:
+            continue
+        edges = graph.setdefault(top(module), {})
+        for target, (line, lazily) in needs.items():
+            if target != PACKAGE and top(target) != top(module):
+                edges.setdefault(top(target), (module, line, lazily))
+    return graph
+
+
+def test_no_cycle_between_packages():
+    """Packages (and root modules) form no loop either, counting imports made inside functions: a deferred
+    import hides a cycle from the interpreter, not from the reader."""
+    graph = package_graph()
+    cycle = find_cycle({p: {q: (e[1], e[2]) for q, e in needs.items()} for p, needs in graph.items()})
+    if cycle:
+        steps = [f"{a} -> {b} ({graph[a][b][0]} line {graph[a][b][1]}{', inside a function' if graph[a][b][2] else ''})"
+                 for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("package cycle:\n  " + "\n  ".join(steps))
+
+
+def test_the_package_root_holds_only_core_modules():
+    """At most 8 modules at the root besides ``__init__`` / ``__main__``, each of the core layer (it imports
+    no package of ours): everything else lives in a package named for its concept."""
+    root = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(root) <= 8, root
+    assert all(name in LAYERS[0] for name in root), [n for n in root if n not in LAYERS[0]]
+    for name in root:
+        needs = {".".join(t.split(".")[:2]) for t in import_graph()[f"{PACKAGE}.{name}"]} - {PACKAGE}
+        assert all(_layer(t) == 0 for t in needs), (name, needs)

@@ -1,5 +1,5 @@
 """The torch.compile candidates (inductor's C++ on this CPU) against their float64 references: the AdamS update
-(optim/compiled_adams.py) and the KD loss (kd_paths.py). Each kind compiles once per test process (seconds);
+(optim/compiled_adams.py) and the KD loss (distill/paths.py). Each kind compiles once per test process (seconds);
 the suite leaves these candidates out everywhere else (CAST_LLM_COMPILE=0, tests/conftest.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""--fused-head (cast_llm/head_loss.py): Eq. 13 through the LM head chunk by chunk equals the loss on full
+"""--fused-head (cast_llm/distill/head.py): Eq. 13 through the LM head chunk by chunk equals the loss on full
 logits (float64 reference), for KD and plain CE, tied or not, and gives the same gradients."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from cast_llm.distill import causal_kd_loss
+from cast_llm.distill.head import check_fusable, fused_head_loss, head_inputs
 from cast_llm.errors import CastError
-from cast_llm.head_loss import check_fusable, fused_head_loss, head_inputs
 
 
 def _data(dtype=torch.float64, B=3, T=7, h=16, V=37, seed=0):

@@ -8,7 +8,7 @@ import tiny
 import torch
 from transformers import TrainingArguments
 
-from cast_llm.export import verify_nm
+from cast_llm.deploy.export import verify_nm
 from cast_llm.integrations.hf_trainer import CastArguments, CastTrainer, cast_kd_loss
 
 

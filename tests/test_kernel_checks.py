@@ -194,7 +194,7 @@ def _kd_run():
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_kd_loss(monkeypatch, capsys, fault, compile_error):
-    from cast_llm import distill
+    from cast_llm.distill import loss as distill
 
     def real(student, teacher, labels, *, ignore_index, inv_n, eta, temperature, need_grad, chunk_size):
         return distill._chunked(student, teacher, labels, labels != ignore_index, inv_n, eta, temperature, chunk_size,
@@ -304,7 +304,7 @@ def _fake_graph(fault, error, captures):
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_teacher_cuda_graph(monkeypatch, capsys, fault, compile_error):
-    from cast_llm.train.teacher import TeacherForward
+    from cast_llm.distill.teacher import TeacherForward
 
     monkeypatch.setattr(TeacherForward, "graph_device", "cpu")
     model = tiny.model("llama").requires_grad_(False)

@@ -11,7 +11,6 @@ import tiny
 import torch
 from deploy_helpers import cli, save_hf, sparse_model, state_dicts_bitwise_equal
 
-from cast_llm import models
 from cast_llm.errors import CastError
 from cast_llm.models import (
     canonical_alias,
@@ -22,6 +21,7 @@ from cast_llm.models import (
     near_alias,
     resolve_model,
 )
+from cast_llm.models import loading as models
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,7 @@ def test_advice_makes_an_8b_run_fit_on_8_gpus_and_says_how_many_a_13b_needs_on_o
 ])
 def test_closed_form_decay_matches_adams_exact_recursion(schedule, lr, lam, sig, warm):
     from cast_llm.optim.forecast import simulate_pruned
-    from cast_llm.train.schedule import lr_factor
+    from cast_llm.optim.schedule import lr_factor
 
     T, rms = 300, 0.01
     f = lr_factor(schedule, T, 6)

@@ -87,7 +87,7 @@ def test_cpu_tensors_take_the_torch_paths(monkeypatch):
 def test_kernels_refuse_what_they_do_not_take(monkeypatch):
     # imported BEFORE the interpreter switch: @triton.jit decides at import whether a kernel is interpreted,
     # and the compile tests below need real JIT functions
-    from cast_llm import triton_kd
+    from cast_llm.distill import triton_kd
     from cast_llm.nn import triton_scaled_weight
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors count as kernel tensors: only the checks below decide
@@ -131,7 +131,7 @@ def _compile_for_h100(fn, sig: dict, consts: dict, num_warps: int, plain: tuple[
 @pytest.mark.parametrize("has_t,unit_t,need_grad", [(True, True, True), (True, False, True), (False, True, False)])
 def test_kd_kernel_compiles_for_h100_with_vector_loads(monkeypatch, has_t, unit_t, need_grad):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
-    from cast_llm.triton_kd import _BLOCK, _NUM_WARPS, _kd_kernel
+    from cast_llm.distill.triton_kd import _BLOCK, _NUM_WARPS, _kd_kernel
 
     sig = {"s_ptr": "*bf16", "t_ptr": "*bf16", "y_ptr": "*i64", "g_ptr": "*bf16", "kl_ptr": "*fp32",
            "ce_ptr": "*fp32", "inv_n_ptr": "*fp32", "V": "i32", "s_stride": "i32", "t_stride": "i32",
@@ -192,7 +192,7 @@ def test_every_triton_launch_pins_floating_point_fusion():
 
     src = Path(__file__).parents[1] / "src" / "cast_llm"
     launches = pinned = 0
-    for f in (src / "triton_kd.py", src / "nn" / "triton_scaled_weight.py", src / "optim" / "triton_adams.py"):
+    for f in (src / "distill" / "triton_kd.py", src / "nn" / "triton_scaled_weight.py", src / "optim" / "triton_adams.py"):
         text = f.read_text()
         launches += len(re.findall(r"_kernel\[.*?\]\(", text))
         pinned += text.count("enable_fp_fusion=FP_FUSION")

@@ -7,9 +7,9 @@ import pytest
 import tiny
 import torch
 
-import cast_llm.train.teacher as teacher_mod
+import cast_llm.distill.teacher as teacher_mod
 from cast_llm.distill import causal_kd_loss
-from cast_llm.train.teacher import MAX_GRAPHS, TeacherForward
+from cast_llm.distill.teacher import MAX_GRAPHS, TeacherForward
 
 
 @pytest.fixture(scope="module")

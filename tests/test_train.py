@@ -477,7 +477,7 @@ def test_global_batch_is_split_over_any_number_of_processes():
     """--global-batch (the presets' paper batch) is micro-batch × accumulation × processes on 1, 2 and 8
     processes; --batch-size 0 takes the largest micro-batch the plan fits; what cannot split is refused."""
     from cast_llm.errors import CastError
-    from cast_llm.train.batch import split_global_batch
+    from cast_llm.plan.batch import split_global_batch
     from cast_llm.train.config import PRESETS
 
     assert PRESETS["llama"]["global_batch"] == 256 and PRESETS["llama"]["batch_size"] == 0

@@ -1,5 +1,5 @@
 """Triton where it can run: the import guard and the interpreter switch of the training-step kernels
-(:mod:`cast_llm.nn.triton_scaled_weight`, :mod:`cast_llm.triton_kd`).
+(:mod:`cast_llm.nn.triton_scaled_weight`, :mod:`cast_llm.distill.triton_kd`).
 
 A kernel runs on CUDA tensors when Triton imports, and — with ``TRITON_INTERPRET=1`` set before Triton is
 imported — on CPU tensors through Triton's interpreter, which is how the kernels are tested without a GPU.

@@ -60,10 +60,10 @@ WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_
 
 # ============================================================================ imports the stages make (static)
 STAGE_ENTRIES = {
-    "setup": ["benchmarks/gpu/kit.py", "src/cast_llm/models.py", "src/cast_llm/data.py", "src/cast_llm/eval/ppl.py"],
+    "setup": ["benchmarks/gpu/kit.py", "src/cast_llm/models/loading.py", "src/cast_llm/data/*.py", "src/cast_llm/eval/ppl.py"],
     # the benchmark scripts of the perf table (absent ones are skipped: they arrive with their own branches)
     "perf": [f"benchmarks/{b.script}" for b in PERF_TABLE],
-    "correctness": ["tests/*.py", "src/cast_llm/cli/__init__.py", "src/cast_llm/cli/train.py", "src/cast_llm/export.py"],
+    "correctness": ["tests/*.py", "src/cast_llm/cli/__init__.py", "src/cast_llm/cli/train.py", "src/cast_llm/deploy/export.py"],
     "speed": ["src/cast_llm/cli/bench.py", "src/cast_llm/deploy/semi_structured.py"],
     "quality": ["benchmarks/compare_methods.py", "src/cast_llm/cli/train.py", "src/cast_llm/cli/prune.py"],
 }

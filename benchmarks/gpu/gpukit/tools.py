@@ -103,7 +103,7 @@ def cmd_check_export(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cast_llm.export import sparsity_report
+    from cast_llm.deploy.export import sparsity_report
 
     run = Path(args.run_dir)
     meta = json.loads((run / "config.json").read_text()).get("sparsity", {})

@@ -72,7 +72,7 @@ def _state_equal(a, b) -> list[str]:
 
 
 def export_model(model, tokenizer, cfg: ExportConfig, out: Path) -> Path:
-    from cast_llm.export import read_sparsity_metadata, save_sparse_checkpoint
+    from cast_llm.deploy.export import read_sparsity_metadata, save_sparse_checkpoint
 
     meta = {}
     if Path(cfg.model).is_dir():

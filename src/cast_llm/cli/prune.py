@@ -80,7 +80,7 @@ def register(subparsers) -> None:
 
 def check_output_dir(path: Path, overwrite: bool) -> None:
     """Refuse an existing non-empty folder unless it is a previous cast-llm output or ``overwrite``."""
-    from cast_llm.export import CHECKPOINT_MARKER
+    from cast_llm.deploy.export import CHECKPOINT_MARKER
 
     if path.exists() and not path.is_dir():
         raise CastError(f"--output-dir {path} exists and is not a folder")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.output_dir)
     check_output_dir(out, cfg.overwrite)
 
-    from cast_llm.export import format_sparsity_report, save_sparse_checkpoint, sparsity_report
+    from cast_llm.deploy.export import format_sparsity_report, save_sparse_checkpoint, sparsity_report
     from cast_llm.models import check_seq_len, load_model, load_tokenizer, resolve_device
     from cast_llm.prune import prune_model
     from cast_llm.targets import find_targets

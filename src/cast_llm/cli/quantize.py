@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cast_llm.deploy.checkpoint import parse_dtype, prepare_output_dir
-    from cast_llm.export import read_sparsity_metadata
+    from cast_llm.deploy.export import read_sparsity_metadata
     from cast_llm.models import check_seq_len, load_model, load_tokenizer, resolve_device
     from cast_llm.quant import quantize_model_
     from cast_llm.quant.pack import save_quantized

@@ -16,10 +16,30 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from cast_llm.io import atomic_write_json
+    from cast_llm.train.summary import summary_table
     from cast_llm.train.trainer import train
 
-    train(build_config(args))
+    cfg = build_config(args)
+    results = train(cfg)
+    if results.get("output_dir"):  # the main process, once the run is complete
+        if cfg.report:
+            results["report"] = write_report(results["output_dir"])
+            atomic_write_json(f"{results['output_dir']}/results.json", results)
+        print(summary_table(results))
     return 0
+
+
+def write_report(out: str) -> str | None:
+    """The run's HTML report (plots of loss, S_t, flip rates, perplexities); its path, or None if it failed."""
+    try:
+        from cast_llm.report import build_report
+
+        return str(build_report([out], None, html=True).html)
+    except Exception as e:  # a report is a convenience: never lose a finished run over it
+        print(f"warning: the HTML report could not be written ({type(e).__name__}: {e}); "
+              f"`cast-llm report {out} --html` tries again")
+        return None
 
 
 def register(sub) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from cast_llm.deploy.export import sparsity_report
 from cast_llm.deploy.sparse24 import (
     Dispatcher,
     Sparse24Linear,
@@ -45,7 +46,6 @@ from cast_llm.deploy.sparse24 import (
 from cast_llm.deploy.sparse24.kernels import GPU_KERNELS
 from cast_llm.deploy.sparse24.timing import gemm_fn
 from cast_llm.errors import CastError
-from cast_llm.export import sparsity_report
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
 

@@ -3,7 +3,7 @@
 * :func:`prepare_output_dir` — refuse to clobber a folder unless asked, and then only a checkpoint folder;
 * :func:`read_format_index` — the JSON index of one of our formats, checked for format and version;
 * :func:`staged_output` — write into a temporary folder beside the target, move in when complete, the
-  ``cast_llm.json`` completion marker last (the same protocol as :func:`cast_llm.export.save_sparse_checkpoint`);
+  ``cast_llm.json`` completion marker last (the same protocol as :func:`cast_llm.deploy.export.save_sparse_checkpoint`);
 * :func:`unique_state_dict` — the model's tensors once each (tied ``lm_head`` = embedding is stored once,
   recorded as an alias), contiguous, on the CPU;
 * :func:`model_from_state_dict` — a transformers model from a ``config.json`` folder and a dense state dict
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from cast_llm import __version__
+from cast_llm.deploy.export import CHECKPOINT_MARKER
 from cast_llm.errors import CastError
-from cast_llm.export import CHECKPOINT_MARKER
 from cast_llm.io import move_into, staging_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -40,10 +40,10 @@ from cast_llm.deploy.checkpoint import (
     unique_state_dict,
     write_marker,
 )
+from cast_llm.deploy.export import verify_nm
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.deploy.semi_structured import require_semi_structured
 from cast_llm.deploy.sparse24 import to_sparse24_
-from cast_llm.export import verify_nm
 from cast_llm.targets import find_targets
 
 FORMAT = "cast-llm-compressed-nm"

@@ -41,8 +41,8 @@ from cast_llm.deploy.checkpoint import (
     unique_state_dict,
     write_marker,
 )
+from cast_llm.deploy.export import CHECKPOINT_MARKER, verify_nm
 from cast_llm.errors import CastError
-from cast_llm.export import CHECKPOINT_MARKER, verify_nm
 from cast_llm.layers import is_linear_like
 from cast_llm.sparsity.mask import nm_mask
 from cast_llm.targets import find_targets

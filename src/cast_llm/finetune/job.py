@@ -15,7 +15,7 @@ from typing import Any
 
 from cast_llm import __version__
 from cast_llm.data import BatchSampler
-from cast_llm.export import (
+from cast_llm.deploy.export import (
     format_sparsity_report,
     save_hf_checkpoint,
     save_sparse_checkpoint,

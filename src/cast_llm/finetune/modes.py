@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from cast_llm.deploy.export import format_sparsity_report, verify_nm
 from cast_llm.errors import CastError
-from cast_llm.export import format_sparsity_report, verify_nm
 from cast_llm.targets import find_targets
 from cast_llm.train.methods.base import TrainingMethod
 

@@ -23,8 +23,8 @@ import torch
 from transformers import Trainer
 
 from cast_llm.config import option
+from cast_llm.deploy.export import verify_nm
 from cast_llm.distill import kd_loss
-from cast_llm.export import verify_nm
 from cast_llm.nn import fold_scaling_, wrap_scaling_
 from cast_llm.optim import AdamS
 from cast_llm.targets import param_groups

@@ -7,8 +7,8 @@
 * :mod:`.environment` — what ``cast-llm doctor`` reports about the machine.
 
 The paths themselves are declared beside their kernels: ``cast_llm.optim.checked_paths`` (AdamS update and
-mask refresh), ``cast_llm.kd_paths`` (the KD loss), ``cast_llm.nn.checked_paths`` (the scaled-weight
-backward, per layer and per block), ``cast_llm.train.teacher`` (the teacher's CUDA graph),
+mask refresh), ``cast_llm.distill.paths`` (the KD loss), ``cast_llm.nn.checked_paths`` (the scaled-weight
+backward, per layer and per block), ``cast_llm.distill.teacher`` (the teacher's CUDA graph),
 ``cast_llm.deploy.sparse24.checked`` (the 2:4 GEMMs and the decoder's CUDA graph).
 """
 

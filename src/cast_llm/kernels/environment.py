@@ -24,10 +24,10 @@ def _triton() -> dict:
     version = _version("triton")
     if version is None:
         return {"version": None, "importable": False, "why": "not installed (pip install triton)"}
-    try:
-        import triton  # noqa: F401 - importable at all? (a broken install fails here)
-    except Exception as e:  # noqa: BLE001 - any import failure means no Triton kernel
-        return {"version": version, "importable": False, "why": f"{type(e).__name__}: {e}"}
+    from cast_llm.triton_support import IMPORT_ERROR  # the one import guard (a broken install fails there)
+
+    if IMPORT_ERROR is not None:
+        return {"version": version, "importable": False, "why": IMPORT_ERROR}
     return {"version": version, "importable": True}
 
 

@@ -48,14 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 from torch import Tensor
 
 from cast_llm.optim.adams_probes import fast_path_unsupported as unsupported_reason
 from cast_llm.sparsity.mask import packed_numel
-from cast_llm.triton_support import FP_FUSION, LRU, to_device
+from cast_llm.triton_support import FP_FUSION, LRU, interpreting, tl, to_device, triton
+from cast_llm.triton_support import IMPORT_ERROR as _IMPORT_ERROR
 
 __all__ = ["fused_adams_", "fused_nm_masks", "unavailable_reason", "unsupported_reason"]  # unsupported_reason: adams_probes'
 
@@ -71,18 +71,9 @@ _LANES = 128  # tensors per program of the scalar kernel
 # step address, unused), the scalar table 16 float32 slots (10 used: 64-byte rows).
 _SCALARS = 16
 
-_IMPORT_ERROR: str | None = None
-try:
-    import triton
-    import triton.language as tl
-except Exception as err:  # ImportError, or a broken install: either way no kernel
-    triton = tl = None
-    _IMPORT_ERROR = f"Triton is not importable ({type(err).__name__}: {err}); pip install triton"
-
-
 # Under Triton's interpreter the kernels run on CPU tensors; Triton reads the variable once, when it
 # decorates them at import, and so does this module.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = interpreting()
 
 
 @functools.cache

@@ -102,7 +102,7 @@ def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: 
                      packed_masks=cfg.packed_masks, framework=framework)
 
     if cfg.batch_size == 0:  # as `cast-llm train --batch-size 0` with the paper's global batch
-        from cast_llm.train.batch import split_global_batch
+        from cast_llm.plan.batch import split_global_batch
 
         batch, accum = split_global_batch(PAPER_GLOBAL_BATCH, cfg.gpus, batch_size=0, grad_accum=cfg.grad_accum or 1,
                                           fits=lambda b, a: plan_memory(shape, setup(b, a)).fits(capacity))
@@ -113,7 +113,7 @@ def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: 
 
 def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     """The whole plan for ``cfg`` (``shape``: already known, e.g. from a loaded model)."""
-    from cast_llm.train.schedule import lr_factor
+    from cast_llm.optim.schedule import lr_factor
 
     cfg.validate()
     shape = shape or model_shape(cfg.model)

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import check_ranges, option, parse_count
+from cast_llm.config import (
+    FSDP_PRECISIONS,
+    RECOMPUTE_MODES,
+    check_ranges,
+    option,
+    parse_count,
+    recompute_mode,
+)
 from cast_llm.errors import CastError
-from cast_llm.train.config import FSDP_PRECISIONS, LR_SCHEDULES, RECOMPUTE_MODES, recompute_mode
+from cast_llm.optim.schedule import SCHEDULES as LR_SCHEDULES
 
 RUN, MEMORY, TIME, DECAY = ("the run", "memory options (cast-llm train flags)", "time", "decay forecast assumptions")
 SECTIONS = (RUN, MEMORY, TIME, DECAY)

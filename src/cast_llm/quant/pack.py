@@ -44,9 +44,9 @@ from cast_llm.deploy.checkpoint import (
     unique_state_dict,
     write_marker,
 )
+from cast_llm.deploy.export import save_sparse_checkpoint, sparsity_report
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.errors import CastError
-from cast_llm.export import save_sparse_checkpoint, sparsity_report
 from cast_llm.quant.rtn import QuantizedWeight, num_groups
 from cast_llm.sparsity.mask import nm_mask
 from cast_llm.targets import find_targets

@@ -15,14 +15,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import check_ranges, kernels_option, option, parse_count, parse_hist_steps
+from cast_llm.config import (
+    FSDP_PRECISIONS,
+    RECOMPUTE_MODES,
+    check_ranges,
+    kernels_option,
+    option,
+    parse_count,
+    parse_hist_steps,
+    recompute_mode,
+)
 from cast_llm.errors import CastError
+from cast_llm.optim.schedule import SCHEDULES
 
 # training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
 INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
-LR_SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none; train/schedule.py)
+LR_SCHEDULES = SCHEDULES  # after the linear warm-up (the paper gives none; cast_llm.optim.schedule)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
 RESUME = ("latest", "auto")
 # the last fraction of a CAST run trained as the sparse model it exports (the masked repair), by default
@@ -39,10 +49,6 @@ RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT = (
 MEMORY = "memory for large models (cast-llm plan says which a run needs)"
 SECTIONS = (RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT, MEMORY)  # the order of `train --help`
 TEACHER_DTYPES = ("auto", "bf16", "fp32")
-# --activation-checkpointing: nothing recomputed, the cheap operators between the matmuls, or whole blocks
-RECOMPUTE_MODES = ("none", "selective", "full")
-# --fsdp-precision (bf16 runs under --fsdp): FSDP2's MixedPrecisionPolicy, or fp32 all-gathers under autocast
-FSDP_PRECISIONS = ("auto", "policy", "autocast")
 
 
 def _opt_count(v):
@@ -54,23 +60,6 @@ def _count_ge0(v) -> int:
     if n < 0:
         raise ValueError(f"must be ≥ 0, got {v!r}")
     return n
-
-
-def recompute_mode(value) -> str:
-    """``--activation-checkpointing`` as one of :data:`RECOMPUTE_MODES`; the old boolean spelling (the flag
-    alone, YAML ``true`` / ``false``) means ``full`` / ``none``."""
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        return "full"
-    text = str(value).strip().lower()
-    if text in ("true", "yes", "on"):
-        return "full"
-    if text in ("false", "no", "off", ""):
-        return "none"
-    if text not in RECOMPUTE_MODES:
-        raise ValueError(f"expected one of {', '.join(RECOMPUTE_MODES)} (the flag alone: full), got {value!r}")
-    return text
 
 
 def _resume(v) -> str | None:

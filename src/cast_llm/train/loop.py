@@ -40,6 +40,7 @@ from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
 from cast_llm.io import append_jsonl, atomic_write_json, truncate_jsonl
+from cast_llm.optim.schedule import build_scheduler
 from cast_llm.train.checkpoint import (
     CheckpointWriteError,
     fingerprint,
@@ -54,7 +55,6 @@ from cast_llm.train.memory import PeakMemory
 from cast_llm.train.phases import Phases
 from cast_llm.train.preemption import Preempted, StopRequest
 from cast_llm.train.rundir import RunLock, prepare_run_dir, record_written, write_marker
-from cast_llm.train.schedule import build_scheduler
 from cast_llm.train.threads import setup_threads
 
 __all__ = ["Job", "run", "build_accelerator", "resolve_precision", "device_type"]

@@ -14,15 +14,15 @@
 * ``--teacher-dtype``: the teacher's weights. Its forward runs under ``torch.no_grad`` (no graph, nothing
   saved; :meth:`cast_llm.train.trainer.PretrainJob.loss`), so its cost is its weights and one block's
   temporaries; under ``--fsdp`` it is sharded over the same mesh as the student (``train/distributed.py``).
-* ``--fused-head``: :mod:`cast_llm.head_loss`. ``--packed-masks``: AdamS's ``mask_storage="packed"``.
+* ``--fused-head``: :mod:`cast_llm.distill.head`. ``--packed-masks``: AdamS's ``mask_storage="packed"``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cast_llm.config import RECOMPUTE_MODES, recompute_mode
 from cast_llm.errors import CastError
-from cast_llm.train.config import RECOMPUTE_MODES, recompute_mode
 
 __all__ = ["teacher_dtype", "enable_activation_checkpointing", "disable_activation_checkpointing", "RECOMPUTE_MODES",
            "recompute_mode", "SAVED_OPS", "selective_policy"]

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from cast_llm.data import BatchSampler, prepare, steps_for_tokens
+from cast_llm.deploy.export import save_sparse_checkpoint
 from cast_llm.distill import causal_kd_loss
-from cast_llm.errors import CastError
-from cast_llm.eval.ppl import packed_perplexity, perplexity, tokenize_text, wikitext2_source
-from cast_llm.export import save_sparse_checkpoint
-from cast_llm.head_loss import fused_head_loss, head_inputs
+from cast_llm.distill.head import fused_head_loss, head_inputs
+from cast_llm.distill.teacher import TeacherForward
+from cast_llm.eval.evaluator import Evaluator
 from cast_llm.io import atomic_write_json
 from cast_llm.models import (
     check_seq_len,
@@ -37,10 +37,10 @@ from cast_llm.models import (
     native_dtype,
 )
 from cast_llm.plan import fmt_size, process_rss
+from cast_llm.plan.batch import split_global_batch
 from cast_llm.sparsity.mask import magnitude_mask
 from cast_llm.targets import find_targets
 from cast_llm.train import fsdp as fsdp2
-from cast_llm.train.batch import split_global_batch
 from cast_llm.train.checkpoint import FINGERPRINT_KEYS
 from cast_llm.train.config import TrainConfig
 from cast_llm.train.loop import Job, run
@@ -52,8 +52,7 @@ from cast_llm.train.memory_options import (
 )
 from cast_llm.train.methods import get_method
 from cast_llm.train.observers import default_observers, with_masks_applied
-from cast_llm.train.summary import mask_movement, options_used, summary_table
-from cast_llm.train.teacher import TeacherForward
+from cast_llm.train.summary import mask_movement, options_used
 
 
 # ------------------------------------------------------------------------------------------------- the loss
@@ -70,93 +69,6 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
     if teacher_logits is None:
         return out.loss, out.ce, 0.0
     return out.loss, out.ce, out.kd
-
-
-# ----------------------------------------------------------------------------------------------- evaluation
-class Evaluator:
-    """Test, validation and WikiText-2 perplexities of the (possibly wrapped) student, each figure printed as
-    it comes with what it is based on.
-
-    *Test* (the held-out figure every table reports) and *validation* (what tuning chooses on, and the
-    in-training ``--eval-every`` figure) are the fixed splits of ``--data`` (:mod:`cast_llm.data.split`).
-    WikiText-2 windows: ``--wikitext-windows`` (0 = all, the full protocol), or by default scaled to the run:
-    ``train_tokens / (3 · window)`` windows, at least 4, so that the three evaluations of a run (dense,
-    one-shot, final) score fewer tokens than the run trains on.
-    """
-
-    MIN_WINDOWS = 4
-
-    def __init__(self, cfg: TrainConfig, tokenizer, test: torch.Tensor, model_max: int | None, *,
-                 val: torch.Tensor | None = None, train_tokens: int | None = None, say=None):
-        self.cfg = cfg
-        self.say = say or (lambda *a, **k: None)
-        self.test = test[: cfg.test_sequences] if cfg.test_sequences else test
-        self.val = test[:0] if val is None else (val[: cfg.val_sequences] if cfg.val_sequences else val)
-        self.wiki_ids = None
-        self.eval_len = cfg.eval_seq_len or cfg.seq_len
-        if model_max is not None and self.eval_len > model_max:
-            raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
-        source = wikitext2_source(cfg.wikitext_file)  # explicit file, else $CAST_WIKITEXT2, else the packaged copy
-        path = source.path
-        self.wiki_source = source.description
-        self.windows = None
-        if path is not None:
-            self.wiki_ids = tokenize_text(source.read_text(), tokenizer)
-            self.wiki_path = path
-            total = max(0, (self.wiki_ids.numel()) // self.eval_len)
-            if cfg.wikitext_windows == 0:
-                self.windows = total
-            elif cfg.wikitext_windows is not None:
-                self.windows = min(cfg.wikitext_windows, total)
-            else:
-                auto = (train_tokens or 0) // (3 * self.eval_len)
-                self.windows = min(total, max(self.MIN_WINDOWS, auto))
-            self.windows_total = total
-
-    def describe(self) -> str:
-        """What the figures are based on, in one line."""
-        parts = []
-        if self.test.shape[0]:
-            parts.append(f"test: {self.test.shape[0]} sequences × {self.test.shape[1]} tokens of the held-out test "
-                         "documents")
-        if self.val.shape[0]:
-            parts.append(f"validation: {self.val.shape[0]} × {self.val.shape[1]} (the final model)")
-        if self.wiki_ids is not None:
-            scope = "all" if self.windows == self.windows_total else f"the first {self.windows} of {self.windows_total}"
-            parts.append(f"WikiText-2 ({self.wiki_source}): {scope} windows of {self.eval_len} tokens "
-                         f"({self.windows * self.eval_len:,} tokens)")
-        return "; ".join(parts) or "no evaluation data"
-
-    def _packed(self, model, ids: torch.Tensor, desc: str) -> float | None:
-        if ids.shape[0] == 0:
-            return None
-        return packed_perplexity(model, ids, batch_size=self.cfg.batch_size, progress=self.cfg.progress,
-                                 desc=desc).perplexity
-
-    def heldout(self, model, label: str = "model") -> float | None:
-        """Perplexity on the test split (the reported held-out figure)."""
-        return self._packed(model, self.test, f"{label}: test ppl")
-
-    def validation(self, model, label: str = "model") -> float | None:
-        """Perplexity on the validation split (for choices: tuning, --eval-every)."""
-        return self._packed(model, self.val, f"{label}: validation ppl")
-
-    def wikitext(self, model, label: str = "model") -> float | None:
-        if self.wiki_ids is None:
-            return None
-        return perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
-                          progress=self.cfg.progress, desc=f"{label}: WikiText-2 ppl").perplexity
-
-    def both(self, model, label: str = "model", *, validation: bool = False) -> dict[str, float | None]:
-        """Test and WikiText-2 perplexities (and validation's, when asked: the final model's)."""
-        h = self.heldout(model, label)
-        v = self.validation(model, label) if validation else None
-        w = self.wikitext(model, label)
-        self.say(f"{label}: " + _fmt({"test ppl": h, "validation ppl": v, "WikiText-2 ppl": w}))
-        out = {"heldout": h, "wikitext2": w}
-        if validation:
-            out["validation"] = v
-        return out
 
 
 # --------------------------------------------------------------------------------------------------- train
@@ -399,15 +311,13 @@ class PretrainJob(Job):
             results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
             results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
             atomic_write_json(ctx.out / "results.json", results)  # the report reads it
-            if cfg.report:
-                results["report"] = write_report(ctx.out, ctx.say)
-                atomic_write_json(ctx.out / "results.json", results)
-            ctx.say(summary_table(results))
         return results
 
 
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
-    """Run one training job described by ``cfg``; returns the results written to ``results.json``."""
+    """Run one training job described by ``cfg``; returns the results written to ``results.json`` (empty on
+    every process but the main one). Its last screen: :func:`cast_llm.train.summary.summary_table`; its HTML
+    report: :func:`cast_llm.report.build_report` (``cast-llm train`` shows and writes both)."""
     cfg.validate()
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         # `accelerate launch --use_fsdp …` (or an accelerate config with FSDP): cast-llm applies FSDP2 itself
@@ -415,22 +325,3 @@ def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
         os.environ["ACCELERATE_USE_FSDP"] = "false"
         cfg.fsdp = True
     return run(PretrainJob(cfg), log=log)
-
-
-def _fmt(d: dict[str, float | None]) -> str:
-    return ", ".join(f"{k} {v:.2f}" for k, v in d.items() if v is not None)
-
-
-def write_report(out, say) -> str | None:
-    """The run's HTML report (plots of loss, S_t, flip rates, perplexities); its path, or None if it failed."""
-    try:
-        from cast_llm.report import build_report
-
-        files = build_report([out], None, html=True)
-        return str(files.html)
-    except Exception as e:  # a report is a convenience: never lose a finished run over it
-        say(f"warning: the HTML report could not be written ({type(e).__name__}: {e}); "
-            f"`cast-llm report {out} --html` tries again")
-        return None
-
-

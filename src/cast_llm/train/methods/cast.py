@@ -37,13 +37,13 @@ from cast_llm.errors import CastError
 from cast_llm.nn import fold_scaling_, wrap_scaling_
 from cast_llm.optim import AdamS
 from cast_llm.optim.forecast import forecast_decay
+from cast_llm.optim.schedule import schedule_lrs
 from cast_llm.prune.compensate import compensated_prune_
 from cast_llm.sparsity.stats import l1_mass
 from cast_llm.targets import find_targets, param_groups
 from cast_llm.train.methods.base import TrainingMethod
 from cast_llm.train.methods.masks import initial_masks
 from cast_llm.train.methods.srste import SRSTEMethod
-from cast_llm.train.schedule import schedule_lrs
 
 MAX_FORECASTS = 20  # decay forecasts logged per run at most (see forecast_due)
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from cast_llm.train.config import LR_SCHEDULES as SCHEDULES
-
 __all__ = ["SCHEDULES", "lr_factor", "build_scheduler", "schedule_lrs", "warmup_steps"]
+
+SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none)
 
 
 def warmup_steps(cfg, total_steps: int, default_fraction: float) -> int:
@@ -48,6 +46,8 @@ def lr_factor(kind: str, total_steps: int, warmup: int, min_lr_ratio: float = 0.
 def build_scheduler(optimizer, cfg, total_steps: int, *, default_warmup: float):
     """The run's LR scheduler (``cfg.lr_schedule``, ``cfg.min_lr_ratio``), stepped once per optimizer step."""
     w = warmup_steps(cfg, total_steps, default_warmup)
+    import torch  # here: the schedule's names and factors need no torch (`cast-llm --help` lists them)
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.lr_schedule, total_steps, w, cfg.min_lr_ratio))
 
 

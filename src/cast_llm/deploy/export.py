@@ -21,6 +21,9 @@ from cast_llm.io import move_into, staging_dir
 from cast_llm.sparsity.mask import is_nm
 from cast_llm.targets import find_targets
 
+__all__ = ["CHECKPOINT_MARKER", "LayerSparsity", "sparsity_report", "format_sparsity_report", "verify_nm",
+           "save_sparse_checkpoint", "save_hf_checkpoint", "read_sparsity_metadata"]
+
 CHECKPOINT_MARKER = "cast_llm.json"  # written last: its presence means the export completed
 
 

@@ -19,10 +19,10 @@ import torch
 import cast_llm.deploy.sparse24.decode  # noqa: F401
 import cast_llm.deploy.sparse24.kernels  # noqa: F401
 import cast_llm.distill  # noqa: F401
+import cast_llm.distill.teacher  # noqa: F401
 import cast_llm.nn.scaled_group  # noqa: F401
 import cast_llm.nn.scaled_weight  # noqa: F401
 import cast_llm.optim.functional  # noqa: F401
-import cast_llm.train.teacher  # noqa: F401
 from cast_llm import kernels
 from cast_llm.kernels.environment import environment
 

@@ -26,10 +26,10 @@ this saves against autograd versions of the same loss are in docs/results/perfor
 
 The torch path above is the reference of the checked kernel path ``kd.loss`` (:mod:`cast_llm.kernels`); its
 candidates compute the same sums and the same gradient buffer: on CUDA (and on CPU tensors under
-``TRITON_INTERPRET=1``, for tests) ONE fused Triton kernel (:mod:`cast_llm.triton_kd`: per token row an online
+``TRITON_INTERPRET=1``, for tests) ONE fused Triton kernel (:mod:`cast_llm.distill.triton_kd`: per token row an online
 log-sum-exp over the vocabulary, then the KL terms and the gradient row — two reads of the (bf16) logits, one
 write of the gradient, no float32 copy of any logits; ``chunk_size`` plays no role there), and on CPU and CUDA
-the same chunks compiled by ``torch.compile`` (:mod:`cast_llm.kd_paths`). Each is probed against the reference
+the same chunks compiled by ``torch.compile`` (:mod:`cast_llm.distill.paths`). Each is probed against the reference
 on first use; float64 logits always take the reference.
 
 No host synchronisation on any path: the count of valid labels stays on the device (the loss divides by
@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from cast_llm import kd_paths, kernels
+from cast_llm import kernels
+from cast_llm.distill import paths as kd_paths
 from cast_llm.kernels.switch import compiled_runs_on, triton_runs_on
 
 __all__ = ["KDLoss", "kd_loss", "causal_kd_loss", "shift_labels", "kd_path", "check_labels", "KD_LOSS"]
@@ -235,7 +236,7 @@ def _chunked(student, teacher, labels, valid, inv_n, eta, temperature, chunk_siz
 
 
 def _triton_kd(*args, **kwargs):
-    from cast_llm import triton_kd  # lazy: Triton's import takes ~1 s
+    from cast_llm.distill import triton_kd  # lazy: Triton's import takes ~1 s
 
 
     return triton_kd.fused_kd(*args, **kwargs)

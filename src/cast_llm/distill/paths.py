@@ -1,7 +1,7 @@
 """The KD loss's fast paths beside its torch reference (:mod:`cast_llm.distill`): the ``compiled`` candidate, and
 how every candidate of the checked path ``kd.loss`` is probed and timed (:mod:`cast_llm.kernels`).
 
-Every candidate has the contract of :func:`cast_llm.triton_kd.fused_kd`: ``(Σ KL·T², Σ CE, gradient × 1/n)``
+Every candidate has the contract of :func:`cast_llm.distill.triton_kd.fused_kd`: ``(Σ KL·T², Σ CE, gradient × 1/n)``
 over ``(N, V)`` logits, ``1/n`` a device scalar (no host read), ignored rows masked (any value, NaN included).
 
 * ``compiled``: the torch path's chunk — both log-softmaxes, the KL and CE terms and the gradient row —
@@ -73,7 +73,7 @@ def _compiled(**flags):
 def compiled_kd(student: Tensor, teacher: Tensor | None, labels: Tensor, *, ignore_index: int, inv_n: Tensor,
                 eta: float, temperature: float, need_grad: bool, chunk_size: int | None = 1024
                 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The contract of :func:`cast_llm.triton_kd.fused_kd`, chunk by chunk of rows through the compiled chunk."""
+    """The contract of :func:`cast_llm.distill.triton_kd.fused_kd`, chunk by chunk of rows through the compiled chunk."""
     fn = _compiled(eta=float(eta), temperature=float(temperature), need_grad=bool(need_grad))
     rows = student.shape[0]
     grad = torch.empty_like(student) if need_grad else None
