@@ -10,7 +10,8 @@
   the whole batch in one process;
 * ``--fsdp-precision policy`` (FSDP2's MixedPrecisionPolicy) on a weight-scaled student: the master shards
   are fp32 DTensors split by rows — every rank's rows hold whole 2:4 groups (all the columns) — the scales
-  whole fp32 tensors on every rank; the forward runs without autocast on bf16 weights; the gradients
+  whole fp32 tensors on every rank, each scaled weight formed again in backward rather than kept; the
+  forward runs without autocast on bf16 weights; the gradients
   (reduce-scattered in fp32, the scales' averaged by one all-reduce) equal one process's computed in the
   same precision (bf16 weights, fp32 scales) within bf16 rounding, and are measurably closer to it than to
   fp32's; clipping's global norm counts the replicated scales once;
@@ -185,6 +186,8 @@ def check_policy(rank, world, mesh) -> None:
     model = copy.deepcopy(reference)
     d.shard(model, None, cfg, say=lambda *a: None, fill=True)
     full = dict(reference.named_parameters())
+    # no scaled weight is kept from forward to backward: each layer forms it again (nn/recomputed_linear.py)
+    assert all(m.recompute_weight for m in model.modules() if isinstance(m, ScaledLinear))
     targets = {t.fqn + ".weight" for t in find_targets(model, n=2, m=4)}
     rows = torch.zeros(1, dtype=torch.int64)
     for name, p in model.named_parameters():

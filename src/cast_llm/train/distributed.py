@@ -266,6 +266,8 @@ class Sharded(Distribution):
                       if t.transposed]
         policy = fsdp.mixed_precision_policy() if self.precision_mode == "policy" else None
         replicated = [] if frozen else fsdp.replicated_params(module)
+        if self.precision_mode == "policy" and not frozen:
+            fsdp.recompute_scaled_weights_(module)
         fsdp.shard_model(module, self._mesh(), transposed_weights=transposed, frozen=frozen, mp_policy=policy,
                          replicated=replicated)
 

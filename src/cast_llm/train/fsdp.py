@@ -28,7 +28,9 @@ FSDP2's fp32 all-gathers. ``autocast`` keeps the older way (fp32 all-gathers, bf
 ``--fsdp``). What the policy changes besides: the residual stream is bf16 (the embedding is), where under
 autocast it is fp32. The weight scales ``A`` of ``Diag(A)·W`` (a few entries per row) are not sharded:
 every rank holds them whole in fp32 (``ignored_params``), so the product is formed in fp32 from the bf16
-weight and the fp32 scale and rounded once, as under autocast, and their gradients — fp32, summed over the
+weight and the fp32 scale and rounded once, as under autocast — and formed again in backward rather than
+kept (:func:`recompute_scaled_weights_`: the scaled weights live one layer at a time, not the whole
+model's) — and their gradients — fp32, summed over the
 micro-batches on each rank — are averaged over the ranks once per step (:func:`sync_replicated_grads`).
 
 Checkpoints are per-rank files (local shards of the model — and the replicated weight scales — of AdamS's state with its masks, RNG and
@@ -106,6 +108,18 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     from cast_llm.nn import ScaledLinear
 
     return [m.scale for m in model.modules() if isinstance(m, ScaledLinear)]
+
+
+def recompute_scaled_weights_(model: nn.Module) -> int:
+    """Every :class:`~cast_llm.nn.ScaledLinear` of ``model`` keeps ``x, W, A`` for backward and forms
+    ``Diag(A)·W`` again there (:mod:`cast_llm.nn.recomputed_linear`), so that no step holds the scaled
+    weights of the whole model — the weights themselves are unsharded one block at a time. Returns how many."""
+    from cast_llm.nn import ScaledLinear
+
+    layers = [m for m in model.modules() if isinstance(m, ScaledLinear)]
+    for m in layers:
+        m.recompute_weight = True
+    return len(layers)
 
 
 def sync_replicated_grads(params: list[nn.Parameter], world: int) -> None:
