@@ -81,12 +81,14 @@ def test_policy_at_world_2_matches_world_1_and_resumes_exactly(workdir, tmp_path
     """The same 4 steps (global batch 2: one process × 2 micro-batches, or two × 1) under the policy at world 1
     and 2 end bitwise equal — losses, mask statistics, final weights and masks, the masks having moved (most
     entries flip under this strong decay): bf16 gradients of the same micro-batches, summed in fp32 either
-    way. config.yaml and results.json say "policy". A world-2 run resumed from its step-2 checkpoint ends
+    way; world 2 recomputes selectively (the matmul outputs kept, the rest recomputed: the same numbers).
+    config.yaml and results.json say "policy". A world-2 run resumed from its step-2 checkpoint ends
     bitwise equal to the uninterrupted one."""
     one, two = tmp_path / "w1", tmp_path / "w2"
     log = _torchrun(workdir, one, 1, "--batch-size", "1", "--grad-accum", "2")
     assert "FSDP2 precision: policy" in log
-    _torchrun(workdir, two, 2, "--batch-size", "1", "--save-every", "2", "--keep-checkpoints-after")
+    _torchrun(workdir, two, 2, "--batch-size", "1", "--save-every", "2", "--keep-checkpoints-after",
+              "--activation-checkpointing", "selective")
     for out in (one, two):
         assert json.loads((out / "results.json").read_text())["fsdp_precision"] == "policy"
         assert "fsdp_precision: policy" in (out / "config.yaml").read_text()
