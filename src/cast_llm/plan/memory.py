@@ -27,11 +27,11 @@ sharded. Recomputation (``--activation-checkpointing``): ``full`` keeps each blo
 also its matmul and attention outputs (:mod:`cast_llm.plan.activations`); both keep one block's scaled
 weights at a time.
 
-The peak is the largest of three moments of a step: the end of the forward (activations, copies, logits),
+The peak is the largest of the moments of a step: the end of the forward (activations, copies, logits),
 the start of the backward (activations, copies, the logits' gradient, the head's gradient) and its end
 (every gradient; with a tied embedding, its two gradient contributions while autograd sums them); with
-recomputation a fourth, the last block recomputed in backward (its full activations on top of what the
-blocks keep). On a GPU
+recomputation two more, the last and the first block recomputed in backward (a block's full activations on
+top of what the blocks still keep, and of the gradients formed by then). On a GPU
 the verdict adds the CUDA context and a fragmentation margin (:data:`CUDA_CONTEXT`, :data:`FRAGMENTATION`),
 which the allocator's own peak does not see; on a CPU the heap's retention of freed blocks
 (:data:`CPU_RETENTION`).
@@ -286,10 +286,17 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     m["end of forward"] = static + act + copies + fwd_tail + acc_grads + fsdp_root
     m["start of backward"] = (static + act + copies + bwd_start_extra + head_grad + acc_grads + fsdp_root
                               + fsdp_blocks + block_grads)
-    if recomputed:  # the last block recomputed: the head's gradient formed, the hidden states' gradient
-        m["recomputing a block in backward"] = (static + act + recomputed + copies + 4 * shape.head_params
-                                                + 4 * N * shape.hidden + acc_grads + fsdp_root + fsdp_blocks
-                                                + block_grads)
+    if recomputed:  # the block recomputed holds its full activations; between the last block (every block's
+        # kept tensors, the head's gradient) and the first (one block's kept tensors, nearly every gradient)
+        # the sum is linear in the block's index: the two ends bound it
+        fsdp_bwd = fsdp_root + fsdp_blocks + block_grads
+        hidden_grad = 4 * N * shape.hidden
+        m["recomputing the last block in backward"] = (static + act + recomputed + copies + 4 * shape.head_params
+                                                       + hidden_grad + acc_grads + fsdp_bwd)
+        kept = acts.block_input if mode == "full" else acts.selective_block
+        all_grads = acc_grads or (0 if s.strategy == "ddp" else grads)
+        m["recomputing the first block in backward"] = (static + N * kept + recomputed + copies + all_grads
+                                                        + hidden_grad + fsdp_bwd)
     # a tied head/embedding weight: autograd holds the head's and the embedding's gradient contributions
     # until it has summed them into a third tensor (measured: docs/results/plan-vs-measured.md)
     tied_extra = 2 * (u if fsdp else 4) * shape.head_params if shape.tied else 0
