@@ -51,10 +51,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--fsdp-precision policy", "FSDP2's mixed-precision policy: bf16 all-gathers, no autocast cache, "
            "the scaled weights one layer at a time", _policy),
     Option("--activation-checkpointing selective", "keep each block's input and matmul/attention outputs, "
-           "recompute the cheap operators (+9% step time on CPU: docs/results/recompute-cpu.md)",
+           "recompute the cheap operators (+12% step time on CPU: docs/results/recompute-cpu.md)",
            lambda s: replace(s, activation_checkpointing="selective") if s.recompute == "none" else None),
     Option("--activation-checkpointing full", "keep only each block's input, recompute the block in backward "
-           "(one more forward: ~+25-33% step time)",
+           "(one more forward: +30-46% step time on CPU)",
            lambda s: replace(s, activation_checkpointing="full") if s.recompute != "full" else None),
     Option("--kd-chunk-size 256", "a quarter of the loss work space",
            lambda s: replace(s, kd_chunk_size=256) if s.kd_chunk_size > 256 else None),

@@ -106,7 +106,7 @@ def plan_lines(p) -> list[str]:
         lines.append("each memory option alone:")
         for opt, mp in p.effects:
             ok = "fits" if mp.fits(p.capacity) else "does not fit"
-            lines.append(f"  {opt.flag:<34}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
+            lines.append(f"  {opt.flag:<38}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
     if p.startup is not None:
         from cast_llm.plan import startup_fits
 
