@@ -549,6 +549,9 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
     plan = getattr(job, "memory_plan", None)
     entry = {"measured_peak": measured, "measured": peak.what, "per_process": True,
              "measured_per_rank": per_rank, "framework_per_rank": [f for _, f in every]}
+    reserved = peak.reserved()  # CUDA: what the margin for fragmentation stands for, this rank's
+    if reserved is not None:
+        entry.update(reserved_peak=reserved, reserved_over_allocated=reserved / max(1, int(peak.read())))
     line = f"peak memory per process over the steps: {measured / 2**30:.2f} GiB ({peak.what})"
     if plan is not None:
         entry.update(planned_peak=plan.peak, planned_moment=plan.peak_moment, plan=plan.as_dict())
