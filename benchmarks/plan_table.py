@@ -1,6 +1,7 @@
 """The table of docs/training.md ("Large models"): `cast-llm plan` for SmolLM2-135M, Llama-3.2-1B/3B,
 Llama-3.1-8B and Llama-2-13B on 1, 2 and 8 GPUs of 80 GB, the paper's LLaMA recipe (global batch 256 ×
-4096 tokens, 7,500 steps, KD, weight scaling, bf16 autocast), one sequence per micro-batch.
+4096 tokens, 7,500 steps, KD, weight scaling; bf16: autocast, or under --fsdp its default mixed-precision
+policy), one sequence per micro-batch.
 
     python benchmarks/plan_table.py            # prints the markdown table (seconds; no weights, no network)
 

@@ -189,7 +189,7 @@ def plan_8b() -> list[str]:
     from cast_llm.plan import PlanConfig, make_plan
     from cast_llm.plan.report import plan_lines
 
-    cfg = PlanConfig(model="llama-3.1-8b", gpus=8, fsdp=True, activation_checkpointing=True, batch_size=0,
+    cfg = PlanConfig(model="llama-3.1-8b", gpus=8, fsdp=True, activation_checkpointing="full", batch_size=0,
                      host_memory="1TB")
     return plan_lines(make_plan(cfg))
 

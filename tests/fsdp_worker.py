@@ -8,6 +8,13 @@
 * gradient accumulation under FSDP2 as the loop runs it: after a micro-batch that is not the last, every
   rank's gradients are its shards (no whole gradient anywhere), and the accumulated gradients equal those of
   the whole batch in one process;
+* ``--fsdp-precision policy`` (FSDP2's MixedPrecisionPolicy) on a weight-scaled student: the master shards
+  are fp32 DTensors split by rows — every rank's rows hold whole 2:4 groups (all the columns) — the scales
+  whole fp32 tensors on every rank, each scaled weight formed again in backward rather than kept; the
+  forward runs without autocast on bf16 weights; the gradients
+  (reduce-scattered in fp32, the scales' averaged by one all-reduce) equal one process's computed in the
+  same precision (bf16 weights, fp32 scales) within bf16 rounding, and are measurably closer to it than to
+  fp32's; clipping's global norm counts the replicated scales once;
 * rank 0's error inside ``waiting_for_main`` reaches rank 1 as one line; a checkpoint that fails on rank 0
   alone (its publishing) fails on every rank, and the previous checkpoint stays.
 
@@ -16,6 +23,7 @@ Prints "OK <rank>" on success; any failed check raises (non-zero exit).
 
 from __future__ import annotations
 
+import copy
 import sys
 import tempfile
 import types
@@ -29,8 +37,10 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from cast_llm.errors import CastError
 from cast_llm.models import empty_model
+from cast_llm.nn import ScaledLinear, wrap_scaling_
 from cast_llm.optim import AdamS
 from cast_llm.sparsity.mask import nm_mask
+from cast_llm.targets import find_targets
 from cast_llm.train import fsdp
 from cast_llm.train.checkpoint import CheckpointWriteError, list_checkpoints
 from cast_llm.train.distributed import Sharded
@@ -42,6 +52,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     check_masks(rank, mesh)
     check_sharded_load_and_accumulation(rank, world, mesh)
+    check_policy(rank, world, mesh)
     check_errors_reach_every_rank(rank, world, Path(sys.argv[1]) if len(sys.argv) > 1 else None)
     print(f"OK {rank}", flush=True)
     dist.destroy_process_group()
@@ -141,6 +152,102 @@ def check_sharded_load_and_accumulation(rank, world, mesh) -> None:
     ref_loss.backward()
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _scaled_reference():
+    """A tiny weight-scaled LLaMA with scales away from 1, as a trained student has them (uneven shards are
+    :func:`check_masks`' business)."""
+    model = tiny.model("llama", num_hidden_layers=2, hidden_size=48, intermediate_size=104, num_attention_heads=4,
+                       num_key_value_heads=2)
+    wrap_scaling_(model, n_groups=2, m=4)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, ScaledLinear):
+                m.scale.copy_(1 + 0.2 * torch.randn(m.scale.shape, generator=g))
+    return model
+
+
+def _grads_of(model, batch) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(input_ids=batch, labels=batch).loss.backward()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check_policy(rank, world, mesh) -> None:
+    d = Sharded(_distribution(rank, world).accelerator, wait_timeout_s=120, precision_mode="policy")
+    d.mesh = mesh
+    cfg = types.SimpleNamespace(n=2, m=4, skip_incompatible=False, model="tiny")
+    reference = _scaled_reference()  # fp32, identical on every rank
+    model = copy.deepcopy(reference)
+    d.shard(model, None, cfg, say=lambda *a: None, fill=True)
+    full = dict(reference.named_parameters())
+    # no scaled weight is kept from forward to backward: each layer forms it again (nn/recomputed_linear.py)
+    assert all(m.recompute_weight for m in model.modules() if isinstance(m, ScaledLinear))
+    targets = {t.fqn + ".weight" for t in find_targets(model, n=2, m=4)}
+    rows = torch.zeros(1, dtype=torch.int64)
+    for name, p in model.named_parameters():
+        if name.endswith(".scale"):  # whole, fp32, a plain tensor on every rank
+            assert type(p) is torch.nn.Parameter and p.dtype == torch.float32, name
+            assert torch.equal(p, full[name]), name
+            continue
+        assert isinstance(p, DTensor) and p.dtype == torch.float32 and p.placements == (Shard(0),), name
+        if name in targets:  # every rank's rows are whole rows: its 2:4 groups (along dim 1) are whole
+            local = p.to_local()
+            assert local.shape[1] == full[name].shape[1] and local.shape[0] < full[name].shape[0], name
+            start = sum(int(n) for n in _all_gather_int(local.shape[0], world)[:rank])
+            assert torch.equal(local, full[name][start:start + local.shape[0]]), name
+            if name.endswith("q_proj.base_layer.weight"):
+                rows += local.shape[0]
+    # what the forward sees: no autocast, the unsharded weights in bf16 (FSDP2's cast), the scales in fp32
+    seen = {}
+    layer = model.model.layers[0].self_attn.q_proj
+
+    def record(mod, args):
+        seen.update(weight=mod.base_layer.weight.dtype, scale=mod.scale.dtype,
+                    autocast=torch.is_autocast_enabled("cpu"))
+
+    handle = layer.register_forward_pre_hook(record)
+    g = torch.Generator().manual_seed(4)
+    batch = torch.randint(0, tiny.VOCAB, (world, 16), generator=g)
+    model.zero_grad(set_to_none=True)
+    with d.autocast():
+        out = model(input_ids=batch[rank : rank + 1], labels=batch[rank : rank + 1])
+        out.loss.backward()
+    handle.remove()
+    assert seen == {"weight": torch.bfloat16, "scale": torch.float32, "autocast": False}, seen
+    assert out.logits.dtype == torch.bfloat16
+    d.sync_gradients(model)
+    got = {}
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32, name  # reduce-scattered (and all-reduced) in fp32
+        got[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+    # one process, the same precision: bf16 copies of every weight, the scales fp32, no autocast
+    same = copy.deepcopy(reference)
+    for name, p in same.named_parameters():
+        if not name.endswith(".scale"):
+            p.data = p.data.bfloat16()
+    want_bf16, want_fp32 = _grads_of(same, batch), _grads_of(reference, batch)
+    for name in got:
+        near = _rel(got[name], want_bf16[name])
+        assert near < 1e-2, (name, near)  # bf16 rounding of different partial sums (one batch vs two ranks)
+    total_near = sum(_rel(got[n], want_bf16[n]) for n in got)
+    total_far = sum(_rel(got[n], want_fp32[n]) for n in got)
+    assert total_near < 0.5 * total_far, (total_near, total_far)  # it IS the bf16 computation
+    # clipping: the global norm of sharded + replicated gradients, each counted once
+    norm = fsdp.clip_grad_norm_(list(model.parameters()), 1e9)
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in got.values()]))
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+
+
+def _all_gather_int(value: int, world: int) -> list[int]:
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(out, torch.tensor([value]))
+    return [int(t) for t in out]
 
 
 def check_errors_reach_every_rank(rank, world, shared: Path | None) -> None:

@@ -101,6 +101,62 @@ def test_activation_checkpointing_keeps_the_block_inputs_and_one_block():
     assert saved < a.total(ids.numel(), s.layers) / 2
 
 
+def test_activation_bytes_under_the_fsdp_policy_equal_what_autograd_saves():
+    """FSDP2's MixedPrecisionPolicy computes with bf16 parameters and no autocast: bf16 residual stream, each
+    RMSNorm's fp32 upcast kept, the projections sharing their bf16 input."""
+    m = tiny.model("llama", num_hidden_layers=3).train().to(torch.bfloat16)
+    ids = torch.randint(0, tiny.VOCAB, (2, 48))
+    s = shape_of(m)
+    a = activation_bytes(s, autocast=True, seq_len=48, bf16_params=True)
+    assert _saved_bytes(m, ids, False) == a.total(ids.numel(), s.layers)
+
+
+def _selective_storage(contexts) -> int:
+    """Bytes the selective checkpoints' forward contexts hold (torch's SAC storage: the saved op outputs)."""
+    import torch.utils._pytree as pytree
+
+    seen: dict[int, int] = {}
+    for ctx in contexts:
+        for outputs in ctx.storage.values():
+            for out in outputs.values():
+                for leaf in pytree.tree_leaves(out):
+                    t = getattr(leaf, "val", None)  # torch's _VersionWrapper of a saved output
+                    if torch.is_tensor(t):
+                        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "policy"])
+def test_selective_recomputation_keeps_block_inputs_and_matmul_outputs(precision, monkeypatch):
+    """--activation-checkpointing selective: outside the checkpoints each block keeps its input; inside, torch's
+    selective checkpoint keeps exactly the matmul and attention outputs the plan counts."""
+    import cast_llm.train.memory_options as memory_options
+
+    contexts = []
+    make = memory_options._selective_contexts
+
+    def recording():
+        forward, recompute = make()
+        contexts.append(forward)
+        return forward, recompute
+
+    monkeypatch.setattr(memory_options, "_selective_contexts", recording)
+    m = tiny.model("llama", num_hidden_layers=3).train()
+    if precision == "policy":
+        m.to(torch.bfloat16)
+    memory_options.enable_activation_checkpointing(m, "selective")
+    ids = torch.randint(0, tiny.VOCAB, (2, 48))
+    s = shape_of(m)
+    a = activation_bytes(s, autocast=precision != "fp32", seq_len=48, bf16_params=precision == "policy")
+    outside = _saved_bytes(m, ids, precision == "autocast")
+    cast_head = 2 * s.head_params if precision == "autocast" else 0  # autocast's bf16 copy of the LM head
+    assert outside == ids.numel() * (s.layers * a.block_input + a.head) + cast_head
+    assert len(contexts) == s.layers
+    assert _selective_storage(contexts) == ids.numel() * s.layers * (a.selective_block - a.block_input)
+    assert a.total(ids.numel(), s.layers, checkpointing="full") < a.total(ids.numel(), s.layers,
+                                                                           checkpointing="selective")
+
+
 # --------------------------------------------------------------------------------------------- memory
 def test_memory_terms_follow_the_options():
     s8 = model_shape("llama-3.1-8b")
@@ -110,13 +166,32 @@ def test_memory_terms_follow_the_options():
     assert ddp.persistent["weights (fp32 master)"] == 4 * P and ddp.persistent["AdamS moments μ, v (fp32)"] == 8 * P
     assert ddp.persistent["DDP gradient buckets (= the gradients)"] == 4 * P
     assert ddp.persistent["teacher (bf16)"] == 2 * s8.params and ddp.persistent["N:M masks (bool)"] == s8.target_params
-    fsdp = plan_memory(s8, replace(base, strategy="fsdp"))
-    assert fsdp.persistent["weights (fp32 master)"] == 4 * P // 8 and fsdp.persistent["teacher (bf16)"] == 2 * s8.params // 8
-    # the scaled weights are whole on every GPU, sharded or not; checkpointing keeps one block's
+    # FSDP2 under autocast: the sharded state divided by 8, the weight scales whole on every GPU, the scaled
+    # weights and autocast's bf16 casts whole on every GPU; recomputation keeps one block's scaled weights
+    Ps = s8.target_rows * 2
+    fsdp = plan_memory(s8, replace(base, strategy="fsdp", fsdp_precision="autocast"))
+    assert fsdp.persistent["weights (fp32 master)"] == 4 * s8.params // 8
+    assert fsdp.persistent["weight scales A + moments (fp32, whole per GPU)"] == 12 * Ps
+    assert fsdp.persistent["teacher (bf16)"] == 2 * s8.params // 8
     assert fsdp.step["scaled weights Diag(A)·W"] == 2 * s8.target_params
-    ac = plan_memory(s8, replace(base, strategy="fsdp", activation_checkpointing=True))
+    assert fsdp.step["bf16 casts of the other linears (autocast cache)"] == 2 * s8.head_params  # the LM head
+    assert fsdp.step["FSDP2 unsharded blocks (2; fp32)"] == 2 * 4 * s8.block_params
+    ac = plan_memory(s8, replace(base, strategy="fsdp", fsdp_precision="autocast", activation_checkpointing="full"))
     assert ac.step["scaled weights Diag(A)·W (one block)"] == 2 * s8.target_params // 32
-    assert ac.step["activations (student)"] < fsdp.step["activations (student)"] / 8
+    assert ac.step["activations (student, full recomputation)"] < fsdp.step["activations (student)"] / 8
+    sel = plan_memory(s8, replace(base, strategy="fsdp", fsdp_precision="autocast", activation_checkpointing="selective"))
+    assert (ac.step["activations (student, full recomputation)"] < sel.step["activations (student, selective "
+            "recomputation)"] < fsdp.step["activations (student)"] / 2)
+    # the policy (--fsdp's bf16 default): no autocast cache, the scaled weights one block (layer) at a time,
+    # bf16 unsharded parameters and activations; no term holds a copy of the whole model's linear weights
+    pol = plan_memory(s8, replace(base, strategy="fsdp"))
+    assert pol.setup.policy and not any(k.startswith("bf16 casts") for k in pol.step)
+    assert pol.step["scaled weights Diag(A)·W (recomputed, one block)"] == 2 * s8.target_params // 32
+    assert max(v for k, v in pol.step.items() if not k.startswith(("activations", "gradients"))) < s8.linear_params
+    assert pol.step["FSDP2 unsharded blocks (2; bf16)"] == 2 * 2 * s8.block_params
+    assert pol.step["FSDP2 block gradients (bf16 + fp32 reduce buffer)"] == 6 * s8.block_params
+    assert pol.step["activations (student)"] < fsdp.step["activations (student)"]
+    assert pol.peak < fsdp.peak - 20 * 2**30
     fused = plan_memory(s8, replace(base, fused_head=True))
     assert "student logits" not in fused.step and "teacher logits" not in fused.step
     # it trades three tokens × vocabulary tensors for the head's gradient formed during the forward: a loss at
@@ -142,6 +217,67 @@ def test_advice_makes_an_8b_run_fit_on_8_gpus_and_says_how_many_a_13b_needs_on_o
     s13 = model_shape("llama-2-13b")
     fit13 = make_it_fit(s13, Setup(world=1, batch_size=1, seq_len=4096), 80 * 10**9)
     assert fit13.gpus and fit13.gpus > 1 and fit13.plan.fits(80 * 10**9) and "--fsdp" in fit13.flags
+
+
+def test_the_largest_term_and_the_option_that_removes_it():
+    from cast_llm.plan.advice import remedy
+
+    s8 = model_shape("llama-3.1-8b")
+    ddp = plan_memory(s8, Setup(world=8, strategy="ddp", batch_size=1, seq_len=4096))
+    name, size = ddp.largest_term()
+    assert name == "AdamS moments μ, v (fp32)" and size == max(v for k, v in {**ddp.persistent, **ddp.step}.items())
+    assert remedy(name, ddp.setup).startswith("--fsdp")
+    long = Setup(world=8, strategy="fsdp", batch_size=1, seq_len=32768)
+    name, _ = plan_memory(s8, long).largest_term()
+    assert name == "activations (student)" and remedy(name, long).startswith("--activation-checkpointing selective")
+    auto = replace(long, fsdp_precision="autocast", seq_len=1024)
+    assert plan_memory(s8, auto).largest_term()[0] == "scaled weights Diag(A)·W"
+    assert remedy("scaled weights Diag(A)·W", auto).startswith("--fsdp-precision policy")
+    assert remedy("teacher (fp32)", long) == "--teacher-dtype bf16"
+    assert remedy("student logits", long).startswith("--fused-head")
+
+
+def test_mfu_default_reproduces_the_published_fsdp_throughput():
+    """torchtitan's docs/performance.md (torch 1963fc8, torchtitan 9dec370, Dec 2024): Llama-3.1-8B, FSDP2
+    (1D), 8 H100s, bf16, local batch 2 × 8192 tokens, selective recomputation, eager: 5,762 tokens/s per
+    GPU. Plain training (no teacher, no weight scaling) planned with the default MFU gives that figure; the
+    NVLink communication stays below the compute (hidden, as in the published run)."""
+    from cast_llm.plan.config import PlanConfig
+    from cast_llm.plan.timing import ASSUMED_MFU, plan_time
+
+    assert PlanConfig.__dataclass_fields__["mfu"].default == ASSUMED_MFU
+    s8 = model_shape("llama-3.1-8b")
+    plain = Setup(world=8, strategy="fsdp", batch_size=2, seq_len=8192, grad_accum=1, kd=False, scaling=False,
+                  activation_checkpointing="selective")
+    t = plan_time(s8, plain, 10**9, link="nvlink")
+    assert t.tokens_per_s / 8 == pytest.approx(5762, rel=0.01)
+    assert t.comm_s < t.compute_s
+
+
+def test_communication_bytes_per_step_and_the_interconnects():
+    from cast_llm.plan.timing import comm_bytes, interconnect, plan_time
+
+    s8 = model_shape("llama-3.1-8b")
+    pol = Setup(world=8, strategy="fsdp", batch_size=1, seq_len=4096, grad_accum=4)
+    c = comm_bytes(s8, pol)
+    ring = 7 / 8
+    blocks = s8.layers * s8.block_params
+    assert c["all-gather of the student (forward and backward)"] == int(4 * ring * 2 * (s8.root_params + 2 * blocks))
+    assert c["reduce-scatter of the gradients (fp32)"] == int(4 * ring * 4 * s8.params)
+    assert c["all-gather of the teacher (forward)"] == int(4 * ring * 2 * s8.params)
+    assert c["all-reduce of the weight scales' gradients"] == int(2 * ring * 4 * s8.target_rows * 2)
+    # fp32 all-gathers under autocast: twice the policy's
+    auto = comm_bytes(s8, replace(pol, fsdp_precision="autocast"))
+    assert auto["all-gather of the student (forward and backward)"] == 2 * c["all-gather of the student (forward and backward)"]
+    assert comm_bytes(s8, replace(pol, strategy="ddp"))["all-reduce of the fp32 gradients"] == int(
+        2 * ring * 4 * (s8.params + s8.target_rows * 2))
+    assert comm_bytes(s8, replace(pol, world=1)) == {}
+    times = {link: plan_time(s8, pol, 10**9, link=link) for link in ("nvlink", "ib", "ethernet")}
+    assert times["nvlink"].tokens_per_s > times["ib"].tokens_per_s > times["ethernet"].tokens_per_s
+    assert times["ethernet"].comm_s > times["ethernet"].compute_s  # communication-bound over Ethernet
+    assert interconnect("auto", 8, 8) == "nvlink" and interconnect("auto", 16, 8) == "ib"
+    with pytest.raises(CastError, match="name it .--interconnect ib or ethernet"):
+        interconnect("nvlink", 16, 8)
 
 
 # ---------------------------------------------------------------------------------------------- decay
@@ -204,12 +340,51 @@ def test_plan_cli_8b_on_8_gpus_offline_in_seconds(capsys, monkeypatch):
     assert d["fits"] and d["time"]["measured"] and d["time"]["seconds"] == pytest.approx(1e4)
 
 
+def test_plan_json_8b_fsdp_reports_policy_recomputation_margin_communication_largest_term(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["precision"]["policy"] and "MixedPrecisionPolicy" in d["precision"]["what"]
+    assert d["setup"]["fsdp_precision"] == "policy" and d["recomputation"] == "none"
+    margin = d["memory"]["margin"]
+    assert margin["fragmentation"] == 0.20 and "pytorch/pytorch#40989" in margin["source"]
+    assert "CPU" in margin["source"]  # what a CPU cannot measure, said
+    comm = d["time"]["communication"]
+    assert comm["interconnect"] == "nvlink" and comm["total_bytes"] > 0 and comm["seconds_per_step"] > 0
+    assert "reduce-scatter of the gradients (fp32)" in comm["bytes_per_gpu_per_step"]
+    largest = d["memory"]["largest_term"]
+    terms = {**d["memory"]["persistent"], **d["memory"]["step"]}
+    assert largest["name"] in terms and largest["bytes"] == max(v for k, v in terms.items() if k != "framework")
+    assert largest["remedy"]
+
+
+def test_plan_70b_without_scaling_fits_64_gpus_with_full_recomputation(capsys, monkeypatch):
+    """Meta-Llama-3-70B (embedded from its public config): 70.55B parameters; with --no-scaling under the
+    FSDP2 policy and full recomputation it fits 64 × 80 GB; without recomputation it does not, and the
+    advice says which term is the largest and what removes it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    s70 = model_shape("llama-3-70b")
+    assert (s70.hidden, s70.layers, s70.heads, s70.kv_heads, s70.intermediate, s70.vocab) == (
+        8192, 80, 64, 8, 28672, 128256)
+    assert s70.params == 70_553_706_496 and not s70.tied
+    args = ["plan", "--model", "llama-3-70b", "--gpus", "64", "--gpu-memory", "80GB", "--fsdp", "--no-scaling"]
+    assert main([*args, "--activation-checkpointing", "full", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["precision"]["policy"] and d["recomputation"] == "full"
+    assert d["time"]["communication"]["interconnect"] == "ib"  # 64 GPUs: 8 nodes
+    assert main([*args, "--seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    assert "the largest term: activations (student) " in out and "what removes it: --activation-checkpointing" in out
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--model", "llama-3.1-8b", "--gpus", "0"], "--gpus must be ≥ 1"),
     (["--model", "llama-3.1-8b", "--gpu-memory", "80"], "has no unit; write 80GB"),
     (["--model", "llama-3.1-8b", "--gpu-memory", "lots"], "expected a size such as 80GB"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--gpus", "2"], "--model is required"),
+    (["--model", "llama-3.1-8b", "--gpus", "16", "--interconnect", "nvlink"], "talk over the network"),
 ])
 def test_plan_cli_bad_input_one_line_errors(argv, msg, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -230,7 +405,8 @@ def test_the_table_of_docs_training_md():
     small, big1, big8 = lines[2], lines[4], lines[5]
     assert "| smollm2-135m | 1 |" in small and "| yes |" in small
     assert "| no |" in big1 and "(needs 4 GPUs)" in big1 and "--fsdp" in big1
-    assert "| no |" in big8 and "--fsdp --activation-checkpointing" in big8 and "h |" in big8
+    assert "| no |" in big8 and "| --fsdp |" in big8 and "h |" in big8  # under the policy --fsdp alone
+    assert "--fsdp --activation-checkpointing selective (needs 4 GPUs)" in big1
     assert (REPO / "docs" / "training.md").read_text().count(big8) == 1  # the docs show the current plan
 
 
@@ -260,11 +436,11 @@ def test_plan_around_the_steps_8b_on_8_gpus(capsys, monkeypatch):
     from cast_llm.plan.startup import MIN_COLLECTIVE_S, MIN_WAIT_S, StartupWork, plan_startup
 
     s8 = model_shape("llama-3.1-8b")
-    setup = Setup(world=8, strategy="fsdp", batch_size=1, seq_len=4096, grad_accum=32, activation_checkpointing=True)
+    setup = Setup(world=8, strategy="fsdp", batch_size=1, seq_len=4096, grad_accum=32, activation_checkpointing="full")
     sp = plan_startup(s8, setup, StartupWork(native_bytes=s8.native_bytes))
-    trainable = s8.params + s8.target_rows * 2
     assert s8.native_bytes == 2  # the config's bf16: what the export is written in
-    assert sp.checkpoint_bytes == (12 * trainable + s8.target_params) // 8
+    # every rank: its shards of weights, moments and masks, and the weight scales whole
+    assert sp.checkpoint_bytes == (12 * s8.params + s8.target_params) // 8 + 12 * s8.target_rows * 2
     assert sp.memory["rank 0 host: loading the model (fp32, and its file)"] == (4 + 2) * s8.params
     assert sp.host_per_node["a checkpoint"] > 8 * sp.checkpoint_bytes
     assert sp.timeouts.collective >= MIN_COLLECTIVE_S and sp.timeouts.wait >= MIN_WAIT_S
@@ -275,7 +451,7 @@ def test_plan_around_the_steps_8b_on_8_gpus(capsys, monkeypatch):
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp", "--activation-checkpointing",
                  "--batch-size", "0", "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
-    assert "micro-batch 4 × 4096 tokens, grad-accum 8" in out  # 4 × 8 × 8 GPUs = 256 sequences
+    assert "micro-batch 8 × 4096 tokens, grad-accum 4" in out  # 8 × 4 × 8 GPUs = 256 sequences
     for needle in ("rank 0 device: baseline evaluation (whole fp32 model)", "each rank host: a checkpoint",
                    "host memory per node (8 processes)", "timeouts: training collectives / waiting for rank 0",
                    "start-up and end: needs", "host per node:", "SparseGPT warm start (rank 0)"):

@@ -73,6 +73,34 @@ def test_checkpointing_and_packed_masks_change_memory_only(workdir, reference, t
     assert "gradient_checkpointing" not in json.loads((out / "config.json").read_text())
 
 
+def test_selective_recomputation_trains_the_same_model(workdir, reference, tmp_path, capsys):
+    """--activation-checkpointing selective: the matmul and attention outputs kept, the rest recomputed in
+    backward: the same trained model, bit for bit; the plan at the top counts it; config.yaml says it."""
+    out = tmp_path / "run"
+    assert _train(workdir, out, "--activation-checkpointing", "selective") == 0
+    text = capsys.readouterr().out
+    a, b = _weights(reference), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(reference) == _losses(out)
+    assert "activations (student, selective recomputation)" in text
+    assert "activation_checkpointing: selective" in (out / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("value,mode", [(True, "full"), (False, "none"), ("true", "full"), ("off", "none"),
+                                        ("Selective", "selective"), ("full", "full")])
+def test_recomputation_mode_reads_the_old_boolean_spelling(value, mode):
+    from cast_llm.config import coerce
+    from cast_llm.train.config import TrainConfig
+
+    assert coerce(TrainConfig, "activation_checkpointing", value, "config.yaml") == mode
+
+
+def test_recomputation_mode_refuses_other_values_in_one_line(workdir, tmp_path, capsys):
+    assert _train(workdir, tmp_path / "run", "--activation-checkpointing", "some") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected one of none, selective, full" in err[0]
+
+
 def test_fused_head_trains_the_same_model_without_full_logits(workdir, reference, tmp_path, monkeypatch):
     def no_full_logits(*a, **k):
         raise AssertionError("--fused-head must not compute the loss on full logits")

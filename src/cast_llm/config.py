@@ -46,6 +46,29 @@ KERNELS_HELP = ("auto: every custom kernel (Triton, torch.compile, cuSPARSELt, C
                 "torch operations only (the environment variable CAST_LLM_KERNELS does the same)")
 
 
+# --activation-checkpointing: nothing recomputed, the cheap operators between the matmuls, or whole blocks
+RECOMPUTE_MODES = ("none", "selective", "full")
+# --fsdp-precision (bf16 runs under --fsdp): FSDP2's MixedPrecisionPolicy, or fp32 all-gathers under autocast
+FSDP_PRECISIONS = ("auto", "policy", "autocast")
+
+
+def recompute_mode(value) -> str:
+    """``--activation-checkpointing`` as one of :data:`RECOMPUTE_MODES`; the old boolean spelling (the flag
+    alone, YAML ``true`` / ``false``) means ``full`` / ``none``."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "full"
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on"):
+        return "full"
+    if text in ("false", "no", "off", ""):
+        return "none"
+    if text not in RECOMPUTE_MODES:
+        raise ValueError(f"expected one of {', '.join(RECOMPUTE_MODES)} (the flag alone: full), got {value!r}")
+    return text
+
+
 def kernels_option(section: str | None = None):
     """The ``--kernels auto|reference`` field every command that runs our kernels has."""
     return option("auto", KERNELS_HELP, choices=KERNEL_MODES, section=section)

@@ -100,8 +100,8 @@ def _post_hook(block: nn.Module, args, output) -> None:
 
 def _scaled_weights(members: list) -> tuple | None:
     """Every member's W_scale from one launch, or None when the block must take the per-layer path."""
-    if not torch.is_grad_enabled():
-        return None
+    if not torch.is_grad_enabled() or any(getattr(m, "recompute_weight", False) for m in members):
+        return None  # (recomputing layers keep no W_scale: nn/recomputed_linear.py)
     first = members[0]
     w0 = first.base_layer.weight
     device = w0.device

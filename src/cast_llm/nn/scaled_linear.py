@@ -52,6 +52,7 @@ from torch import nn
 
 from cast_llm.errors import CastError
 from cast_llm.layers import linear_features, linear_forward, set_submodule
+from cast_llm.nn.recomputed_linear import recomputed_scaled_linear
 from cast_llm.nn.scaled_group import group_by_block_, ungroup_
 from cast_llm.nn.scaled_weight import matmul_dtype
 from cast_llm.nn.scaled_weight import scaled_weight as _scaled_weight
@@ -104,6 +105,9 @@ class ScaledLinear(nn.Module):
         weight = base_layer.weight
         scale_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         self.scale = nn.Parameter(torch.ones(out_f, n_groups, dtype=scale_dtype, device=weight.device))
+        # True: the forward keeps x, W and A for backward and forms W_scale again there (one layer's product
+        # at a time, nn/recomputed_linear.py) instead of the matmul keeping W_scale; --fsdp's policy sets it
+        self.recompute_weight = False
 
     @classmethod
     def from_linear(cls, linear: nn.Module, n_groups: int = 2, m: int = 4) -> ScaledLinear:
@@ -141,6 +145,9 @@ class ScaledLinear(nn.Module):
         if grouped is not None:
             return linear_forward(x, grouped, self.base_layer.bias, self.transposed)
         weight = self.base_layer.weight
+        if self.recompute_weight and _is_plain(weight) and _is_plain(self.scale):
+            return recomputed_scaled_linear(x, weight, self.scale, self.base_layer.bias, self.n_groups,
+                                            self.transposed, matmul_dtype(weight))
         if _is_plain(weight) and _is_plain(self.scale):
             weight = _scaled_weight(weight, self.scale, self.n_groups, self.transposed, matmul_dtype(weight))
         else:  # tensor subclasses (DTensor shards, ...): the plain autograd version of the same product

@@ -29,7 +29,8 @@ from cast_llm import kernels
 from cast_llm.kernels.switch import triton_runs_on
 from cast_llm.nn import scaled_weight_probes
 
-__all__ = ["scaled_weight", "torch_scaled_weight", "torch_scaled_weight_grads", "layer_path", "matmul_dtype", "SCALED_WEIGHT_LAYER"]
+__all__ = ["scaled_weight", "scaled_weight_grads", "torch_scaled_weight", "torch_scaled_weight_grads", "layer_path",
+           "matmul_dtype", "SCALED_WEIGHT_LAYER"]
 
 # Entries per block of the CPU backward: its product temporary (1 MiB in fp32) stays in cache while it is
 # summed, and the rows of ∂L/∂W_scale it read are still in cache for ∂L/∂W. Not smaller: every block costs
@@ -85,19 +86,24 @@ class _ScaledWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, scale = ctx.saved_tensors
-        g, transposed = ctx.n_groups, ctx.transposed
-        need_w, need_a = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        path = layer_path(grad, weight, scale, transposed, need_w, need_a)
-        if path != kernels.REFERENCE:  # CUDA: one Triton launch for both gradients
-            try:
-                grad_w, grad_a = kernels.implementation("scaled_weight.layer", path)(grad, weight, scale, g,
-                                                                                      transposed, need_w, need_a)
-                return grad_w, grad_a, None, None, None
-            except Exception as e:  # noqa: BLE001 - e.g. a shape class that fails to compile: the torch ops
-                kernels.record("scaled_weight.layer", grad.device, _layer_variant(grad, weight, transposed, need_w,
-                                                                                   need_a), path, e)
-        grad_w, grad_a = torch_scaled_weight_grads(grad, weight, scale, g, transposed, need_w, need_a)
+        grad_w, grad_a = scaled_weight_grads(grad, weight, scale, ctx.n_groups, ctx.transposed,
+                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_w, grad_a, None, None, None
+
+
+def scaled_weight_grads(grad: Tensor, weight: Tensor, scale: Tensor, n_groups: int, transposed: bool,
+                        need_w: bool = True, need_a: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """``(∂L/∂W, ∂L/∂A)`` from ``grad`` = ∂L/∂W_scale: on CUDA one Triton launch (the checked kernel path
+    ``scaled_weight.layer``), else — or when it fails — :func:`torch_scaled_weight_grads`."""
+    path = layer_path(grad, weight, scale, transposed, need_w, need_a)
+    if path != kernels.REFERENCE:  # CUDA: one Triton launch for both gradients
+        try:
+            return kernels.implementation("scaled_weight.layer", path)(grad, weight, scale, n_groups, transposed,
+                                                                       need_w, need_a)
+        except Exception as e:  # noqa: BLE001 - e.g. a shape class that fails to compile: the torch ops
+            kernels.record("scaled_weight.layer", grad.device, _layer_variant(grad, weight, transposed, need_w,
+                                                                               need_a), path, e)
+    return torch_scaled_weight_grads(grad, weight, scale, n_groups, transposed, need_w, need_a)
 
 
 def torch_scaled_weight(weight: Tensor, scale: Tensor, n_groups: int, transposed: bool, out_dtype: torch.dtype

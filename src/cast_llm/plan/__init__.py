@@ -22,7 +22,7 @@ from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
 from cast_llm.plan.shapes import ModelShape, embedded_key, model_shape, shape_of
 from cast_llm.plan.sizes import fmt_size, parse_size
 from cast_llm.plan.startup import StartupPlan, StartupWork, Timeouts, plan_startup
-from cast_llm.plan.timing import TimePlan, plan_time
+from cast_llm.plan.timing import TimePlan, interconnect, plan_time
 
 __all__ = ["Plan", "PlanConfig", "Setup", "MemoryPlan", "ModelShape", "make_plan", "model_shape", "shape_of",
            "plan_memory", "parse_size", "fmt_size", "setup_for_run", "process_rss", "machine_ram", "StartupPlan",
@@ -46,8 +46,15 @@ class Plan:
     def as_dict(self) -> dict:
         from dataclasses import asdict
 
+        from cast_llm.plan.advice import remedy
+        from cast_llm.plan.report import precision_text
+
+        memory = self.memory.as_dict()
+        memory["largest_term"]["remedy"] = remedy(memory["largest_term"]["name"], self.setup)
         return {"model": self.shape.name, "source": self.shape.source, "shape": asdict(self.shape),
-                "setup": asdict(self.setup), "capacity": self.capacity, "memory": self.memory.as_dict(),
+                "setup": asdict(self.setup), "precision": {
+                    "policy": self.setup.policy, "what": precision_text(self.setup)},
+                "recomputation": self.setup.recompute, "capacity": self.capacity, "memory": memory,
                 "fits": self.memory.fits(self.capacity),
                 "make_it_fit": None if self.fit is None else {
                     "flags": self.fit.flags, "gpus": self.fit.gpus, "needed": self.fit.plan.needed()},
@@ -80,6 +87,7 @@ def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: 
         return Setup(device=cfg.device, world=cfg.gpus, strategy=strategy, precision=precision,
                      batch_size=batch, grad_accum=accum, seq_len=cfg.seq_len, kd=cfg.kd, scaling=cfg.scaling,
                      scale_groups=cfg.scale_groups, activation_checkpointing=cfg.activation_checkpointing,
+                     fsdp_precision="autocast" if cfg.fsdp_precision == "autocast" else "policy",
                      teacher_dtype=cfg.teacher_dtype, fused_head=cfg.fused_head, kd_chunk_size=cfg.kd_chunk_size,
                      packed_masks=cfg.packed_masks, framework=framework)
 
@@ -108,12 +116,19 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     effects = option_effects(shape, setup)
     per_step = setup.batch_size * setup.seq_len * setup.grad_accum * setup.world
     tokens = cfg.tokens or PAPER_STEPS * per_step
-    time = plan_time(shape, setup, tokens, tokens_per_s=cfg.tokens_per_s, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu)
+    link = interconnect(cfg.interconnect, cfg.gpus, cfg.gpus_per_node)
+    bandwidth = cfg.link_bandwidth * 1e9 if cfg.link_bandwidth else None
+    time = plan_time(shape, setup, tokens, tokens_per_s=cfg.tokens_per_s, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu,
+                     link=link, bandwidth=bandwidth)
     if cpu and cfg.tokens_per_s is None:  # no FLOP rate to assume for a CPU: only a measured throughput
         time.tokens_per_s = float("nan")
     fit_time = None
     if fit is not None and fit.gpus != 0 and cfg.tokens_per_s is None and not cpu:  # options change the FLOPs
-        fit_time = plan_time(shape, fit.setup, tokens, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu)
+        gpus = fit.gpus or cfg.gpus
+        name = "auto" if cfg.interconnect == "nvlink" and gpus > cfg.gpus_per_node else cfg.interconnect
+        fit_link = interconnect(name, gpus, cfg.gpus_per_node)
+        fit_time = plan_time(shape, fit.setup, tokens, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu, link=fit_link,
+                             bandwidth=bandwidth)
     decay = None
     if cfg.l1_decay > 0:
         steps = time.steps
@@ -142,7 +157,8 @@ def setup_for_run(cfg, *, world: int, device_type: str, precision: str, framewor
                  precision="bf16" if precision == "bf16" else "fp32", batch_size=cfg.batch_size,
                  grad_accum=cfg.grad_accum, seq_len=cfg.seq_len, kd=cfg.use_kd, scaling=cfg.use_scaling,
                  scale_groups=cfg.scale_groups,
-                 activation_checkpointing=getattr(cfg, "activation_checkpointing", False),
+                 activation_checkpointing=getattr(cfg, "activation_checkpointing", "none"),
+                 fsdp_precision="autocast" if getattr(cfg, "fsdp_precision", "auto") == "autocast" else "policy",
                  teacher_dtype=getattr(cfg, "teacher_dtype", "auto"), fused_head=getattr(cfg, "fused_head", False),
                  kd_chunk_size=cfg.kd_chunk_size, packed_masks=getattr(cfg, "packed_masks", False),
                  framework=framework)

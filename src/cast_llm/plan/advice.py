@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
 from cast_llm.plan.shapes import ModelShape
 
-__all__ = ["Option", "OPTIONS", "option_effects", "make_it_fit", "Fit"]
+__all__ = ["Option", "OPTIONS", "option_effects", "make_it_fit", "Fit", "remedy"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class Option:
 
 def _fsdp(s: Setup):
     return replace(s, strategy="fsdp") if s.world > 1 and s.strategy != "fsdp" else None
+
+
+def _policy(s: Setup):
+    ok = s.strategy == "fsdp" and s.precision == "bf16" and s.fsdp_precision != "policy"
+    return replace(s, fsdp_precision="policy") if ok else None
 
 
 def _half_batch(s: Setup):
@@ -43,9 +48,14 @@ OPTIONS: tuple[Option, ...] = (
            lambda s: replace(s, packed_masks=True) if not s.packed_masks else None),
     Option("--teacher-dtype bf16", "the frozen teacher in bf16",
            lambda s: replace(s, teacher_dtype="bf16") if s.kd and s.teacher_bytes == 4 else None),
-    Option("--activation-checkpointing", "keep only each block's input, recompute the block in backward "
-           "(~+25% step time)", lambda s: replace(s, activation_checkpointing=True)
-           if not s.activation_checkpointing else None),
+    Option("--fsdp-precision policy", "FSDP2's mixed-precision policy: bf16 all-gathers, no autocast cache, "
+           "the scaled weights one layer at a time", _policy),
+    Option("--activation-checkpointing selective", "keep each block's input and matmul/attention outputs, "
+           "recompute the cheap operators (+12% step time on CPU: docs/results/recompute-cpu.md)",
+           lambda s: replace(s, activation_checkpointing="selective") if s.recompute == "none" else None),
+    Option("--activation-checkpointing full", "keep only each block's input, recompute the block in backward "
+           "(one more forward: +30-46% step time on CPU)",
+           lambda s: replace(s, activation_checkpointing="full") if s.recompute != "full" else None),
     Option("--kd-chunk-size 256", "a quarter of the loss work space",
            lambda s: replace(s, kd_chunk_size=256) if s.kd_chunk_size > 256 else None),
     Option("--batch-size ÷2 --grad-accum ×2", "half the activations and logits, same global batch (slower "
@@ -130,3 +140,49 @@ def make_it_fit(shape: ModelShape, setup: Setup, capacity: int) -> Fit:
                 return Fit(["--fsdp", *chosen], final, p, world)
         world *= 2
     return Fit(flags, current, plan, 0)
+
+
+def remedy(term: str, s: Setup) -> str:
+    """The option of ``cast-llm train`` that removes (or shrinks most) the memory term named ``term`` of a
+    plan for ``s`` — what the advice says when nothing fits — or why none does."""
+    more_gpus = "more GPUs under --fsdp (it is divided by their number)"
+    shard = "--fsdp (shards it over the GPUs)" if s.strategy != "fsdp" else more_gpus
+    if term.startswith("activations"):
+        if s.recompute == "none":
+            return "--activation-checkpointing selective (or full: each block keeps only its input)"
+        if s.recompute == "selective":
+            return "--activation-checkpointing full (each block keeps only its input)"
+        return ("--batch-size ÷2 --grad-accum ×2" if s.batch_size > 1 else
+                "a shorter --seq-len (recomputation is full and the micro-batch 1: nothing else shrinks it)")
+    if term.startswith("scaled weights"):
+        if s.strategy == "fsdp" and s.precision == "bf16" and not s.policy:
+            return "--fsdp-precision policy (the scaled weights formed one layer at a time)"
+        if s.recompute == "none":
+            return "--activation-checkpointing selective (one block's scaled weights at a time)"
+        return "--fsdp in bf16 (its precision policy forms them one layer at a time)"
+    if term.startswith("bf16 casts"):
+        if s.strategy == "fsdp":
+            return "--fsdp-precision policy (no autocast cache)"
+        return "--fsdp (its precision policy keeps no autocast cache; it runs on one GPU too under torchrun)"
+    if term.startswith("N:M masks (bool)"):
+        return "--packed-masks (1/8)"
+    if term.startswith(("weights (fp32", "AdamS moments", "gradients", "DDP gradient", "N:M masks")):
+        return shard
+    if term.startswith("teacher (fp32)"):
+        return "--teacher-dtype bf16"
+    if term.startswith("teacher (bf16)"):
+        return shard if s.strategy != "fsdp" else more_gpus + "; --no-kd drops it (not the paper's CAST)"
+    if term.startswith(("student logits", "teacher logits", "loss gradient buffer")):
+        return "--fused-head (the loss through the head in token chunks)"
+    if term.startswith(("KD loss work space", "loss work space", "logits, one chunk")):
+        return "--kd-chunk-size 256" if s.kd_chunk_size > 256 else "a smaller --kd-chunk-size"
+    if term.startswith(("teacher forward temporaries", "hidden-state gradient", "teacher hidden states")):
+        return "--batch-size ÷2 --grad-accum ×2" if s.batch_size > 1 else "a shorter --seq-len"
+    if term.startswith("LM head gradient"):
+        return "none of the options: the head's gradient exists whole under --fused-head (drop --fused-head if " \
+               "the logits are smaller)"
+    if term.startswith("weight scales"):
+        return "--no-scaling (not the paper's CAST)"
+    if term.startswith("FSDP2"):
+        return "none of the options: FSDP2 unshards its units (root, one block) whole; more GPUs do not shrink it"
+    return "none of the options"

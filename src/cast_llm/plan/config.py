@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import check_ranges, option, parse_count
+from cast_llm.config import (
+    FSDP_PRECISIONS,
+    RECOMPUTE_MODES,
+    check_ranges,
+    option,
+    parse_count,
+    recompute_mode,
+)
 from cast_llm.errors import CastError
 from cast_llm.optim.schedule import SCHEDULES as LR_SCHEDULES
 
@@ -31,7 +38,8 @@ def _opt_count(v):
 @dataclass
 class PlanConfig:
     model: str | None = option(None, "model folder, config.json, hub id, or an embedded config (smollm2-135m, "
-                                     "llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-2-7b, llama-2-13b)",
+                                     "llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-2-7b, llama-2-13b, "
+                                     "llama-3-70b)",
                                section=RUN)
     gpus: int = option(1, "processes (GPUs), one per GPU", min=1, section=RUN)
     gpu_memory: str | None = option(None, "memory of one GPU: 80GB (10⁹ bytes, the card's label) or 80GiB "
@@ -50,7 +58,14 @@ class PlanConfig:
     kd: bool = option(True, "distil from the dense teacher (--no-kd: no teacher)", section=RUN)
     scaling: bool = option(True, "learnable weight scaling (--no-scaling)", section=RUN)
     scale_groups: int = option(2, "column blocks per row of the weight scale", min=1, section=RUN)
-    activation_checkpointing: bool = option(False, "recompute each decoder block in backward", section=MEMORY)
+    activation_checkpointing: str = option("none", "recompute in backward: full (each block keeps its input), "
+                                                   "selective (also its matmul and attention outputs), none; the "
+                                                   "flag alone means full", choices=RECOMPUTE_MODES,
+                                            parse=recompute_mode, nargs="?", const="full", section=MEMORY)
+    fsdp_precision: str = option("auto", "with --fsdp in bf16: policy (FSDP2 MixedPrecisionPolicy: bf16 compute and "
+                                         "all-gather, fp32 reduce-scatter, no autocast cache) or autocast (fp32 "
+                                         "all-gathers, bf16 casts cached); auto: policy", choices=FSDP_PRECISIONS,
+                                 section=MEMORY)
     fused_head: bool = option(False, "LM head and loss in token chunks (no full logits)", section=MEMORY)
     packed_masks: bool = option(False, "N:M masks as bits", section=MEMORY)
     teacher_dtype: str = option("auto", "teacher weights: auto (the training dtype), bf16, fp32",
@@ -63,8 +78,16 @@ class PlanConfig:
                                         min_exclusive=True, section=TIME)
     gpu_tflops: float = option(989.0, "peak dense bf16 TFLOP/s of one GPU for the estimate (H100 SXM: 989)",
                                min=0, min_exclusive=True, section=TIME)
-    mfu: float = option(0.35, "model-FLOPs utilisation assumed by the estimate", min=0, min_exclusive=True, max=1,
-                        section=TIME)
+    mfu: float = option(0.30, "model-FLOPs utilisation assumed by the estimate (0.30: plain FSDP2 training of "
+                              "Llama-3.1-8B on 8 H100s as torchtitan published it; docs/training.md)", min=0,
+                        min_exclusive=True, max=1, section=TIME)
+    interconnect: str = option("auto", "what the GPUs' collectives cross, for the communication term: nvlink (one "
+                                       "node, 450 GB/s per GPU), ib (InfiniBand NDR, 50 GB/s per GPU), ethernet "
+                                       "(100 Gb/s, 12.5 GB/s per GPU); auto: nvlink within --gpus-per-node, ib "
+                                       "beyond", choices=("auto", "nvlink", "ib", "ethernet"), section=TIME)
+    link_bandwidth: float | None = option(None, "GB/s per GPU and direction instead of the interconnect's nominal "
+                                                "figure (e.g. what nccl-tests measured)", min=0,
+                                          min_exclusive=True, section=TIME)
     lr: float = option(2e-5, "peak lr (paper, LLaMA: 2e-5)", min=0, min_exclusive=True, section=DECAY)
     l1_decay: float = option(4e-7, "AdamS λ (paper, LLaMA: 4e-7)", min=0, section=DECAY)
     lr_schedule: str = option("cosine", "lr after a 2% warm-up", choices=LR_SCHEDULES, section=DECAY)

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+from cast_llm.plan.advice import remedy
 from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
 from cast_llm.plan.sizes import fmt_size, parse_size
 
-__all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "duration"]
+__all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "precision_text", "duration"]
 
 _STRATEGY = {"single": "one process", "ddp": "DDP", "fsdp": "FSDP2"}
 
@@ -21,12 +22,19 @@ def duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
+def precision_text(s: Setup) -> str:
+    """What the run computes in: the policy, autocast or fp32."""
+    if s.policy:
+        return ("bf16 by FSDP2's MixedPrecisionPolicy (fp32 sharded master weights, bf16 all-gather and compute, "
+                "fp32 reduce-scatter; no autocast)")
+    return "bf16 autocast (fp32 master weights)" if s.precision == "bf16" else "fp32"
+
+
 def setup_line(s: Setup) -> str:
-    prec = "bf16 autocast (fp32 master weights)" if s.precision == "bf16" else "fp32"
     unit = "GPU" if s.device == "cuda" else "process"
-    return (f"{s.world} {unit}{'s' if s.world > 1 else ''}, {_STRATEGY[s.strategy]}, {prec}; micro-batch "
-            f"{s.batch_size} × {s.seq_len} tokens, grad-accum {s.grad_accum}; KD {'on' if s.kd else 'off'}, "
-            f"weight scaling {'on' if s.scaling else 'off'}")
+    return (f"{s.world} {unit}{'s' if s.world > 1 else ''}, {_STRATEGY[s.strategy]}, {precision_text(s)}; "
+            f"micro-batch {s.batch_size} × {s.seq_len} tokens, grad-accum {s.grad_accum}; recomputation "
+            f"{s.recompute}; KD {'on' if s.kd else 'off'}, weight scaling {'on' if s.scaling else 'off'}")
 
 
 def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") -> list[str]:
@@ -43,7 +51,8 @@ def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") 
     for note in plan.notes:
         out.append(f"{indent}note: {note}")
     if capacity is not None:
-        extra = (f" (+ CUDA context {fmt_size(CUDA_CONTEXT)} and {FRAGMENTATION:.0%} fragmentation)"
+        extra = (f" (+ CUDA context {fmt_size(CUDA_CONTEXT)} and {FRAGMENTATION:.0%} fragmentation: "
+                 "reserved/allocated of public GPU runs)"
                  if s.device == "cuda" else f" (+ {CPU_RETENTION:.0%} the heap keeps of freed blocks)")
         verdict = "fits" if plan.fits(capacity) else "DOES NOT FIT"
         out.append(f"{indent}needs {fmt_size(plan.needed())}{extra} of {fmt_size(capacity)}: {verdict}")
@@ -80,10 +89,16 @@ def plan_lines(p) -> list[str]:
         "",
         *memory_lines(p.memory, p.capacity),
     ]
+    if not p.memory.fits(p.capacity):
+        name, size = p.memory.largest_term()
+        lines.append(f"  the largest term: {name} ({fmt_size(size)}); what removes it: {remedy(name, s)}")
     if p.fit is not None:
         f = p.fit
         if f.gpus == 0:
             lines.append(f"to make it fit: nothing up to 4096 GPUs with {' '.join(f.flags) or 'every option'}")
+            name, size = f.plan.largest_term()
+            lines.append(f"  the largest term then: {name} ({fmt_size(size)}); what removes it: "
+                         f"{remedy(name, f.setup)}")
         else:
             more = f" on {f.gpus} GPUs" if f.gpus else ""
             lines.append(f"to make it fit: {' '.join(f.flags)}{more} → needs {fmt_size(f.plan.needed())} per {unit}")
@@ -91,7 +106,7 @@ def plan_lines(p) -> list[str]:
         lines.append("each memory option alone:")
         for opt, mp in p.effects:
             ok = "fits" if mp.fits(p.capacity) else "does not fit"
-            lines.append(f"  {opt.flag:<34}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
+            lines.append(f"  {opt.flag:<38}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
     if p.startup is not None:
         from cast_llm.plan import startup_fits
 
@@ -131,8 +146,13 @@ def _time_line(p) -> str:
         how = (f"estimated: {t.flops_per_token / 1e9:.1f} GFLOP per token at {cfg.gpu_tflops:g} TFLOP/s × "
                f"{cfg.mfu:.0%} MFU per GPU; --tokens-per-s from a short run replaces it")
     budget = "" if cfg.tokens else " (the paper's 7,500 steps)"
-    return (f"time: {tokens_text(t.tokens)} tokens{budget} = {t.steps:,} steps at {t.tokens_per_s:,.0f} tokens/s "
+    line = (f"time: {tokens_text(t.tokens)} tokens{budget} = {t.steps:,} steps at {t.tokens_per_s:,.0f} tokens/s "
             f"→ {duration(t.seconds)} ({how})")
+    if t.comm and not t.measured:
+        line += (f"\n  per step: compute {t.compute_s:.2f} s; communication {fmt_size(t.comm_bytes)} per GPU over "
+                 f"{t.interconnect} at {t.bandwidth / 1e9:g} GB/s = {t.comm_s:.2f} s, overlapped with the compute "
+                 f"but for {t.exposed_s:.3f} s ({'communication' if t.comm_s > t.compute_s else 'compute'}-bound)")
+    return line
 
 
 def _decay_lines(p) -> list[str]:

@@ -28,6 +28,7 @@ EMBEDDED: dict[str, tuple[str, ...]] = {
                      "neuralmagic/Sparse-Llama-3.1-8B-2of4"),
     "llama-2-7b": ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf"),
     "llama-2-13b": ("meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-13b-chat-hf"),
+    "llama-3-70b": ("meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-70B-Instruct"),
 }
 # Families whose decoder block is LLaMA's (RMSNorm, SDPA attention, gated MLP): the activation bytes of
 # plan/activations.py are counted from this block and tested against autograd's saved tensors.

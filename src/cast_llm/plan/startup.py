@@ -133,7 +133,10 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
     gpu = s.device == "cuda"
     plan = StartupPlan()
     masks = shape.target_params // 8 if s.packed_masks else shape.target_params
-    plan.checkpoint_bytes = (4 * trainable + 8 * trainable + masks) // W
+    if s.strategy == "fsdp":  # each rank writes its shards and the weight scales whole (train/fsdp.py)
+        plan.checkpoint_bytes = (12 * P + masks) // W + 12 * scales
+    else:
+        plan.checkpoint_bytes = (4 * trainable + 8 * trainable + masks) // W
     # one evaluation forward: logits in the compute dtype, their fp32 log-probabilities, a block's temporaries
     eval_act = work.eval_window * (V * (c + 4) + (3 * shape.intermediate + 4 * shape.hidden) * c)
     m = plan.memory

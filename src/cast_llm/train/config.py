@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import check_ranges, kernels_option, option, parse_count, parse_hist_steps
+from cast_llm.config import (
+    FSDP_PRECISIONS,
+    RECOMPUTE_MODES,
+    check_ranges,
+    kernels_option,
+    option,
+    parse_count,
+    parse_hist_steps,
+    recompute_mode,
+)
 from cast_llm.errors import CastError
 from cast_llm.optim.schedule import SCHEDULES
 
@@ -276,10 +285,18 @@ class TrainConfig(RunConfig, CastSettings):
                                    section=ANALYSIS)
     # --- memory for large models (docs/training.md, "Large models"; none changes what is computed except
     # --teacher-dtype, and --fused-head up to float summation order)
-    activation_checkpointing: bool = option(False, "recompute each decoder block of the student in backward instead "
-                                                   "of keeping its activations (~+25% step time); the teacher "
-                                                   "keeps none anyway (its forward runs without a graph)",
-                                            section=MEMORY)
+    activation_checkpointing: str = option("none", "recompute the student's decoder blocks in backward instead of "
+                                                   "keeping their activations: full (each block keeps its input; "
+                                                   "~+25% step time), selective (also the outputs of its matmuls "
+                                                   "and attention: the cheap operators are recomputed), none; the "
+                                                   "flag alone means full. The teacher keeps none anyway (its "
+                                                   "forward runs without a graph)", choices=RECOMPUTE_MODES,
+                                            parse=recompute_mode, nargs="?", const="full", section=MEMORY)
+    fsdp_precision: str = option("auto", "with --fsdp in bf16: policy (FSDP2's MixedPrecisionPolicy: bf16 weights "
+                                         "for compute and all-gather, fp32 reduce-scatter, fp32 sharded master "
+                                         "weights, no autocast; the weight scales stay fp32) or autocast (fp32 "
+                                         "all-gathers, bf16 autocast as without --fsdp); auto: policy. results.json "
+                                         "records which ran", choices=FSDP_PRECISIONS, section=MEMORY)
     teacher_dtype: str = option("auto", "the frozen teacher's weights: auto (bf16 when training in bf16, else "
                                         "fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY)
     fused_head: bool = option(False, "LM head and loss (KD or CE) together, --kd-chunk-size tokens at a time: the "

@@ -34,6 +34,14 @@ from cast_llm.train.checkpoint import load_checkpoint, save_checkpoint, save_sha
 
 __all__ = ["Distribution", "Replicated", "Sharded", "build_distribution", "one_line"]
 
+# what `--fsdp-precision` ran, as the log says it (results.json records the key)
+PRECISION_NOTES = {
+    "policy": "policy (FSDP2 MixedPrecisionPolicy: fp32 sharded master weights, bf16 all-gather and compute, "
+              "fp32 reduce-scatter; no autocast; weight scales fp32)",
+    "autocast": "autocast (fp32 all-gathers, bf16 autocast with its cached weight casts)",
+    "fp32": "fp32 (no mixed precision)",
+    "none": "-",
+}
 DEFAULT_WAIT_S = 1800.0  # the control group's timeout when the job states none (torch's gloo default)
 
 
@@ -55,8 +63,9 @@ class MainWork:
 class Distribution:
     """The loop's view of the processes of a job (see the module docstring)."""
 
-    def __init__(self, accelerator, *, wait_timeout_s: float | None = None):
+    def __init__(self, accelerator, *, wait_timeout_s: float | None = None, precision_mode: str = "none"):
         self.accelerator = accelerator
+        self.precision_mode = precision_mode  # train/fsdp.py precision_mode: policy | autocast | fp32 | none
         self.is_main = accelerator.is_main_process
         self.world = accelerator.num_processes
         self.rank = accelerator.process_index
@@ -175,6 +184,14 @@ class Distribution:
     def no_sync(self, model, sync: bool):
         raise NotImplementedError
 
+    def autocast(self):
+        """The context of a micro-batch's forward, loss and backward: accelerate's autocast (a no-op in fp32)."""
+        return self.accelerator.autocast()
+
+    def sync_gradients(self, model) -> None:
+        """After the last micro-batch's backward, before clipping and the step: gradients the backward did
+        not already reduce across the processes."""
+
     def clip(self, model, max_norm: float) -> None:
         raise NotImplementedError
 
@@ -247,7 +264,12 @@ class Sharded(Distribution):
     def _shard(self, module, cfg, *, frozen: bool) -> None:
         transposed = [t.weight for t in find_targets(module, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
                       if t.transposed]
-        fsdp.shard_model(module, self._mesh(), transposed_weights=transposed, frozen=frozen)
+        policy = fsdp.mixed_precision_policy() if self.precision_mode == "policy" else None
+        replicated = [] if frozen else fsdp.replicated_params(module)
+        if self.precision_mode == "policy" and not frozen:
+            fsdp.recompute_scaled_weights_(module)
+        fsdp.shard_model(module, self._mesh(), transposed_weights=transposed, frozen=frozen, mp_policy=policy,
+                         replicated=replicated)
 
     def build_teacher(self, dense, cfg, dtype: torch.dtype, say):
         """Every rank builds the teacher empty, shards it and receives its shards from rank 0's ``dense``
@@ -265,12 +287,22 @@ class Sharded(Distribution):
         else:
             fsdp.materialize_(model, self.device)
         del full  # rank 0's whole copy goes now
+        # the scales' Parameter objects as they are now (materializing a meta model replaces them)
+        self.replicated = fsdp.replicated_params(model)
         say(f"FSDP2: student{' and teacher' if teacher is not None else ''} sharded over {self.world} processes "
-            "(rows of every weight; N:M groups stay whole on one rank), "
+            "(rows of every weight; N:M groups stay whole on one rank; weight scales whole on every rank), "
             + ("filled from rank 0's copy" if fill else "filled from the checkpoint"))
+        say("FSDP2 precision: " + PRECISION_NOTES[self.precision_mode])
 
     def wrap(self, model, optimizer, teacher):
         return model, optimizer, teacher  # sharded already; accelerate only set up processes, device, autocast
+
+    def autocast(self):
+        # the policy casts the weights itself; autocast would add a cached bf16 copy of every weight it casts
+        return contextlib.nullcontext() if self.precision_mode == "policy" else self.accelerator.autocast()
+
+    def sync_gradients(self, model) -> None:
+        fsdp.sync_replicated_grads(getattr(self, "replicated", []), self.world)
 
     def no_sync(self, model, sync: bool):
         # every micro-batch's gradients are reduce-scattered into the sharded ones (FSDP2's default): between
@@ -279,7 +311,7 @@ class Sharded(Distribution):
         return contextlib.nullcontext()
 
     def clip(self, model, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # works on DTensor gradients: global norm
+        fsdp.clip_grad_norm_(list(model.parameters()), max_norm)  # global norm: shards and replicated scales
 
     def model_state(self, method, raw):
         return fsdp.local_model_state(raw)
@@ -327,6 +359,8 @@ class Sharded(Distribution):
         return method.finalize_gathered(plain.to(self.device), masks)
 
 
-def build_distribution(accelerator, fsdp: bool, *, wait_timeout_s: float | None = None) -> Distribution:
+def build_distribution(accelerator, fsdp: bool, *, wait_timeout_s: float | None = None,
+                       precision_mode: str = "none") -> Distribution:
+    """``precision_mode``: :func:`cast_llm.train.fsdp.precision_mode` of the run (FSDP2 only)."""
     cls = Sharded if fsdp else Replicated
-    return cls(accelerator, wait_timeout_s=wait_timeout_s)
+    return cls(accelerator, wait_timeout_s=wait_timeout_s, precision_mode=precision_mode if fsdp else "none")

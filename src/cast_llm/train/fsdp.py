@@ -18,7 +18,22 @@ N:M groups along dim 1 stay whole on one rank and AdamS's masks, computed from e
 exactly the rows of the full tensor's mask. GPT-2 ``Conv1D`` targets store ``(in, out)`` (groups along dim
 0): they are sharded along dim 1 instead (``shard_placement_fn``), with the same property.
 
-Checkpoints are per-rank files (local shards of the model, of AdamS's state with its masks, RNG and
+Precision (``--fsdp-precision``, :func:`precision_mode`). In bf16 the default is FSDP2's own
+``MixedPrecisionPolicy`` (:func:`mixed_precision_policy`): the sharded parameters — the master weights
+AdamS updates, with its moments and masks — stay fp32; each unit's all-gather casts them to bf16, so the
+forward and backward compute in bf16 from bf16 copies that exist one block (plus one prefetched) at a time,
+and the gradients are reduce-scattered in fp32. No autocast runs (:meth:`cast_llm.train.distributed.Sharded.
+autocast`): autocast would cache a bf16 copy of every weight it casts for the whole step, on top of
+FSDP2's fp32 all-gathers. ``autocast`` keeps the older way (fp32 all-gathers, bf16 autocast as without
+``--fsdp``). What the policy changes besides: the residual stream is bf16 (the embedding is), where under
+autocast it is fp32. The weight scales ``A`` of ``Diag(A)·W`` (a few entries per row) are not sharded:
+every rank holds them whole in fp32 (``ignored_params``), so the product is formed in fp32 from the bf16
+weight and the fp32 scale and rounded once, as under autocast — and formed again in backward rather than
+kept (:func:`recompute_scaled_weights_`: the scaled weights live one layer at a time, not the whole
+model's) — and their gradients — fp32, summed over the
+micro-batches on each rank — are averaged over the ranks once per step (:func:`sync_replicated_grads`).
+
+Checkpoints are per-rank files (local shards of the model — and the replicated weight scales — of AdamS's state with its masks, RNG and
 observer state; see :func:`cast_llm.train.checkpoint.save_sharded_checkpoint`): resume needs the same
 number of processes. The final model is gathered on rank 0 as a full state dict, which becomes the
 parameters of a plain (unsharded) student built empty from the config, pruned with the gathered final
@@ -62,6 +77,94 @@ def check_supported(cfg) -> None:
         raise CastError("--eval-every is not supported with --fsdp yet (the final evaluation runs on rank 0)")
 
 
+def precision_mode(cfg, precision: str) -> str:
+    """What ran: ``policy`` (FSDP2's MixedPrecisionPolicy), ``autocast`` (fp32 all-gathers, bf16 autocast),
+    ``fp32`` (no mixed precision) under ``--fsdp``; ``none`` without it (DDP and one process keep
+    accelerate's autocast). ``precision``: the loop's (``bf16`` or ``no``)."""
+    choice = getattr(cfg, "fsdp_precision", "auto")
+    if not getattr(cfg, "fsdp", False):
+        if choice != "auto":
+            raise CastError(f"--fsdp-precision {choice} applies to --fsdp runs only: add --fsdp, or leave the "
+                            "flag out (DDP and one process use bf16 autocast)")
+        return "none"
+    if precision != "bf16":
+        if choice != "auto":
+            raise CastError(f"--fsdp-precision {choice} needs bf16 training: add --precision bf16, or leave the "
+                            "flag out for an fp32 run")
+        return "fp32"
+    return "policy" if choice == "auto" else choice
+
+
+def mixed_precision_policy():
+    """bf16 parameters for compute and all-gather, fp32 gradient reduce-scatter (fp32 sharded masters)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``--fsdp`` leaves whole on every rank: the weight scales of
+    :class:`~cast_llm.nn.ScaledLinear` (fp32, ``rows × groups`` entries each)."""
+    from cast_llm.nn import ScaledLinear
+
+    return [m.scale for m in model.modules() if isinstance(m, ScaledLinear)]
+
+
+def recompute_scaled_weights_(model: nn.Module) -> int:
+    """Every :class:`~cast_llm.nn.ScaledLinear` of ``model`` keeps ``x, W, A`` for backward and forms
+    ``Diag(A)·W`` again there (:mod:`cast_llm.nn.recomputed_linear`), so that no step holds the scaled
+    weights of the whole model — the weights themselves are unsharded one block at a time. Returns how many."""
+    from cast_llm.nn import ScaledLinear
+
+    layers = [m for m in model.modules() if isinstance(m, ScaledLinear)]
+    for m in layers:
+        m.recompute_weight = True
+    return len(layers)
+
+
+def sync_replicated_grads(params: list[nn.Parameter], world: int) -> None:
+    """Average the gradients of the replicated parameters over the ranks: one all-reduce of one flat fp32
+    buffer (each rank's gradients are sums over its own micro-batches, as the sharded ones are)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if world == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over sharded (DTensor) and replicated gradients together: the global
+    L2 norm is that of the full sharded gradients and the replicated ones (counted once, not per rank)."""
+    from torch.distributed.tensor import Replicate
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    sharded = [p for p in params if p.grad is not None and is_dtensor(p.grad)]
+    plain = [p for p in params if p.grad is not None and not is_dtensor(p.grad)]
+    norms = []
+    if sharded:
+        n = get_total_norm([p.grad for p in sharded])
+        norms.append(n.full_tensor() if is_dtensor(n) else n)
+    if plain:
+        norms.append(get_total_norm([p.grad for p in plain]))
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if sharded:
+        g = sharded[0].grad
+        clip_grads_with_norm_(sharded, max_norm, DTensor.from_local(total, g.device_mesh,
+                                                                    [Replicate()] * g.device_mesh.ndim))
+    if plain:
+        clip_grads_with_norm_(plain, max_norm, total)
+    return total
+
+
 def device_mesh(device: torch.device):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -72,16 +175,19 @@ def device_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard_model(model: nn.Module, mesh, *, transposed_weights=(), frozen: bool = False) -> nn.Module:
+def shard_model(model: nn.Module, mesh, *, transposed_weights=(), frozen: bool = False, mp_policy=None,
+                replicated=()) -> nn.Module:
     """``fully_shard`` every decoder block, then the root (embeddings, final norm, head), in place.
 
     Parameters are moved to the mesh's device by FSDP block by block, so a model loaded on the CPU never
     sits whole on one GPU. ``transposed_weights``: Conv1D target weights, sharded along dim 1. ``frozen``
     (the teacher): the root is resharded after the forward too — FSDP2 keeps a root unsharded for the
     backward that follows, which a model without a backward never runs, so its embeddings and head would
-    stay whole on every GPU.
+    stay whole on every GPU. ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` for every unit (None: none).
+    ``replicated``: parameters left whole on every rank (FSDP2's ``ignored_params``), moved to the mesh's
+    device here.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     found = find_block_list(model)
@@ -92,9 +198,17 @@ def shard_model(model: nn.Module, mesh, *, transposed_weights=(), frozen: bool =
     def placement(p):  # None = the default Shard(0)
         return Shard(1) if id(p) in ids else None
 
+    kw = {"mesh": mesh, "shard_placement_fn": placement, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    ignored = set(replicated)
+    if ignored:
+        kw["ignored_params"] = ignored
     for block in found[1]:
-        fully_shard(block, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh, shard_placement_fn=placement, reshard_after_forward=True if frozen else None)
+        fully_shard(block, **kw)
+    fully_shard(model, reshard_after_forward=True if frozen else None, **kw)
+    device = mesh.device_type
+    for p in ignored:
+        if p.device.type not in ("meta", device):
+            p.data = p.data.to(device)
     return model
 
 

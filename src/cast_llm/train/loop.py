@@ -51,6 +51,7 @@ from cast_llm.train.checkpoint import (
 )
 from cast_llm.train.distributed import build_distribution
 from cast_llm.train.finite import FiniteGuard
+from cast_llm.train.fsdp import precision_mode as fsdp_precision_mode
 from cast_llm.train.memory import PeakMemory
 from cast_llm.train.phases import Phases
 from cast_llm.train.preemption import Preempted, StopRequest
@@ -249,7 +250,8 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
 
 def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder, timeouts) -> dict[str, Any]:
     distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False),
-                                      wait_timeout_s=timeouts.wait if timeouts else None)
+                                      wait_timeout_s=timeouts.wait if timeouts else None,
+                                      precision_mode=fsdp_precision_mode(cfg, precision))
     is_main = distribution.is_main
     with distribution.waiting_for_main("preparing the run folder"):
         if is_main:
@@ -397,7 +399,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
         method.begin_step(raw, raw_opt, step)
         for micro in range(grad_accum):
             batch = job.batch(step, micro)
-            with distribution.no_sync(model, micro == grad_accum - 1), accelerator.autocast():
+            with distribution.no_sync(model, micro == grad_accum - 1), distribution.autocast():
                 loss, parts, tokens = job.loss(model, teacher, batch)
                 guard.watch(loss, step)
                 accelerator.backward(loss / grad_accum)
@@ -405,6 +407,7 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             for k, v in parts.items():
                 window["parts"][k] = window["parts"].get(k, 0.0) + v / grad_accum
             window["tokens"] += tokens * ctx.world
+        distribution.sync_gradients(raw)  # FSDP2: the replicated weight scales' gradients (one all-reduce)
         # what every rank must agree on, in one all-reduce (several processes only; one process reads no
         # device value here): a stop signal anywhere stops every rank at this step; rank 0's clock says when a
         # periodic checkpoint is due (--save-every's default). A non-finite loss is agreed on the device by
@@ -546,6 +549,9 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
     plan = getattr(job, "memory_plan", None)
     entry = {"measured_peak": measured, "measured": peak.what, "per_process": True,
              "measured_per_rank": per_rank, "framework_per_rank": [f for _, f in every]}
+    reserved = peak.reserved()  # CUDA: what the margin for fragmentation stands for, this rank's
+    if reserved is not None:
+        entry.update(reserved_peak=reserved, reserved_over_allocated=reserved / max(1, int(peak.read())))
     line = f"peak memory per process over the steps: {measured / 2**30:.2f} GiB ({peak.what})"
     if plan is not None:
         entry.update(planned_peak=plan.peak, planned_moment=plan.peak_moment, plan=plan.as_dict())

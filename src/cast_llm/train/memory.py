@@ -116,6 +116,13 @@ class PeakMemory:
             return int(torch.cuda.max_memory_allocated(self.device))
         return peak_rss()
 
+    def reserved(self) -> int | None:
+        """CUDA: the caching allocator's peak reserved bytes over the same span (its ratio to :meth:`read` is
+        the fragmentation the plan's margin stands for); None elsewhere."""
+        if not self.ok or self.device.type != "cuda":
+            return None
+        return int(torch.cuda.max_memory_reserved(self.device))
+
 
 def device_capacity(device: torch.device, world: int) -> int:
     """Bytes one process may use: the GPU's memory, or this machine's RAM shared by its processes."""

@@ -95,6 +95,9 @@ class PretrainJob(Job):
         cfg = self.cfg
         if cfg.fsdp:
             fsdp2.check_supported(cfg)
+        self.fsdp_precision = fsdp2.precision_mode(cfg, precision)  # what runs; config.yaml records it too
+        if self.fsdp_precision in ("policy", "autocast"):
+            cfg.fsdp_precision = self.fsdp_precision
         self.framework = process_rss() if device_type == "cpu" else 0  # the plan's "framework" on a CPU
         self.skeleton = empty_model(cfg.model)
         check_seq_len(self.skeleton, cfg.seq_len, cfg.model)
@@ -178,8 +181,8 @@ class PretrainJob(Job):
             del dense  # on a resume rank 0's copy served the teacher only
         else:
             model = dense
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(model)
+        if cfg.activation_checkpointing != "none":
+            enable_activation_checkpointing(model, cfg.activation_checkpointing)
         self.model = model
 
     def _baseline(self, ctx, model, targets, results) -> None:
@@ -307,6 +310,8 @@ class PretrainJob(Job):
             )
             if self.teacher_forward is not None:
                 results["teacher_forward"] = self.teacher_forward.mode
+            if cfg.fsdp:
+                results["fsdp_precision"] = self.fsdp_precision
             results["options"] = options_used(cfg)
             results["init_mask"] = cfg.effective_init_mask
             results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
