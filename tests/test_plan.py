@@ -459,3 +459,32 @@ def test_plan_around_the_steps_8b_on_8_gpus(capsys, monkeypatch):
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["startup"]["device_fits"] and d["startup"]["timeouts"]["wait"] >= MIN_WAIT_S
+
+
+def test_plan_takes_trains_flags_preset_and_config_and_forecasts_with_the_runs_schedule(tmp_path, monkeypatch):
+    """`cast-llm plan` reads the training configuration `cast-llm train` would (flags, --preset, --config); the
+    decay forecast runs on the learning rates the run's own schedule code gives (warm-up, min-lr ratio)."""
+    import cast_llm.plan as plan_module
+    from cast_llm.cli import build_parser
+    from cast_llm.cli.plan import build_config as plan_config
+    from cast_llm.cli.train import build_config as train_config
+    from cast_llm.optim.schedule import schedule_lrs
+
+    parser = build_parser()
+    flags = ["--model", "smollm2-135m", "--max-steps", "40", "--warmup-steps", "6", "--min-lr-ratio", "0.25",
+             "--lr", "1e-4", "--seq-len", "128", "--batch-size", "2", "--global-batch", "8"]
+    run = train_config(parser.parse_args(["train", *flags, "--output-dir", str(tmp_path / "run")]))
+    cfg = plan_config(parser.parse_args(["plan", *flags, "--gpus", "2"]))
+    assert (cfg.max_steps, cfg.warmup_steps, cfg.min_lr_ratio, cfg.global_batch) == (40, 6, 0.25, 8)
+    seen = {}
+    real = plan_module.plan_decay
+    monkeypatch.setattr(plan_module, "plan_decay", lambda lrs, **kw: (seen.setdefault("lrs", lrs), real(lrs, **kw))[1])
+    plan = plan_module.make_plan(cfg)
+    assert plan.setup.batch_size * plan.setup.grad_accum * plan.setup.world == 8 and plan.time.steps == 40
+    assert seen["lrs"] == schedule_lrs(run, 40, run.lr, default_warmup=0.02)  # what CAST's forecasts use
+    assert seen["lrs"][6] == 1e-4 and abs(seen["lrs"][-1] - 0.25e-4) < 1e-6  # warm-up and the floor honoured
+    # --preset and --config as train reads them
+    assert plan_config(parser.parse_args(["plan", "--model", "llama-3.1-8b", "--preset", "gpt2"])).seq_len == 1024
+    (tmp_path / "run.yaml").write_text("model: llama-3.2-1b\nseq_len: 2048\nfsdp: true\n")
+    from_file = plan_config(parser.parse_args(["plan", "--config", str(tmp_path / "run.yaml"), "--gpus", "4"]))
+    assert (from_file.model, from_file.seq_len, from_file.fsdp, from_file.gpus) == ("llama-3.2-1b", 2048, True, 4)

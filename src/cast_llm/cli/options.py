@@ -47,16 +47,19 @@ def add_config_command(subparsers, name: str, cls, *, func: Callable[[argparse.N
 
 
 def resolve_options(cls, args: argparse.Namespace, *, presets: Mapping[str, dict] | None = None,
-                    run_folder: bool = False, one_of: tuple[str, ...] = ()):
-    """``cls`` from, lowest first: its defaults < (``run_folder`` and ``--resume``: the run's ``config.yaml``)
-    < ``--preset`` < ``--config`` file < the flags typed (and MODEL).
+                    run_folder: bool = False, one_of: tuple[str, ...] = (),
+                    base: tuple[str, dict] | None = None):
+    """``cls`` from, lowest first: its defaults < ``base`` (a command's own defaults for ``cls``, named) <
+    (``run_folder`` and ``--resume``: the run's ``config.yaml``) < ``--preset`` < ``--config`` file < the flags
+    typed (and MODEL).
 
     ``one_of``: fields that are alternatives of each other (a budget in tokens or in steps): a layer that
     gives one of them drops the lower layers' values of all of them (a budget in the YAML file replaces the
     preset's, a budget typed replaces both).
     """
     cli = cli_layer(args, cls)
-    layers = run_config_layer(cli) if run_folder else []
+    layers = [base] if base else []
+    layers += run_config_layer(cli) if run_folder else []
     preset = getattr(args, "preset", None)
     if preset:
         if preset not in (presets or {}):

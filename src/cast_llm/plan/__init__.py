@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 from cast_llm.machine import machine_ram, process_rss  # (re-exported: the plan's old import path)
 from cast_llm.plan.advice import Fit, make_it_fit, option_effects
-from cast_llm.plan.config import GRAD_RMS_AT_512, PAPER_GLOBAL_BATCH, PAPER_STEPS, WEIGHT_RMS, PlanConfig
+from cast_llm.plan.config import (
+    GRAD_RMS_AT_512,
+    PAPER_GLOBAL_BATCH,
+    PAPER_STEPS,
+    WEIGHT_RMS,
+    PlanConfig,
+    PlanOptions,
+)
 from cast_llm.plan.decay import DecayPlan, plan_decay
 from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
 from cast_llm.plan.shapes import ModelShape, embedded_key, model_shape, shape_of
@@ -24,7 +31,7 @@ from cast_llm.plan.sizes import fmt_size, parse_size
 from cast_llm.plan.startup import StartupPlan, StartupWork, Timeouts, plan_startup
 from cast_llm.plan.timing import TimePlan, interconnect, plan_time
 
-__all__ = ["Plan", "PlanConfig", "Setup", "MemoryPlan", "ModelShape", "make_plan", "model_shape", "shape_of",
+__all__ = ["Plan", "PlanConfig", "PlanOptions", "Setup", "MemoryPlan", "ModelShape", "make_plan", "model_shape", "shape_of",
            "plan_memory", "parse_size", "fmt_size", "setup_for_run", "process_rss", "machine_ram", "StartupPlan",
            "StartupWork", "Timeouts", "plan_startup", "startup_fits"]
 
@@ -91,19 +98,22 @@ def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: 
                      teacher_dtype=cfg.teacher_dtype, fused_head=cfg.fused_head, kd_chunk_size=cfg.kd_chunk_size,
                      packed_masks=cfg.packed_masks, framework=framework)
 
-    if cfg.batch_size == 0:  # as `cast-llm train --batch-size 0` with the paper's global batch
+    # the global batch: given (a preset's, --global-batch), else the paper's unless --grad-accum says otherwise
+    global_batch = cfg.global_batch or (None if cfg.grad_accum else PAPER_GLOBAL_BATCH)
+    if cfg.batch_size == 0:  # as `cast-llm train --batch-size 0` chooses it
         from cast_llm.plan.batch import split_global_batch
 
-        batch, accum = split_global_batch(PAPER_GLOBAL_BATCH, cfg.gpus, batch_size=0, grad_accum=cfg.grad_accum or 1,
+        batch, accum = split_global_batch(global_batch or PAPER_GLOBAL_BATCH, cfg.gpus, batch_size=0,
+                                          grad_accum=cfg.grad_accum or 1,
                                           fits=lambda b, a: plan_memory(shape, setup(b, a)).fits(capacity))
         return setup(batch, accum)
-    accum = cfg.grad_accum or max(1, math.ceil(PAPER_GLOBAL_BATCH / (cfg.batch_size * cfg.gpus)))
+    accum = max(1, math.ceil(global_batch / (cfg.batch_size * cfg.gpus))) if global_batch else cfg.grad_accum
     return setup(cfg.batch_size, accum)
 
 
 def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     """The whole plan for ``cfg`` (``shape``: already known, e.g. from a loaded model)."""
-    from cast_llm.optim.schedule import lr_factor
+    from cast_llm.optim.schedule import schedule_lrs
 
     cfg.validate()
     shape = shape or model_shape(cfg.model)
@@ -115,7 +125,7 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     fit = None if memory.fits(capacity) else make_it_fit(shape, setup, capacity)
     effects = option_effects(shape, setup)
     per_step = setup.batch_size * setup.seq_len * setup.grad_accum * setup.world
-    tokens = cfg.tokens or PAPER_STEPS * per_step
+    tokens = cfg.tokens or (cfg.max_steps or PAPER_STEPS) * per_step
     link = interconnect(cfg.interconnect, cfg.gpus, cfg.gpus_per_node)
     bandwidth = cfg.link_bandwidth * 1e9 if cfg.link_bandwidth else None
     time = plan_time(shape, setup, tokens, tokens_per_s=cfg.tokens_per_s, gpu_tflops=cfg.gpu_tflops, mfu=cfg.mfu,
@@ -132,9 +142,7 @@ def make_plan(cfg: PlanConfig, shape: ModelShape | None = None) -> Plan:
     decay = None
     if cfg.l1_decay > 0:
         steps = time.steps
-        warm = max(1, round(0.02 * steps))
-        f = lr_factor(cfg.lr_schedule, steps, warm)
-        lrs = [cfg.lr * f(k) for k in range(steps)]
+        lrs = schedule_lrs(cfg, steps, cfg.lr, default_warmup=0.02)  # the run's own schedule code
         repair = cfg.repair_fraction if cfg.repair_fraction is not None else (0.0 if cfg.paper_exact else 0.2)
         prune_step = steps - round(repair * steps) if repair > 0 else steps
         weight_rms = cfg.weight_rms or WEIGHT_RMS.get(embedded_key(cfg.model) or "", 0.02)
