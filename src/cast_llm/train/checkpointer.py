@@ -3,7 +3,8 @@
 :class:`Checkpointer` writes the atomic checkpoints of :mod:`cast_llm.train.checkpoint` (through the
 distribution: rank 0's whole state, or every rank's shards) with everything a resume needs — model,
 optimizer, schedule, RNG, observers, the method's own state and the log window in progress — and, in its
-``meta.json``, the config fingerprint and the wall time so far. It writes them at the one-shot start
+``meta.json``, the config fingerprint, the wall time so far and the CPU threads the run computes with
+(``--threads 0`` chooses them once; a resume reuses the choice). It writes them at the one-shot start
 (when that was slow), every ``--save-every`` steps or by the clock, at the last step, and when a signal
 stops the run (:meth:`Checkpointer.preempt`). A failed periodic write is a warning and the run goes on;
 a failed required one is an error naming the last good checkpoint. A finished run's checkpoints are
@@ -17,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from cast_llm.errors import CastError
 from cast_llm.io import atomic_write_json
@@ -98,7 +101,7 @@ class Checkpointer:
         # the log window in progress: a run stopped between two log steps logs exactly what an uninterrupted one does
         states["loop"] = {"window": self.log.host_window()}
         meta = {"fingerprint": self.fingerprint, "tokens": step * (self.tokens_per_step or 0),
-                "kind": self.marker_kind, "elapsed_s": self.ctx.elapsed()}
+                "kind": self.marker_kind, "elapsed_s": self.ctx.elapsed(), "threads": torch.get_num_threads()}
         err = None
         try:
             distribution.save(self.out, step, states, meta, self.keep_last)

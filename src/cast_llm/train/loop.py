@@ -6,7 +6,8 @@ distillation in :mod:`cast_llm.train.trainer`, fine-tuning in :mod:`cast_llm.fin
 it, what it does around each step, how the final model is made), and a **distribution**
 (:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
 
-:func:`run` in named steps: the threads chosen, the processes and the run folder with its lock (the partial checkpoints of a killed save removed) → :func:`_prepare` (the job's
+:func:`run` in named steps: the threads chosen (on a resume: the run's own choice again), the processes and
+the run folder with its lock (the partial checkpoints of a killed save removed) → :func:`_prepare` (the job's
 setup, the method's one-shot start, sharding, optimizer, schedule) → :func:`_resume` (exact resume from a
 checkpoint: ``--resume`` / ``--resume auto``) → :func:`_train` → :func:`_finish` (the last checkpoint,
 ``distribution.finish`` — ``method.finalize`` — and ``job.finish``: export, evaluation, summary). Work only
@@ -46,6 +47,7 @@ from cast_llm.io import atomic_write_json
 from cast_llm.optim.schedule import build_scheduler
 from cast_llm.train.checkpoint import (
     fingerprint,
+    latest_meta,
     list_checkpoints,
     remove_stale_partials,
     set_rng_state,
@@ -255,7 +257,10 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     cfg = job.cfg
     kernels.apply_flag(cfg.kernels)  # --kernels auto|reference (or CAST_LLM_KERNELS)
     out = Path(cfg.output_dir)
-    threads_note = setup_threads(cfg)
+    # --threads 0 chooses once per run: a resume computes with the threads the run chose (its checkpoint's)
+    recorded = latest_meta(out).get("threads") if cfg.resume else None
+    recorded = recorded if isinstance(recorded, int) and recorded > 0 else None
+    threads_note = setup_threads(cfg, recorded=recorded)
     kind = device_type(cfg)
     timeouts = job.before_launch(world=int(os.environ.get("WORLD_SIZE", "1")), device_type=kind,
                                  precision=resolve_precision(cfg, kind))
@@ -277,14 +282,16 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
         if lock.unsupported:
             say(f"warning: the filesystem of {out} cannot lock {lock.path.name} ({lock.unsupported}); the run goes "
                 "on unlocked: a second job on this folder would not be refused")
+    threads = {"recorded": recorded, "used": torch.get_num_threads()} \
+        if on_cpu and checkpoint is not None and recorded not in (None, torch.get_num_threads()) else None
     try:
         with StopRequest(say) as stop:
-            return _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts)
+            return _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts, threads)
     finally:
         lock.release()
 
 
-def _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts) -> dict[str, Any]:
+def _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts, threads) -> dict[str, Any]:
     """The run in its named steps (see the module docstring)."""
     from accelerate.utils import set_seed
 
@@ -300,6 +307,8 @@ def _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts) -
     t = _prepare(job, ctx, results, resuming)
     fp = fingerprint(asdict(cfg), job.fingerprint_keys)
     start_step, window = _resume(ctx, t, checkpoint, fp) if resuming else (0, None)
+    if threads is not None:  # an explicit --threads that is not the run's choice: "exact" is not exact here
+        results.setdefault("threads_resumed", []).append({**threads, "step": start_step})
     if distribution.is_main:
         dump_yaml(cfg, out / "config.yaml")
         write_marker(out, {"kind": job.marker_kind, "method": job.method.name, "config": asdict(cfg)})
