@@ -23,7 +23,7 @@ from cast_llm.deploy.export import (
 )
 from cast_llm.finetune import get_mode
 from cast_llm.finetune.config import FINGERPRINT_KEYS, FinetuneConfig
-from cast_llm.finetune.data import collate, load_task_data
+from cast_llm.finetune.data import check_data_source, collate, load_task_data
 from cast_llm.finetune.evaluate import batch_loss, evaluate, exact_match
 from cast_llm.models import check_seq_len, load_model, load_tokenizer
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
@@ -73,6 +73,12 @@ class FinetuneJob(Job):
         self.cfg = cfg
         self.method = get_mode(cfg.mode)
         self.desc = f"finetune {cfg.mode}"
+
+    def check_inputs(self) -> None:
+        """``--data`` and ``--eval-data`` exist, before the run folder is made."""
+        check_data_source(self.cfg.data, "--data")
+        if self.cfg.eval_data:
+            check_data_source(self.cfg.eval_data, "--eval-data")
 
     def setup(self, ctx, resuming: bool) -> dict[str, Any]:
         cfg, say = self.cfg, ctx.say

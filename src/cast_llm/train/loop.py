@@ -6,8 +6,9 @@ distillation in :mod:`cast_llm.train.trainer`, fine-tuning in :mod:`cast_llm.fin
 it, what it does around each step, how the final model is made), and a **distribution**
 (:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
 
-:func:`run` in named steps: the threads chosen (on a resume: the run's own choice again), the processes and
-the run folder with its lock (the partial checkpoints of a killed save removed) → :func:`_prepare` (the job's
+:func:`run` in named steps: the job's inputs checked (before the memory plan prints and before the run
+folder exists), the threads chosen (on a resume: the run's own choice again), the processes and the run
+folder with its lock (the partial checkpoints of a killed save removed) → :func:`_prepare` (the job's
 setup, the method's one-shot start, sharding, optimizer, schedule) → :func:`_resume` (exact resume from a
 checkpoint: ``--resume`` / ``--resume auto``) → :func:`_train` → :func:`_finish` (the last checkpoint,
 ``distribution.finish`` — ``method.finalize`` — and ``job.finish``: export, evaluation, summary). Work only
@@ -107,6 +108,10 @@ class Job:
     tokens_per_step: int | None = None
     teacher_forward: Any = None
     memory_plan: Any = None
+
+    def check_inputs(self) -> None:
+        """Refuse, with one line, inputs that cannot work (a missing ``--data`` file, …) before anything is
+        planned, printed, loaded or written (cheap checks only: files are not read here)."""
 
     def before_launch(self, *, world: int, device_type: str, precision: str):
         """Before the processes connect and before anything is loaded: settle what depends on the number of
@@ -256,6 +261,7 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     """Run ``job`` to the end (or to a preemption: raises :class:`~cast_llm.train.preemption.Preempted`)."""
     cfg = job.cfg
     kernels.apply_flag(cfg.kernels)  # --kernels auto|reference (or CAST_LLM_KERNELS)
+    job.check_inputs()  # one line, before the memory plan prints and before the run folder exists
     out = Path(cfg.output_dir)
     # --threads 0 chooses once per run: a resume computes with the threads the run chose (its checkpoint's)
     recorded = latest_meta(out).get("threads") if cfg.resume else None

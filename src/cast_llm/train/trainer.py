@@ -22,11 +22,13 @@ from typing import Any
 import torch
 
 from cast_llm.data import BatchSampler, prepare, steps_for_tokens
+from cast_llm.data.sources import source_files
 from cast_llm.deploy.export import save_sparse_checkpoint
 from cast_llm.distill import causal_kd_loss
 from cast_llm.distill.head import fused_head_loss, head_inputs
 from cast_llm.distill.teacher import TeacherForward
 from cast_llm.eval.evaluator import Evaluator
+from cast_llm.eval.ppl import wikitext2_source
 from cast_llm.models import (
     check_seq_len,
     empty_model,
@@ -85,6 +87,12 @@ class PretrainJob(Job):
         self.method = get_method(cfg.method)
         self.desc = f"{cfg.method} {cfg.n}:{cfg.m}"
         self.say = lambda *a, **k: None
+
+    def check_inputs(self) -> None:
+        """``--data`` (and an explicit ``--wikitext-file``) exist, before the plan and the run folder."""
+        source_files(self.cfg.data)  # raises for a missing file or folder, an unsupported type, a missing corpus
+        if self.cfg.wikitext_file:
+            wikitext2_source(self.cfg.wikitext_file)
 
     def before_launch(self, *, world: int, device_type: str, precision: str):
         """The model built empty (config only), the plan made from it, the batch split over the processes, a
