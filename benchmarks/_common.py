@@ -1,6 +1,6 @@
 """Shared pieces of the training-step benchmarks (train_step, mask_update, peak_memory).
 
-One training step here is the body of the trainer's loop (``cast_llm.train.trainer.train``) for one
+One training step here is the trainer's loop step itself (:func:`cast_llm.train.step.train_step`) on one
 micro-batch: student forward, the trainer's teacher forward (``TeacherForward``: ``inference_mode``, no KV
 cache; KD only), the trainer's own ``lm_loss``
 (CE, or Eq. 13 through the chunked KD loss), backward, gradient clipping at 1.0, the optimizer step,
@@ -195,7 +195,8 @@ def elapsed(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, floa
 
 def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype | None, *,
                phases: bool = True, extra: bool = True) -> dict[str, tuple]:
-    """One step of the trainer's loop body; returns ``(wall, cpu)`` seconds of each phase.
+    """One step of the trainer's loop (:func:`cast_llm.train.step.train_step`, the loop's own, on one
+    micro-batch); returns ``(wall, cpu)`` seconds of each phase.
 
     ``phases=False``: the clock is read (and the device synchronised) only before and after the whole step,
     as the trainer runs it (the phase boundaries' synchronisations would keep the host from running ahead of
@@ -204,49 +205,53 @@ def train_step(v: Variant, batch: torch.Tensor, cfg, autocast_dtype: torch.dtype
     """
     from cast_llm import kernels
     from cast_llm.train.finite import FiniteGuard
-    from cast_llm.train.trainer import lm_loss
 
-    device = batch.device
     if v.guard is None:
-        v.guard = FiniteGuard(device)
-    clock = Clock(device)
-    mark = clock if phases else (lambda: None)
+        v.guard = FiniteGuard(batch.device)
     restrictions = contextlib.ExitStack()
     for name, candidates in v.paths.items():
         restrictions.enter_context(kernels.restricted(name, candidates))
     with restrictions:
-        return _train_step(v, batch, cfg, autocast_dtype, phases, extra, clock, mark, lm_loss)
+        return _train_step(v, batch, cfg, autocast_dtype, phases, extra)
 
 
-def _train_step(v, batch, cfg, autocast_dtype, phases, extra, clock, mark, lm_loss):
+def _train_step(v, batch, cfg, autocast_dtype, phases, extra):
+    from cast_llm.train.step import StepSetup
+    from cast_llm.train.step import train_step as loop_step
+    from cast_llm.train.trainer import lm_loss
+
     device = batch.device
-    t0 = clock()
-    ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else torch.autocast(device.type, enabled=False))
-    with ctx:
-        logits = v.model(input_ids=batch).logits
+    clock = Clock(device)
+
+    def loss(model, teacher, b):
+        logits = model(input_ids=b).logits
         # the trainer's teacher call: inference_mode, no KV cache (cast_kd_graph: a CUDA graph replay)
-        t_logits = v.teacher_forward(batch) if v.teacher is not None else None
-        loss, _, _ = lm_loss(logits, t_logits, batch, cfg)  # CE without a teacher, Eq. 13 with one
-        del logits, t_logits
-        v.guard.watch(loss, 0)  # as the trainer: on the device, read after the rounds (check_finite)
-    t1 = mark()
-    loss.backward()
-    t2 = mark()
-    torch.nn.utils.clip_grad_norm_(v.model.parameters(), cfg.grad_clip)
-    t3 = mark()
-    v.guard.arm(v.optimizer, None)
-    v.optimizer.step()
-    t4 = clock()
+        t_logits = v.teacher_forward(b) if teacher is not None else None
+        out, _, _ = lm_loss(logits, t_logits, b, cfg)  # CE without a teacher, Eq. 13 with one
+        return out, {}, b.numel()
+
+    setup = StepSetup(v.model, v.optimizer, loss, teacher=v.teacher, guard=v.guard, grad_clip=cfg.grad_clip,
+                      autocast=lambda: (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                                        else torch.autocast(device.type, enabled=False)))
+    marks = {}
+
+    def mark(phase: str) -> None:
+        if phases or phase == "optimizer":
+            marks[phase] = clock()
+        if phase == "optimizer" and extra and v.extra_optimizer is not None:  # stepped on the same gradients
+            v.extra_optimizer.step()
+            marks["extra"] = clock()
+
+    t0 = clock()
+    loop_step(setup, 0, lambda micro: batch, 1, mark=mark)
+    t4 = marks["optimizer"]
     if phases:
-        times = dict(forward=elapsed(t0, t1), backward=elapsed(t1, t2), clip=elapsed(t2, t3),
-                     optimizer=elapsed(t3, t4))
+        times = dict(forward=elapsed(t0, marks["forward"]), backward=elapsed(marks["forward"], marks["backward"]),
+                     clip=elapsed(marks["backward"], marks["clip"]), optimizer=elapsed(marks["clip"], t4))
     else:
         times = dict(step=elapsed(t0, t4))
-    if extra and v.extra_optimizer is not None:
-        v.extra_optimizer.step()
-        times["optimizer_extra"] = elapsed(t4, clock())
-    v.optimizer.zero_grad(set_to_none=True)
+    if "extra" in marks:
+        times["optimizer_extra"] = elapsed(t4, marks["extra"])
     return times
 
 

@@ -56,7 +56,7 @@ def _one_step(model, method, cfg, batch, step=0):
     opt = method.build_optimizer(model, cfg, cfg.max_steps)
     method.begin_step(model, opt, step)
     model(input_ids=batch, labels=batch).loss.backward()
-    method.before_update(model, opt, step, _Ctx(), {})
+    method.before_update(model, opt, step, _Ctx())
     opt.step()
     method.end_step(model, opt, step)
     return opt

@@ -186,6 +186,18 @@ def _err(capsys) -> str:
     return err[0]
 
 
+def test_missing_data_is_one_line_and_leaves_no_folder(workdir, tmp_path, capsys):
+    """--data / --eval-data that are not there: one error line before anything is loaded, no run folder."""
+    out = tmp_path / "run"
+    for flag in ("--data", "--eval-data"):
+        capsys.readouterr()
+        assert _finetune(workdir, out, "llama-24", flag, str(tmp_path / "nope.jsonl"), "--max-steps", "1") == 2
+        said = capsys.readouterr()
+        lines = [line for line in said.err.splitlines() if line.startswith("cast-llm")]
+        assert len(lines) == 1 and f"{flag} {tmp_path / 'nope.jsonl'}: data source not found" in lines[0], said.err
+        assert "Traceback" not in said.err and not out.exists()
+
+
 def test_bad_inputs_give_one_line_errors(workdir, tmp_path, capsys):
     out = tmp_path / "run"
     ok = ["--max-steps", "1"]

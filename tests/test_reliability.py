@@ -12,6 +12,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +106,51 @@ def test_signal_checkpoints_and_resume_auto_alone_continues_bitwise(workdir, tmp
     assert main(["train", "--output-dir", str(cut), "--resume", "auto"]) == 0
     _same_run(ref, cut)
     assert not (cut / "checkpoints").exists()  # a complete run needs no checkpoint: removed
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals: main thread only")
+def test_a_resume_on_a_busy_machine_computes_with_the_threads_the_run_chose(workdir, tmp_path, monkeypatch, capsys):
+    """--threads 0 chooses the threads once per run. A run that chose both cores of an idle machine, stopped by
+    SIGTERM and resumed while two other processes keep both cores busy, computes its remaining steps with 2
+    threads again (a CPU's float sums depend on the thread count) and ends bitwise equal to the uninterrupted
+    run."""
+    from cast_llm.train import threads
+    from cast_llm.train.trainer import PretrainJob
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (conftest's: a launcher's choice is never overridden)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})  # two cores, whatever the machine
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    args = ("--max-steps", "8", "--threads", "0")
+    real_batch = PretrainJob.batch
+
+    def sigterm_in_step_4(self, step, micro):
+        if step == 3 and micro == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_batch(self, step, micro)
+
+    busy = []
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(threads, "busy_cores", lambda online, **kw: 0.0)  # the idle machine of the first segment
+            assert main(_args(workdir, ref, *args)) == 0
+            m.setattr(PretrainJob, "batch", sigterm_in_step_4)
+            assert main(_args(workdir, cut, *args)) == EXIT_PREEMPTED
+        (done,) = [c for c in (cut / "checkpoints").iterdir() if (c / "meta.json").is_file()]
+        meta = json.loads((done / "meta.json").read_text())
+        assert meta["step"] == 4 and meta["threads"] == 2  # what the run chose, recorded with its checkpoint
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        assert main(["train", "--output-dir", str(cut), "--resume", "auto"]) == 0  # measured now: 1 thread
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        torch.set_num_threads(before)
+    said = capsys.readouterr().out
+    assert "threads: 2, as the run chose when it started" in said, said[-3000:]
+    results = json.loads((cut / "results.json").read_text())
+    assert results["threads"] == 2 and "threads_resumed" not in results
+    _same_run(ref, cut)
 
 
 def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(workdir, tmp_path):

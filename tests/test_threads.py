@@ -56,3 +56,39 @@ def test_setup_threads_uses_the_measurement_and_respects_the_user(monkeypatch):
 def test_the_real_sample_reads_this_machine():
     b = threads.busy_cores(2, sample_s=0.05)
     assert b is None or 0.0 <= b <= 2.0 + 1e-9
+
+
+def test_a_resume_takes_the_recorded_choice_and_a_different_explicit_one_says_so(monkeypatch):
+    """--threads 0 on a resume: the threads the run chose before (recorded with its checkpoint), not a new
+    measurement of a machine that may have got busier; --threads N (or OMP_NUM_THREADS) still wins, with a
+    line saying that it differs from the recorded choice."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+
+        def busy(n):
+            raise AssertionError("a resume does not measure the machine again")
+
+        note = threads.setup_threads(types.SimpleNamespace(threads=0), busy=busy, recorded=2)
+        assert torch.get_num_threads() == 2 and note.startswith("threads: 2, as the run chose")
+        note = threads.setup_threads(types.SimpleNamespace(threads=1), recorded=2)
+        assert torch.get_num_threads() == 1 and "not the 2 the run computed with" in note and "--threads 1" in note
+        assert threads.setup_threads(types.SimpleNamespace(threads=2), recorded=2) is None  # the same: nothing
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        assert "OMP_NUM_THREADS" in threads.setup_threads(types.SimpleNamespace(threads=0), recorded=2)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_summary_says_when_a_resume_computed_with_other_threads():
+    from cast_llm.train.summary import summary_table
+
+    ppl = {"dense": 20.0, "sparse": 30.0}
+    results = {"perplexity": {"heldout": dict(ppl), "wikitext2": dict(ppl)}, "pattern": "2:4", "method": "cast",
+               "output_dir": "out", "tokens_trained": 1000,
+               "threads_resumed": [{"recorded": 2, "used": 1, "step": 40}]}
+    assert ("threads: resumed at step 40 with 1 CPU threads, not the 2 the run computed with before: not bitwise "
+            "the uninterrupted run") in summary_table(results)

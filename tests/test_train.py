@@ -213,6 +213,22 @@ def test_bad_inputs_give_one_line_errors(workdir, tmp_path, capsys):
     assert "budget" in _err(capsys)
 
 
+def test_a_missing_data_file_is_one_line_before_the_plan_and_leaves_no_folder(workdir, tmp_path, capsys):
+    """Inputs are checked before the memory plan is printed and before the run folder is made: a missing
+    --data file (or --wikitext-file) is one error line, nothing on stdout, no folder."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert _train(workdir, out, "--max-steps", "1", "--data", str(tmp_path / "nope.jsonl")) == 2
+    said = capsys.readouterr()
+    lines = [line for line in said.err.splitlines() if line.startswith("cast-llm")]
+    assert len(lines) == 1 and "data source not found" in lines[0] and "nope.jsonl" in lines[0], said.err
+    assert "Traceback" not in said.err and "memory plan" not in said.out + said.err
+    assert not out.exists()
+    assert _train(workdir, out, "--max-steps", "1", "--wikitext-file", str(tmp_path / "missing.txt")) == 2
+    said = capsys.readouterr()
+    assert "missing.txt" in said.err and "memory plan" not in said.out + said.err and not out.exists()
+
+
 def test_incompatible_widths_name_the_layer_and_can_be_skipped(workdir, tmp_path, capsys):
     d = tiny.save_model(tmp_path / "odd", "llama", intermediate_size=130)
     out = tmp_path / "run"

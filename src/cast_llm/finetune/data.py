@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from cast_llm.data import prepare
+from cast_llm.data import EMBEDDED_CORPORA, prepare
+from cast_llm.data.sources import source_files
 from cast_llm.errors import CastError
 
 IGNORE_INDEX = -100  # label of tokens without loss (torch cross_entropy's default ignore_index)
@@ -96,6 +97,18 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise CastError(f"{path}: record {i} is a {type(row).__name__}, expected an object")
     return rows
+
+
+def check_data_source(spec: str, flag: str = "--data") -> None:
+    """A one-line error for a data source that is not there (before anything is loaded or written): a local
+    file or folder must exist, the embedded corpus must be installed; ``hf:`` names are checked when read."""
+    if spec.startswith("hf:") or Path(spec).expanduser().exists():
+        return
+    if spec in EMBEDDED_CORPORA:
+        source_files(spec)
+        return
+    raise CastError(f"{flag} {spec}: data source not found (a {'/'.join(RECORD_SUFFIXES)} file, a .txt/.parquet "
+                    "file or folder of text, wiki-summaries, or hf:NAME[:CONFIG])")
 
 
 def _local_records(spec: str) -> list[dict[str, Any]] | None:

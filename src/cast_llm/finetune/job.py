@@ -23,9 +23,8 @@ from cast_llm.deploy.export import (
 )
 from cast_llm.finetune import get_mode
 from cast_llm.finetune.config import FINGERPRINT_KEYS, FinetuneConfig
-from cast_llm.finetune.data import collate, load_task_data
+from cast_llm.finetune.data import check_data_source, collate, load_task_data
 from cast_llm.finetune.evaluate import batch_loss, evaluate, exact_match
-from cast_llm.io import atomic_write_json
 from cast_llm.models import check_seq_len, load_model, load_tokenizer
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
 from cast_llm.targets import find_targets
@@ -63,6 +62,7 @@ def support_changes(before: dict, targets) -> int:
 
 
 class FinetuneJob(Job):
+    command = "finetune"
     kind = "fine-tuning run"
     marker_kind = RUN_KIND
     default_warmup = 0.03
@@ -74,8 +74,15 @@ class FinetuneJob(Job):
         self.method = get_mode(cfg.mode)
         self.desc = f"finetune {cfg.mode}"
 
-    def setup(self, ctx, results, resuming: bool) -> None:
+    def check_inputs(self) -> None:
+        """``--data`` and ``--eval-data`` exist, before the run folder is made."""
+        check_data_source(self.cfg.data, "--data")
+        if self.cfg.eval_data:
+            check_data_source(self.cfg.eval_data, "--eval-data")
+
+    def setup(self, ctx, resuming: bool) -> dict[str, Any]:
         cfg, say = self.cfg, ctx.say
+        results: dict[str, Any] = {}
         self.tokenizer = tokenizer = load_tokenizer(cfg.model)
         self.data = data = load_task_data(cfg, tokenizer)
         model = load_task_model(cfg, data, tokenizer)
@@ -101,6 +108,7 @@ class FinetuneJob(Job):
         self.sampler = BatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed, rank=ctx.rank,
                                     world_size=ctx.world)
         self.model, self.teacher = model, None
+        return results
 
     def measure(self, m) -> dict[str, Any]:
         cfg, data = self.cfg, self.data
@@ -128,12 +136,13 @@ class FinetuneJob(Job):
                        device=self.device)
         return {f"val_{k}": v for k, v in val.items() if k in ("loss", "accuracy", "perplexity")}
 
-    def before_finalize(self, ctx, raw, results) -> None:
+    def before_finalize(self, ctx, raw) -> dict[str, Any]:
         self.trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
         if self.cfg.mode == "lora" and not self.cfg.lora_masked_forward and self.data.val:
-            results["after_unmerged"] = self.measure(raw)  # plain LoRA: the trained model differs from the merged one
+            return {"after_unmerged": self.measure(raw)}  # plain LoRA: the trained model differs from the merged one
+        return {}
 
-    def finish(self, ctx, final, results):
+    def finish(self, ctx, final, results) -> dict[str, Any]:
         cfg, data = self.cfg, self.data
         final_targets = find_targets(final, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
         rows_after = sparsity_report(final, n=cfg.n, m=cfg.m, targets=final_targets)
@@ -144,19 +153,19 @@ class FinetuneJob(Job):
             _export(final, self.tokenizer, ctx.out, self.method, cfg, final_targets, rows_after, self.was_nm, meta,
                     ctx.say)
         after = self.measure(final) if data.val else {}
+        entries: dict[str, Any] = {}
         if ctx.is_main:
-            results.update(
+            entries = dict(
                 after=after, mode=cfg.mode, task=cfg.task, model=cfg.model, data=cfg.data, data_kind=data.kind,
                 label_names=data.label_names, steps=self.total_steps, trainable_parameters=self.trainable,
                 examples_trained=self.total_steps * cfg.batch_size * cfg.grad_accum * ctx.world,
                 sparsity=_sparsity_summary(self.rows_before, rows_after, changed, cfg),
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out),
             )
-            atomic_write_json(ctx.out / "results.json", results)
-            ctx.say(summary_table(results))
+            ctx.say(summary_table({**results, **entries}))
             cls = "AutoModelForSequenceClassification" if cfg.task == "classification" else "AutoModelForCausalLM"
             ctx.say(f"fine-tuned model written to {ctx.out} (plain transformers loads it: {cls}.from_pretrained('{ctx.out}'))")
-        return results
+        return entries
 
 
 def finetune(cfg: FinetuneConfig, *, log=print) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from cast_llm.train.state_io import StateFormatError, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
            "list_checkpoints", "save_checkpoint", "save_sharded_checkpoint", "load_checkpoint", "FINGERPRINT_KEYS",
-           "CHECKPOINT_MARKER", "remove_stale_partials"]
+           "CHECKPOINT_MARKER", "remove_stale_partials", "latest_meta"]
 
 # config keys that must match for a resume to continue the same run (others, e.g. logging, may change)
 FINGERPRINT_KEYS = (
@@ -90,6 +90,19 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         return []
     return sorted(p for p in root.iterdir()
                   if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and (p / "meta.json").is_file())
+
+
+def latest_meta(run_dir: Path) -> dict[str, Any]:
+    """The ``meta.json`` of the newest complete checkpoint of ``run_dir`` as written (empty when there is
+    none or it cannot be read: loading the checkpoint reports that)."""
+    found = list_checkpoints(run_dir) if Path(run_dir).is_dir() else []
+    if not found:
+        return {}
+    try:
+        meta = json.loads((found[-1] / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _mark(folder: Path, step: int) -> None:

@@ -132,6 +132,12 @@ class RunConfig(PatternSettings):
                             section=CKPT)
     keep_checkpoints_after: bool = option(False, "keep the checkpoints after the run completes (they are only "
                                                  "needed to resume; removed by default)", section=CKPT)
+    # Read by the training loop from every job's config but not an option of every command: plain class
+    # attributes (no flag, no YAML key); a command's config that offers one declares it as an option field
+    # (TrainConfig: --model, --fsdp)
+    model = None  # the model the run starts from (never taken as the run folder)
+    fsdp = False  # FSDP2: student and teacher sharded across the processes
+    tensorboard = True  # TensorBoard event files in RUN/tensorboard
 
     def validate(self) -> None:
         if not self.output_dir:

@@ -6,30 +6,35 @@ distillation in :mod:`cast_llm.train.trainer`, fine-tuning in :mod:`cast_llm.fin
 it, what it does around each step, how the final model is made), and a **distribution**
 (:mod:`cast_llm.train.distributed`: one process / DDP, or FSDP2).
 
-Per optimizer step: ``method.begin_step`` → ``grad_accum`` micro-batches (forward, ``job.loss``, backward;
-DDP syncs gradients on the last only, FSDP2 reduce-scatters every one; losses summed on the device and
-watched for NaN/Inf there, :mod:`cast_llm.train.finite`) → what every rank must agree on, in one all-reduce
-(several processes only): a stop signal anywhere, a periodic checkpoint due → ``method.before_optimizer_step``
-→ clipping → optimizer step (skipped on the device on every rank after a non-finite loss or gradient on any)
-→ ``method.end_step`` → LR schedule → observers and, every ``log_every`` steps, the finiteness check and the
-log record (the host's only reads of the step) → a checkpoint (every ``save_every`` steps, or by default
-every :data:`AUTO_SAVE_S` of wall time). Around it: the run folder and its lock (with the partial
-checkpoints of a killed save removed), exact resume (``--resume`` / ``--resume auto``), SIGTERM/SIGINT →
-checkpoint → exit 75, and at the end ``distribution.finish`` (``method.finalize``) and ``job.finish``
-(export, evaluation, summary). Work only rank 0 does (``job.setup``'s loading and evaluation, the one-shot
-start, ``job.finish``) is bracketed by ``distribution.waiting_for_main``.
+:func:`run` in named steps: the job's inputs checked (before the memory plan prints and before the run
+folder exists), the threads chosen (on a resume: the run's own choice again), the processes and the run
+folder with its lock (the partial checkpoints of a killed save removed) → :func:`_prepare` (the job's
+setup, the method's one-shot start, sharding, optimizer, schedule) → :func:`_resume` (exact resume from a
+checkpoint: ``--resume`` / ``--resume auto``) → :func:`_train` → :func:`_finish` (the last checkpoint,
+``distribution.finish`` — ``method.finalize`` — and ``job.finish``: export, evaluation, summary). Work only
+rank 0 does (``job.setup``'s loading and evaluation, the one-shot start, ``job.finish``) is bracketed by
+``distribution.waiting_for_main``.
+
+Per optimizer step (:func:`~cast_llm.train.step.train_step`): ``method.begin_step`` → ``grad_accum``
+micro-batches (forward, ``job.loss``, backward; DDP syncs gradients on the last only, FSDP2 reduce-scatters
+every one; losses summed on the device and watched for NaN/Inf there, :mod:`cast_llm.train.finite`) → what
+every rank must agree on, in one all-reduce (several processes only): a stop signal anywhere, a periodic
+checkpoint due → ``method.before_optimizer_step`` → clipping → optimizer step (skipped on the device on
+every rank after a non-finite loss or gradient on any) → ``method.end_step`` → LR schedule; then observers
+and, every ``log_every`` steps, the finiteness check and the log record (the host's only reads of the step;
+:class:`~cast_llm.train.metrics_log.MetricsLog`) → a checkpoint (every ``save_every`` steps, or by default
+every :data:`AUTO_SAVE_S` of wall time; SIGTERM/SIGINT → checkpoint → exit 75:
+:class:`~cast_llm.train.checkpointer.Checkpointer`).
+
+The job's and the method's hooks return what they measured; the loop merges it into ``results.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
-import shlex
-import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,26 +44,28 @@ from cast_llm import kernels
 from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
-from cast_llm.io import append_jsonl, atomic_write_json, truncate_jsonl
+from cast_llm.io import atomic_write_json
 from cast_llm.optim.schedule import build_scheduler
 from cast_llm.train.checkpoint import (
-    CheckpointWriteError,
     fingerprint,
+    latest_meta,
     list_checkpoints,
     remove_stale_partials,
-    rng_state,
     set_rng_state,
 )
+from cast_llm.train.checkpointer import Checkpointer
 from cast_llm.train.distributed import build_distribution
 from cast_llm.train.finite import FiniteGuard
 from cast_llm.train.fsdp import precision_mode as fsdp_precision_mode
 from cast_llm.train.memory import PeakMemory
+from cast_llm.train.metrics_log import MetricsLog
 from cast_llm.train.phases import Phases
-from cast_llm.train.preemption import Preempted, StopRequest
-from cast_llm.train.rundir import RunLock, prepare_run_dir, record_written, write_marker
+from cast_llm.train.preemption import StopRequest
+from cast_llm.train.rundir import RunLock, prepare_run_dir, write_marker
+from cast_llm.train.step import StepSetup, train_step
 from cast_llm.train.threads import setup_threads
 
-__all__ = ["Job", "run", "build_accelerator", "resolve_precision", "device_type"]
+__all__ = ["Job", "run", "build_accelerator", "resolve_precision", "device_type", "merge_results"]
 
 # --save-every's default: a checkpoint whenever this much wall time has passed since the last one, so a run
 # longer than an hour never has more than half an hour to lose to a node that dies without a signal
@@ -71,17 +78,41 @@ START_CHECKPOINT_S = 60.0
 class Job:
     """What a training job brings to the loop (subclassed by the pre-training and fine-tuning jobs).
 
-    Attributes the loop reads: ``cfg`` (the job's config dataclass), ``method`` (its TrainingMethod),
-    ``kind`` (``"run"`` or ``"fine-tuning run"``, for messages), ``marker_kind`` (written into the run
-    marker), ``fingerprint_keys`` (config keys a resume must match), ``default_warmup`` (fraction of the
-    steps), ``desc`` (progress-bar label), and after :meth:`setup`: ``total_steps``, ``model``, ``teacher``
-    (or None), ``tokenizer``.
+    Every attribute the loop reads is declared here. Set by the subclass: ``cfg`` (its
+    :class:`~cast_llm.train.config.RunConfig`), ``method`` (its TrainingMethod), ``command`` (the ``cast-llm``
+    subcommand that runs it, for the resume command), ``kind`` (``"run"`` or ``"fine-tuning run"``, for
+    messages), ``marker_kind`` (written into the run marker and checkpoints), ``fingerprint_keys`` (config keys
+    a resume must match), ``default_warmup`` (fraction of the steps), ``desc`` (progress-bar label). After
+    :meth:`setup`: ``total_steps``, ``model``, ``teacher`` (or None), ``tokenizer``, and where the job has
+    them ``data`` (given to ``method.prepare_model``), ``evaluator`` (for the observers), ``tokens_per_step``
+    (None: examples vary in length, the log counts the tokens it saw), ``teacher_forward`` (dropped with the
+    teacher when training ends), ``memory_plan`` (compared with the measured peak).
+
+    The hooks return what they measured (entries for ``results.json``, merged by :func:`merge_results`);
+    none writes into the run's results.
     """
 
+    command = "train"
     kind = "run"
     marker_kind = "cast-llm-run"
     default_warmup = 0.02
-    uses_fsdp = False
+    fingerprint_keys: tuple[str, ...] = ()
+    desc = "train"
+    cfg: Any
+    method: Any
+    total_steps: int
+    model: Any = None
+    teacher: Any = None
+    tokenizer: Any = None
+    data: Any = None
+    evaluator: Any = None
+    tokens_per_step: int | None = None
+    teacher_forward: Any = None
+    memory_plan: Any = None
+
+    def check_inputs(self) -> None:
+        """Refuse, with one line, inputs that cannot work (a missing ``--data`` file, …) before anything is
+        planned, printed, loaded or written (cheap checks only: files are not read here)."""
 
     def before_launch(self, *, world: int, device_type: str, precision: str):
         """Before the processes connect and before anything is loaded: settle what depends on the number of
@@ -89,13 +120,15 @@ class Job:
         Returns the :class:`~cast_llm.plan.startup.Timeouts` the process groups should use (None: torch's)."""
         return None
 
-    def setup(self, ctx: LoopContext, results: dict[str, Any], resuming: bool) -> None:
+    def setup(self, ctx: LoopContext, resuming: bool) -> dict[str, Any]:
         """Load tokenizer, data and model (``self.model``, ``self.teacher``), set ``self.total_steps``; on a
-        fresh start, measure the starting point into ``results``."""
+        fresh start, measure the starting point. Returns entries for results.json."""
         raise NotImplementedError
 
-    def after_prepare(self, ctx: LoopContext, model, results: dict[str, Any], resuming: bool) -> None:
-        """After ``method.prepare_model``, before training (e.g. measure a warm-started starting point)."""
+    def after_prepare(self, ctx: LoopContext, model, resuming: bool) -> dict[str, Any]:
+        """After ``method.prepare_model``, before training (e.g. measure a warm-started starting point).
+        Returns entries for results.json."""
+        return {}
 
     def batch(self, step: int, micro: int) -> Any:
         """Micro-batch ``micro`` of optimizer step ``step`` (0-based), on the training device."""
@@ -113,12 +146,26 @@ class Job:
         """Extra entries of a log record (e.g. validation metrics)."""
         return {}
 
-    def before_finalize(self, ctx: LoopContext, raw, results: dict[str, Any]) -> None:
-        """After the last step, before ``method.finalize`` (e.g. measure the model as trained)."""
+    def before_finalize(self, ctx: LoopContext, raw) -> dict[str, Any]:
+        """After the last step, before ``method.finalize`` (e.g. measure the model as trained). Returns
+        entries for results.json."""
+        return {}
 
     def finish(self, ctx: LoopContext, final, results: dict[str, Any]) -> dict[str, Any]:
-        """Export and evaluate the final model (``final``: on the main process; None elsewhere)."""
+        """Export and evaluate the final model (``final``: on the main process; None elsewhere). ``results``:
+        what the run recorded so far (to read). Returns entries for results.json."""
         raise NotImplementedError
+
+
+def merge_results(results: dict[str, Any], entries: dict[str, Any] | None) -> dict[str, Any]:
+    """``entries`` into ``results`` (in place, and returned): nested mappings merged key by key, anything else
+    replaced — what a hook returns adds to what the run holds (e.g. one more perplexity of a split)."""
+    for key, value in (entries or {}).items():
+        if isinstance(value, dict) and isinstance(results.get(key), dict):
+            merge_results(results[key], value)
+        else:
+            results[key] = value
+    return results
 
 
 class LoopContext:
@@ -189,13 +236,11 @@ def keep_output_dtype(module) -> None:
         module.forward = module.__dict__.pop("_original_forward")
 
 
-def resume_command(cfg) -> str:
+def resume_command(job: Job) -> str:
     """The command that continues this run (its own config.yaml supplies every other setting)."""
-    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "cast-llm"
-    sub = "finetune" if "finetune" in sys.argv[1:2] else "train"
-    if prog in ("__main__.py", "cli"):
-        prog = "cast-llm"
-    return f"{prog if prog.startswith('cast-llm') else 'cast-llm'} {sub} --output-dir {shlex.quote(str(cfg.output_dir))} --resume"
+    import shlex
+
+    return f"cast-llm {job.command} --output-dir {shlex.quote(str(job.cfg.output_dir))} --resume"
 
 
 def _choose_checkpoint(cfg, out: Path, say) -> Path | None:
@@ -215,70 +260,123 @@ def _choose_checkpoint(cfg, out: Path, say) -> Path | None:
 
 def run(job: Job, *, log=print) -> dict[str, Any]:
     """Run ``job`` to the end (or to a preemption: raises :class:`~cast_llm.train.preemption.Preempted`)."""
-    from accelerate.utils import set_seed
-
     cfg = job.cfg
-    kernels.apply_flag(getattr(cfg, "kernels", None))  # --kernels auto|reference (or CAST_LLM_KERNELS)
-    threads_note = setup_threads(cfg)
+    kernels.apply_flag(cfg.kernels)  # --kernels auto|reference (or CAST_LLM_KERNELS)
+    job.check_inputs()  # one line, before the memory plan prints and before the run folder exists
+    out = Path(cfg.output_dir)
+    # --threads 0 chooses once per run: a resume computes with the threads the run chose (its checkpoint's)
+    recorded = latest_meta(out).get("threads") if cfg.resume else None
+    recorded = recorded if isinstance(recorded, int) and recorded > 0 else None
+    threads_note = setup_threads(cfg, recorded=recorded)
     kind = device_type(cfg)
     timeouts = job.before_launch(world=int(os.environ.get("WORLD_SIZE", "1")), device_type=kind,
                                  precision=resolve_precision(cfg, kind))
     accelerator, precision = build_accelerator(cfg, collective_timeout_s=timeouts.collective if timeouts else None)
     is_main = accelerator.is_main_process
     say = log if is_main else (lambda *a, **k: None)
-    if threads_note and accelerator.device.type == "cpu":
+    on_cpu = accelerator.device.type == "cpu"
+    if threads_note and on_cpu:
         say(threads_note)
-    out = Path(cfg.output_dir)
     lock = RunLock(out)
     checkpoint = None
     folder = {}
     if is_main:
         checkpoint = _choose_checkpoint(cfg, out, say)
-        folder = dict(resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume),
-                      model=getattr(cfg, "model", None), kind=job.kind)
+        folder = dict(resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume), model=cfg.model,
+                      kind=job.kind)
         prepare_run_dir(out, is_main=False, **folder)  # every refusal before anything is written
         lock.acquire()
         if lock.unsupported:
             say(f"warning: the filesystem of {out} cannot lock {lock.path.name} ({lock.unsupported}); the run goes "
                 "on unlocked: a second job on this folder would not be refused")
+    threads = {"recorded": recorded, "used": torch.get_num_threads()} \
+        if on_cpu and checkpoint is not None and recorded not in (None, torch.get_num_threads()) else None
     try:
         with StopRequest(say) as stop:
-            return _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder, timeouts)
+            return _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts, threads)
     finally:
         lock.release()
 
 
-def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint, folder, timeouts) -> dict[str, Any]:
-    distribution = build_distribution(accelerator, getattr(cfg, "fsdp", False),
-                                      wait_timeout_s=timeouts.wait if timeouts else None,
+def _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts, threads) -> dict[str, Any]:
+    """The run in its named steps (see the module docstring)."""
+    from accelerate.utils import set_seed
+
+    cfg = job.cfg
+    out = Path(cfg.output_dir)
+    distribution, checkpoint = _open_run(cfg, accelerator, precision, out, say, checkpoint, folder, timeouts)
+    ctx = LoopContext(cfg, accelerator, distribution, out, say, precision)
+    set_seed(cfg.seed)
+    results: dict[str, Any] = {}
+    if checkpoint is not None and (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+    resuming = checkpoint is not None
+    t = _prepare(job, ctx, results, resuming)
+    fp = fingerprint(asdict(cfg), job.fingerprint_keys)
+    start_step, window = _resume(ctx, t, checkpoint, fp) if resuming else (0, None)
+    if threads is not None:  # an explicit --threads that is not the run's choice: "exact" is not exact here
+        results.setdefault("threads_resumed", []).append({**threads, "step": start_step})
+    if distribution.is_main:
+        dump_yaml(cfg, out / "config.yaml")
+        write_marker(out, {"kind": job.marker_kind, "method": job.method.name, "config": asdict(cfg)})
+    log = MetricsLog(ctx, t.scheduler, total_steps=job.total_steps, start_step=start_step, desc=job.desc,
+                     tokens_per_step=job.tokens_per_step, window=window)
+    ckpt = Checkpointer(ctx, t, log, fingerprint=fp, marker_kind=job.marker_kind, tokens_per_step=job.tokens_per_step,
+                        results=results, last_good=checkpoint, auto_save_s=AUTO_SAVE_S)
+    if not resuming:  # the one-shot start is saved with the run when it was slow: a resume never computes it again
+        ckpt.at_start(t.start_s, START_CHECKPOINT_S)
+    _train(job, ctx, t, log, ckpt, stop, start_step, results)
+    return _finish(job, ctx, t, log, ckpt, results, start_step)
+
+
+def _open_run(cfg, accelerator, precision, out: Path, say, checkpoint, folder, timeouts):
+    """The processes' distribution and the run folder (made by rank 0, with what a killed save left removed);
+    the checkpoint every rank resumes from."""
+    distribution = build_distribution(accelerator, cfg.fsdp, wait_timeout_s=timeouts.wait if timeouts else None,
                                       precision_mode=fsdp_precision_mode(cfg, precision))
-    is_main = distribution.is_main
     with distribution.waiting_for_main("preparing the run folder"):
-        if is_main:
+        if distribution.is_main:
             prepare_run_dir(out, is_main=True, **folder)
             removed, size = remove_stale_partials(out)  # what a killed save of ours left behind
             if removed:
                 say(f"removed {len(removed)} partial checkpoint folder(s) a killed save left ({size / 2**30:.2f} "
                     "GiB): " + ", ".join(p.name for p in removed))
-    if not is_main:
+    if not distribution.is_main:
         found = list_checkpoints(out) if cfg.resume else []
         checkpoint = found[-1] if found else None
-    ctx = LoopContext(cfg, accelerator, distribution, out, say, precision)
-    set_seed(cfg.seed)
-    method = job.method
+    return distribution, checkpoint
 
-    results: dict[str, Any] = {}
-    if checkpoint is not None and (out / "results.json").is_file():
-        results = json.loads((out / "results.json").read_text())
-    resuming = checkpoint is not None
-    job.setup(ctx, results, resuming=resuming)
-    total_steps = job.total_steps
+
+@dataclass
+class Training:
+    """The live objects of a run, from :func:`_prepare` on."""
+
+    model: Any  # as wrapped for training (DDP / FSDP2)
+    raw: Any  # the plain model (checkpoints, observers, the method's hooks)
+    optimizer: Any
+    raw_opt: Any
+    scheduler: Any
+    teacher: Any
+    method: Any
+    observers: list
+    peak: PeakMemory
+    guard: FiniteGuard
+    step: StepSetup
+    start_s: float  # the one-shot start's wall time (rank 0's)
+
+    def drop_teacher(self) -> None:
+        self.teacher = self.step.teacher = None
+
+
+def _prepare(job: Job, ctx: LoopContext, results: dict[str, Any], resuming: bool) -> Training:
+    """The job's setup, the method's one-shot start, the student sharded or moved, optimizer and schedule."""
+    cfg, method, distribution, say = ctx.cfg, job.method, ctx.distribution, ctx.say
+    merge_results(results, job.setup(ctx, resuming=resuming))
     start = distribution.start_mode(resuming)
     with distribution.waiting_for_main("computing the run's one-shot start") as work, ctx.phases("one-shot start"):
         t0 = time.perf_counter()
-        model = method.prepare_model(job.model, cfg, data=getattr(job, "data", None), device=ctx.device,
-                                     start=start) or job.model
-        job.after_prepare(ctx, model, results, resuming=resuming)
+        model = method.prepare_model(job.model, cfg, data=job.data, device=ctx.device, start=start) or job.model
+        merge_results(results, job.after_prepare(ctx, model, resuming=resuming))
         if work.main:
             work.shared["start_s"] = time.perf_counter() - t0
     if resuming:
@@ -288,265 +386,144 @@ def _run(job, cfg, accelerator, precision, out, say, stop, set_seed, checkpoint,
             + (" on rank 0 alone" if ctx.world > 1 else ""))
     model.train()
     teacher = job.teacher
-    with ctx.phases("student: sharded" if cfg_fsdp(cfg) else "student: to the device"):
+    with ctx.phases("student: sharded" if cfg.fsdp else "student: to the device"):
         distribution.shard(model, teacher, cfg, say, fill=not resuming)
-    optimizer = method.build_optimizer(model, cfg, total_steps)
-    scheduler = build_scheduler(optimizer, cfg, total_steps, default_warmup=job.default_warmup)
+    optimizer = method.build_optimizer(model, cfg, job.total_steps)
     # the scheduler is stepped by us once per optimizer step (accelerate's wrapper would step it per process)
+    scheduler = build_scheduler(optimizer, cfg, job.total_steps, default_warmup=job.default_warmup)
     peak = PeakMemory(ctx.device)  # the steps' peak, against the plan printed at the top
     peak.measure_framework(model, teacher, optimizer)  # before DDP's buckets exist: they are the plan's
     model, optimizer, teacher = distribution.wrap(model, optimizer, teacher)
-    raw = accelerator.unwrap_model(model)
+    raw = ctx.accelerator.unwrap_model(model)
     for module in (raw, teacher):
         keep_output_dtype(module)
     raw_opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it; methods need the real one
     observers = job.observers(ctx)
-
-    cfg_dict = asdict(cfg)
-    fp = fingerprint(cfg_dict, job.fingerprint_keys)
-    start_step = 0
-    resumed_window = None
-    if checkpoint is not None:
-        states, meta = distribution.load(checkpoint, fp)
-        distribution.load_model_state(method, raw, states["model"])
-        distribution.load_optimizer_state(raw_opt, states["optimizer"])
-        scheduler.load_state_dict(states["scheduler"])
-        method.load_extra_state(states.get("method"))
-        set_rng_state(states["rng"])
-        start_step = int(meta["step"])
-        resumed_window = states.get("loop", {}).get("window")
-        ctx.elapsed_before = float(meta.get("elapsed_s", 0.0))
-        for ob in observers:
-            ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
-        del states  # the model's copy was copied into its parameters: a second one for the whole run otherwise
-        say(f"resumed from {checkpoint} at step {start_step}")
-    if is_main:
-        dump_yaml(cfg, out / "config.yaml")
-        write_marker(out, {"kind": job.marker_kind, "method": getattr(cfg, "method", None) or getattr(cfg, "mode", None),
-                           "config": cfg_dict})
-        truncate_jsonl(out / "metrics.jsonl", start_step)
-    tb = None
-    if is_main and getattr(cfg, "tensorboard", True):
-        from torch.utils.tensorboard import SummaryWriter
-
-        tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
-
-    last_good = checkpoint
-    timing = {"saves": 0, "last_save": time.perf_counter(), "step_s": None}
-
-    def save(step: int, *, required: bool) -> Path | None:
-        """Write checkpoint ``step``. A failed periodic checkpoint is a warning (the run goes on, the previous
-        one stays); a failed required one (preemption) is an error naming the last good one. The first one
-        of a segment says what it cost: what a SIGTERM's grace period must cover."""
-        nonlocal last_good
-        guard.check(last_good)  # never a checkpoint of a run that went non-finite
-        t0 = time.perf_counter()
-        if hasattr(method, "verify"):
-            method.verify(raw)
-        states = {"model": distribution.model_state(method, raw), "optimizer": distribution.optimizer_state(raw_opt),
-                  "scheduler": scheduler.state_dict(), "rng": rng_state(),
-                  "observers": {ob.name: ob.state_dict() for ob in observers}}
-        extra = method.extra_state()
-        if extra is not None:
-            states["method"] = extra
-        # the log window in progress: a run stopped between two log steps logs exactly what an uninterrupted one does
-        states["loop"] = {"window": _host_window(window)}
-        meta = {"fingerprint": fp, "tokens": step * (getattr(job, "tokens_per_step", 0) or 0),
-                "kind": job.marker_kind, "elapsed_s": ctx.elapsed()}
-        try:
-            distribution.save(out, step, states, meta, cfg.keep_last)
-            ok = True
-        except CheckpointWriteError as e:
-            ok, err = False, e
-        ok = distribution.all(ok)
-        if not ok:
-            where = f"the last complete checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
-            msg = f"{err if is_main and 'err' in locals() else 'a checkpoint write failed'}; {where}"
-            if required:
-                raise CastError(msg)
-            say(f"warning: {msg}; training goes on")
-            return None
-        seconds = time.perf_counter() - t0
-        timing["last_save"] = time.perf_counter()
-        if timing["saves"] == 0:
-            _report_save_cost(ctx, distribution, out / "checkpoints" / f"step-{step:08d}", seconds,
-                              timing["step_s"], results)
-        timing["saves"] += 1
-        if is_main:
-            record_written(out, ["checkpoints"])
-            atomic_write_json(out / "results.json", results)
-        distribution.barrier()
-        last_good = list_checkpoints(out)[-1] if is_main else out / "checkpoints" / f"step-{step:08d}"
-        return last_good
-
-    # ---- the loop
-    bar = None
-    if is_main and cfg.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total_steps, initial=start_step, desc=job.desc, unit="step", dynamic_ncols=True)
-    window = _new_window()
-    if resumed_window:
-        window.update(resumed_window)
     guard = FiniteGuard(ctx.device)  # losses checked on the device, read on log steps (train/finite.py)
-    if not resuming and cfg.save_every != 0 and work.shared.get("start_s", 0.0) >= START_CHECKPOINT_S:
-        save(0, required=False)  # the one-shot start is saved with the run: a resume never computes it again
-    grad_accum = cfg.grad_accum
-    save_every = cfg.save_every
-    peak.start()
+    step = StepSetup(model, optimizer, job.loss, teacher=teacher, raw=raw, raw_opt=raw_opt, method=method,
+                     scheduler=scheduler, guard=guard, grad_clip=cfg.grad_clip, backward=ctx.accelerator.backward,
+                     clip=lambda max_norm: distribution.clip(model, max_norm),
+                     no_sync=lambda last: distribution.no_sync(model, last), autocast=distribution.autocast,
+                     sync_gradients=lambda: distribution.sync_gradients(raw), ctx=ctx)
+    return Training(model, raw, optimizer, raw_opt, scheduler, teacher, method, observers, peak, guard, step,
+                    work.shared.get("start_s", 0.0))
+
+
+def _resume(ctx: LoopContext, t: Training, checkpoint: Path, fp: dict[str, Any]) -> tuple[int, dict | None]:
+    """Everything the checkpoint holds back into the run; returns (its step, the log window it kept)."""
+    distribution = ctx.distribution
+    states, meta = distribution.load(checkpoint, fp)
+    distribution.load_model_state(t.method, t.raw, states["model"])
+    distribution.load_optimizer_state(t.raw_opt, states["optimizer"])
+    t.scheduler.load_state_dict(states["scheduler"])
+    t.method.load_extra_state(states.get("method"))
+    set_rng_state(states["rng"])
+    start_step = int(meta["step"])
+    window = states.get("loop", {}).get("window")
+    ctx.elapsed_before = float(meta.get("elapsed_s", 0.0))
+    for ob in t.observers:
+        ob.load_state_dict(states.get("observers", {}).get(ob.name, {}))
+    del states  # the model's copy was copied into its parameters: a second one for the whole run otherwise
+    ctx.say(f"resumed from {checkpoint} at step {start_step}")
+    return start_step, window
+
+
+def _train(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Checkpointer, stop: StopRequest,
+           start_step: int, results: dict[str, Any]) -> None:
+    """The steps from ``start_step`` on, each with its observers, log record and checkpoint; a stop signal
+    ends the run with a checkpoint (raises :class:`~cast_llm.train.preemption.Preempted`)."""
+    cfg, distribution, total = ctx.cfg, ctx.distribution, job.total_steps
+    t.peak.start()
     step_t0 = time.perf_counter()
-    for step in range(start_step, total_steps):
-        method.begin_step(raw, raw_opt, step)
-        for micro in range(grad_accum):
-            batch = job.batch(step, micro)
-            with distribution.no_sync(model, micro == grad_accum - 1), distribution.autocast():
-                loss, parts, tokens = job.loss(model, teacher, batch)
-                guard.watch(loss, step)
-                accelerator.backward(loss / grad_accum)
-            window["loss"] += loss.detach() / grad_accum  # on the device: read on log steps only
-            for k, v in parts.items():
-                window["parts"][k] = window["parts"].get(k, 0.0) + v / grad_accum
-            window["tokens"] += tokens * ctx.world
-        distribution.sync_gradients(raw)  # FSDP2: the replicated weight scales' gradients (one all-reduce)
+    for step in range(start_step, total):
         # what every rank must agree on, in one all-reduce (several processes only; one process reads no
         # device value here): a stop signal anywhere stops every rank at this step; rank 0's clock says when a
         # periodic checkpoint is due (--save-every's default). A non-finite loss is agreed on the device by
         # the guard (every rank skips the step alike, and every rank stops at the next log step)
-        due = save_every is None and is_main and time.perf_counter() - timing["last_save"] >= AUTO_SAVE_S
-        stopping, due = distribution.any_of([stop.requested, due])
-        method.before_optimizer_step(raw, raw_opt, step)
-        if cfg.grad_clip > 0:
-            distribution.clip(model, cfg.grad_clip)
-        method.before_update(raw, raw_opt, step, ctx, results)
-        guard.arm(raw_opt, last_good)  # a non-finite step is skipped on the device
-        optimizer.step()
-        guard.stepped(step)
-        method.end_step(raw, raw_opt, step)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        stopping, due = train_step(t.step, step, lambda micro, step=step: job.batch(step, micro), cfg.grad_accum,
+                                   last_good=ckpt.last_good, accumulate=log.add,
+                                   agree=lambda: distribution.any_of([stop.requested, ckpt.due_by_clock()]))
         done = step + 1
-        window["n"] += 1
-        timing["step_s"] = time.perf_counter() - step_t0
+        log.stepped()
+        ckpt.step_s = time.perf_counter() - step_t0
         step_t0 = time.perf_counter()
-
-        is_log = done % cfg.log_every == 0 or done == total_steps
+        is_log = done % cfg.log_every == 0 or done == total
         measured = {}
-        if observers:
-            sctx = StepContext(step=done, total_steps=total_steps, model=raw, is_log_step=is_log, run_dir=out,
-                               is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
-                               masks_fn=lambda: method.current_masks(raw, raw_opt))
-            for ob in observers:
+        if t.observers:
+            sctx = _step_context(job, ctx, t, done, is_log)
+            for ob in t.observers:
                 measured.update(ob.on_step(sctx) or {})
-        extra = job.log_extra(ctx, done, raw)
+        extra = job.log_extra(ctx, done, t.raw)
         if is_log:
-            guard.check(last_good)
+            t.guard.check(ckpt.last_good)
         if is_log or extra:
-            rec = _record(done, window, job, scheduler, distribution)
-            rec.update(measured)
-            rec.update(method.log_metrics(raw, raw_opt, step, results) if is_log else {})
-            rec.update(extra)
-            if is_main:
-                append_jsonl(out / "metrics.jsonl", rec)
-                if tb is not None:
-                    for k, v in rec.items():
-                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                            tb.add_scalar(f"train/{k}", v, done)
-            window = _new_window()
-            if bar is not None:
-                bar.set_postfix(**_postfix(rec))
-        if stopping and done < total_steps:
-            if bar is not None:
-                bar.close()
+            log.record(done, measured, t.method.log_metrics(t.raw, t.raw_opt, step) if is_log else {}, extra)
+        if stopping and done < total:
+            log.close()
             results["phases"] = ctx.phases.gathered(distribution)
-            _report_peak(job, ctx, distribution, peak, results)  # this segment's steps (before the save's copy)
-            path = save(done, required=True)
-            if tb is not None:
-                tb.close()
-            msg = (f"stopped at step {done} of {total_steps} ({stop.signal_name or 'signal on another rank'}); "
-                   f"checkpoint {path}. Resume with: {resume_command(cfg)}")
-            say(msg)
-            raise Preempted(msg)
-        if (due or (save_every and done % save_every == 0)) and done != total_steps:
-            save(done, required=False)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if start_step < total_steps:
-        _report_peak(job, ctx, distribution, peak, results)
-        if is_main:  # the figure survives whatever happens in the export
-            atomic_write_json(out / "results.json", results)
+            _record_peak(job, ctx, t.peak, results)  # this segment's steps (before the save's copy)
+            raise ckpt.preempt(done, total, stop.signal_name, resume_command(job))
+        ckpt.after_step(done, total, due)
+        log.advance()
 
-    # ---- finish: the final model (pruned, folded, merged), then the job's export and evaluation. With
-    # checkpoints on, the last step is saved first, so a failure in the export (a full disk, …) costs no
-    # training: --resume goes straight to the finish.
-    if (save_every or (save_every is None and timing["saves"])) and start_step < total_steps:
-        save(total_steps, required=False)
-    if observers:
-        end_ctx = StepContext(step=total_steps, total_steps=total_steps, model=raw, is_log_step=False, run_dir=out,
-                              is_main=is_main, cfg=cfg, evaluator=getattr(job, "evaluator", None),
-                              masks_fn=lambda: method.current_masks(raw, raw_opt))
-        for ob in observers:
+
+def _step_context(job: Job, ctx: LoopContext, t: Training, step: int, is_log: bool) -> StepContext:
+    return StepContext(step=step, total_steps=job.total_steps, model=t.raw, is_log_step=is_log, run_dir=ctx.out,
+                       is_main=ctx.is_main, cfg=ctx.cfg, evaluator=job.evaluator,
+                       masks_fn=lambda: t.method.current_masks(t.raw, t.raw_opt))
+
+
+def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Checkpointer, results: dict[str, Any],
+            start_step: int) -> dict[str, Any]:
+    """The final model (pruned, folded, merged), then the job's export and evaluation. With checkpoints on,
+    the last step is saved first, so a failure in the export (a full disk, …) costs no training: --resume
+    goes straight here."""
+    cfg, distribution, total, out = ctx.cfg, ctx.distribution, job.total_steps, ctx.out
+    log.close()
+    trained = start_step < total
+    if trained:
+        _record_peak(job, ctx, t.peak, results)
+        if ctx.is_main:  # the figure survives whatever happens in the export
+            atomic_write_json(out / "results.json", results)
+        ckpt.at_end(total)
+    if t.observers:
+        end_ctx = _step_context(job, ctx, t, total, False)
+        for ob in t.observers:
             ob.on_end(end_ctx)
-    job.before_finalize(ctx, raw, results)
-    teacher = job.teacher = None  # training is over: its memory goes to gathering and evaluating the final model
-    if getattr(job, "teacher_forward", None) is not None:
-        job.teacher_forward = None
-    with ctx.phases("final model: gathered and folded" if cfg_fsdp(cfg) else "final model: folded"):
-        final = distribution.finish(raw, raw_opt, method, cfg, out)
-    results.update(method.results())
+    merge_results(results, job.before_finalize(ctx, t.raw))
+    # training is over: the teacher's memory goes to gathering and evaluating the final model
+    job.teacher = job.teacher_forward = None
+    t.drop_teacher()
+    with ctx.phases("final model: gathered and folded" if cfg.fsdp else "final model: folded"):
+        final = distribution.finish(t.raw, t.raw_opt, t.method, cfg, out)
+    results.update(t.method.results())
     results["kernels"] = kernels.taken()  # which path each checked kernel took (cast_llm.kernels)
     with distribution.waiting_for_main("exporting and evaluating the final model"):
-        results = job.finish(ctx, final, results)
+        merge_results(results, job.finish(ctx, final, results))
+        if ctx.is_main:  # (the HTML report reads it)
+            atomic_write_json(out / "results.json", results)
     results["phases"] = ctx.phases.gathered(distribution)
-    if is_main:
+    if ctx.is_main:
         atomic_write_json(out / "results.json", results)
-    if tb is not None:
-        tb.close()
     with distribution.waiting_for_main("removing the run's checkpoints"):
-        if is_main:
-            _drop_checkpoints(out, say, keep=getattr(cfg, "keep_checkpoints_after", False))
-    accelerator.end_training()
+        if ctx.is_main:
+            ckpt.drop(keep=cfg.keep_checkpoints_after)
+    ctx.accelerator.end_training()
     return results
 
 
-def cfg_fsdp(cfg) -> bool:
-    return bool(getattr(cfg, "fsdp", False))
-
-
-def _report_save_cost(ctx, distribution, folder: Path, seconds: float, step_s: float | None,
-                      results: dict[str, Any]) -> None:
-    """The first checkpoint of a segment: what it cost (the slowest rank), which is what a SIGTERM's grace
-    period must cover after the step in flight; into results.json (``checkpoint``) and the log."""
-    mine = 0
-    if folder.is_dir():
-        sharded = any(folder.glob("*-rank00000.*"))  # FSDP2: every rank's own files; else rank 0 wrote it all
-        files = folder.glob(f"*-rank{ctx.rank:05d}.*") if sharded else (folder.iterdir() if ctx.is_main else [])
-        mine = sum(f.stat().st_size for f in files if f.is_file())
-    every = distribution.gather((seconds, mine))
-    slowest = max(s for s, _ in every)
-    largest = max(b for _, b in every)
-    need = slowest + (step_s or 0.0)
-    results["checkpoint"] = {"seconds": round(slowest, 2), "bytes_per_rank": largest,
-                             "step_seconds": None if step_s is None else round(step_s, 2),
-                             "sigterm_grace_needed_s": round(need, 2)}
-    step = f" + one step ({step_s:.1f} s)" if step_s is not None else ""
-    ctx.say(f"checkpoint: {largest / 2**30:.2f} GiB per process written in {slowest:.1f} s; a SIGTERM needs "
-            f"{need:.0f} s{step} of grace (SLURM --signal=TERM@…, torchrun --shutdown-timeout; docs/training.md)")
-
-
-def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, Any]) -> None:
+def _record_peak(job: Job, ctx: LoopContext, peak: PeakMemory, results: dict[str, Any]) -> None:
     """The largest per-process peak of the steps (all ranks), beside the plan's, into results.json."""
     measured = peak.read()
     if measured is None:
         return
     framework = peak.framework
-    every = distribution.gather((int(measured), framework))  # (the CPU group: no device sync)
+    every = ctx.distribution.gather((int(measured), framework))  # (the CPU group: no device sync)
     per_rank = [m for m, _ in every]
     measured = max(per_rank)
     if framework is not None:
         framework = max(f or 0 for _, f in every)
-    plan = getattr(job, "memory_plan", None)
+    plan = job.memory_plan
     entry = {"measured_peak": measured, "measured": peak.what, "per_process": True,
              "measured_per_rank": per_rank, "framework_per_rank": [f for _, f in every]}
     reserved = peak.reserved()  # CUDA: what the margin for fragmentation stands for, this rank's
@@ -565,68 +542,3 @@ def _report_peak(job, ctx, distribution, peak: PeakMemory, results: dict[str, An
             line += f", with the {framework / 2**30:.2f} GiB not held in tensors measured before the steps"
     results["memory"] = {**results.get("memory", {}), **entry}
     ctx.say(line)
-
-
-def _drop_checkpoints(out: Path, say, *, keep: bool) -> None:
-    """A finished run needs no checkpoint to resume: remove them (ours only: complete checkpoints and partial
-    ones with our marker; anything else in the folder stays), unless asked to keep them."""
-    found = list_checkpoints(out)
-    if not found:
-        return
-    if keep:
-        say(f"kept {len(found)} checkpoint(s) in {out / 'checkpoints'}")
-        return
-    import shutil
-
-    size = sum(f.stat().st_size for c in found for f in c.iterdir() if f.is_file())
-    for c in found:
-        shutil.rmtree(c, ignore_errors=True)
-    remove_stale_partials(out)
-    with contextlib.suppress(OSError):  # (left in place when something else is in it)
-        (out / "checkpoints").rmdir()
-    say(f"removed the run's {len(found)} checkpoint(s) ({size / 2**30:.1f} GiB): the run is complete "
-        "(--keep-checkpoints-after keeps them)")
-
-
-def _new_window() -> dict[str, Any]:
-    return {"loss": 0.0, "parts": {}, "n": 0, "tokens": 0, "t0": time.perf_counter()}
-
-
-def _host_window(window: dict) -> dict[str, Any]:
-    """The log window with its device sums read in ONE transfer (log steps and checkpoints only)."""
-    names = list(window["parts"])
-    values = [window["loss"]] + [window["parts"][k] for k in names]
-    device = next((v.device for v in values if torch.is_tensor(v)), None)
-    if device is not None:
-        values = torch.stack([v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
-                              .to(device) for v in values]).tolist()
-    out = {k: v for k, v in window.items() if k != "t0"}
-    out["loss"], out["parts"] = float(values[0]), {k: float(v) for k, v in zip(names, values[1:])}
-    return out
-
-
-def _record(step: int, window: dict, job, scheduler, distribution) -> dict[str, Any]:
-    n = max(window["n"], 1)
-    dt = time.perf_counter() - window["t0"]
-    window = _host_window(window)
-    names = list(window["parts"])
-    vals = torch.tensor([window["loss"] / n] + [window["parts"][k] / n for k in names])
-    if distribution.world > 1:
-        vals = distribution.accelerator.reduce(vals.to(distribution.device), reduction="mean").cpu()
-    rec = {"step": step}
-    if getattr(job, "tokens_per_step", None):
-        rec["tokens"] = step * job.tokens_per_step
-    rec["loss"] = float(vals[0])
-    rec.update({k: float(v) for k, v in zip(names, vals[1:])})
-    rec["lr"] = scheduler.get_last_lr()[0]
-    rec["tokens_per_s"] = window["tokens"] / dt if dt > 0 else math.nan
-    return rec
-
-
-def _postfix(rec: dict[str, Any]) -> dict[str, str]:
-    out = {"loss": f"{rec['loss']:.3f}", "tok_s": f"{rec['tokens_per_s']:.0f}"}
-    if "flip_rate" in rec:
-        out["flips"] = f"{rec['flip_rate']:.2%}"
-    if "val_loss" in rec:
-        out["val"] = f"{rec['val_loss']:.3f}"
-    return out

@@ -81,6 +81,9 @@ def summary_table(results: dict[str, Any]) -> str:
                      "target weights' L1 mass")
     if results.get("options"):
         lines.append(f"options: {results['options']}")
+    for t in results.get("threads_resumed") or []:
+        lines.append(f"threads: resumed at step {t['step']} with {t['used']} CPU threads, not the {t['recorded']} the "
+                     "run computed with before: not bitwise the uninterrupted run (--threads 0 reuses its choice)")
     moved = movement_line(results)
     if moved:
         lines.append(moved)

@@ -6,6 +6,9 @@ thread against 13.7 with 2 while another job ran), so the cores other processes 
 ``/proc/stat`` (half a second, while this process waits). The one-minute load average used before still
 counted a test suite that had just finished, and gave ``make run`` after ``make test`` one thread of two
 on an idle machine.
+
+The choice is made once per run: it is recorded with the run's checkpoints and a resume takes it again
+(``setup_threads(recorded=...)``), so that a run resumed on a busier machine continues exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 
-__all__ = ["busy_cores", "choose_threads", "setup_threads"]
+__all__ = ["busy_cores", "choose_threads", "setup_threads", "differs_from_recorded"]
 
 SAMPLE_S = 0.5
 
@@ -55,17 +58,29 @@ def choose_threads(cores: int, busy: float | None) -> int:
     return max(1, cores - int(busy + 0.4))
 
 
-def setup_threads(cfg, *, busy: Callable[[int], float | None] | None = None) -> str | None:
-    """Set torch's intra-op threads from ``cfg.threads`` (0 = automatic: :func:`choose_threads`); returns a
-    line saying what was chosen when fewer than all cores (None when the user or a launcher chose)."""
+def setup_threads(cfg, *, busy: Callable[[int], float | None] | None = None,
+                  recorded: int | None = None) -> str | None:
+    """Set torch's intra-op threads from ``cfg.threads`` (0 = automatic: :func:`choose_threads`) and return a
+    line saying what was chosen when fewer than all cores (None when the user or a launcher chose).
+
+    ``recorded``: on a resume, the threads the run computed with before (its checkpoint's). The automatic
+    choice then takes them again instead of measuring the machine anew — a CPU's float sums depend on the
+    thread count, so a resume on a machine that got busier would otherwise not continue the run exactly. A
+    choice of the user's (``--threads N``, ``OMP_NUM_THREADS``) still wins; the line then says that it
+    differs from the recorded one."""
     import torch
 
-    n = getattr(cfg, "threads", 0) or 0
+    n = cfg.threads or 0
     if n > 0:
         torch.set_num_threads(n)
-        return None
+        return differs_from_recorded(n, recorded, f"--threads {n}")
     if os.environ.get("OMP_NUM_THREADS"):
-        return None  # the user (or a launcher) chose already
+        # the user (or a launcher) chose already
+        return differs_from_recorded(torch.get_num_threads(), recorded, "OMP_NUM_THREADS")
+    if recorded:
+        torch.set_num_threads(recorded)
+        return (f"threads: {recorded}, as the run chose when it started (recorded with its checkpoint: the resumed "
+                "steps compute as the first ones did; --threads N to choose)")
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -78,3 +93,12 @@ def setup_threads(cfg, *, busy: Callable[[int], float | None] | None = None) -> 
         return (f"threads: {threads} of {cores} cores (other processes used {used:.1f} cores over the last "
                 f"{SAMPLE_S:g} s; timings assume an idle machine; --threads N to choose)")
     return f"threads: {threads} of {cores} cores"
+
+
+def differs_from_recorded(threads: int, recorded: int | None, how: str) -> str | None:
+    """The line for a resume whose threads (chosen by ``how``) differ from the ``recorded`` ones; else None."""
+    if not recorded or recorded == threads:
+        return None
+    return (f"threads: {threads} ({how}), not the {recorded} the run computed with before this resume: the "
+            "resumed steps may differ from an uninterrupted run's in the last bits (--threads 0 reuses the "
+            "run's choice)")

@@ -22,12 +22,13 @@ from typing import Any
 import torch
 
 from cast_llm.data import BatchSampler, prepare, steps_for_tokens
+from cast_llm.data.sources import source_files
 from cast_llm.deploy.export import save_sparse_checkpoint
 from cast_llm.distill import causal_kd_loss
 from cast_llm.distill.head import fused_head_loss, head_inputs
 from cast_llm.distill.teacher import TeacherForward
 from cast_llm.eval.evaluator import Evaluator
-from cast_llm.io import atomic_write_json
+from cast_llm.eval.ppl import wikitext2_source
 from cast_llm.machine import process_rss
 from cast_llm.models import (
     check_seq_len,
@@ -76,6 +77,7 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
 class PretrainJob(Job):
     """Sparsity-aware (pre-)training of a causal LM on packed text, distilled from its dense self (Eq. 13)."""
 
+    command = "train"
     kind = "run"
     marker_kind = "cast-llm-run"
     default_warmup = 0.02
@@ -85,9 +87,13 @@ class PretrainJob(Job):
         self.cfg = cfg
         self.method = get_method(cfg.method, mask_learner=cfg.mask_learner)
         self.desc = f"{cfg.method} {cfg.n}:{cfg.m}"
-        self.evaluator = None
-        self.teacher_forward = None
         self.say = lambda *a, **k: None
+
+    def check_inputs(self) -> None:
+        """``--data`` (and an explicit ``--wikitext-file``) exist, before the plan and the run folder."""
+        source_files(self.cfg.data)  # raises for a missing file or folder, an unsupported type, a missing corpus
+        if self.cfg.wikitext_file:
+            wikitext2_source(self.cfg.wikitext_file)
 
     def before_launch(self, *, world: int, device_type: str, precision: str):
         """The model built empty (config only), the plan made from it, the batch split over the processes, a
@@ -119,7 +125,7 @@ class PretrainJob(Job):
             refuse_if_too_large(self.memory_plan, device, world, startup=self.startup_plan)
         return self.startup_plan.timeouts
 
-    def setup(self, ctx, results, resuming: bool) -> None:
+    def setup(self, ctx, resuming: bool) -> dict[str, Any]:
         cfg, say, dist = self.cfg, ctx.say, ctx.distribution
         self.say = say
         for line in self.plan_lines:
@@ -156,7 +162,7 @@ class PretrainJob(Job):
             f"{self.total_steps} steps × "
             f"{self.tokens_per_step} tokens on {ctx.world} process(es), {ctx.device}")
         say(f"evaluation: {self.evaluator.describe()} (--wikitext-windows 0: the full protocol)")
-        results.setdefault("perplexity", {"heldout": {}, "wikitext2": {}})
+        results: dict[str, Any] = {"perplexity": {"heldout": {}, "wikitext2": {}}}
         kd = self.method.uses_kd(cfg)
         tdtype = teacher_dtype(cfg, ctx.precision)
         # The dense model: every process under DDP (each GPU holds it); under FSDP2 rank 0 alone — and on a
@@ -170,7 +176,7 @@ class PretrainJob(Job):
                     f"({fmt_size(sum(p.numel() * p.element_size() for p in dense.parameters()))} in host memory)")
             if not resuming and cfg.baseline_eval and ctx.is_main:
                 with ctx.phases("baseline evaluation (rank 0)"):
-                    self._baseline(ctx, dense, targets, results)
+                    results["perplexity"] = self._baseline(ctx, dense, targets)
         # the teacher: the dense model, before anything changes the student (and before it leaves the host)
         self.teacher = None
         if kd:
@@ -184,22 +190,25 @@ class PretrainJob(Job):
         if cfg.activation_checkpointing != "none":
             enable_activation_checkpointing(model, cfg.activation_checkpointing)
         self.model = model
+        return results
 
-    def _baseline(self, ctx, model, targets, results) -> None:
+    def _baseline(self, ctx, model, targets) -> dict[str, dict[str, Any]]:
         """Where every run starts from, on rank 0 in the training precision: the dense model, and (without a
-        warm start, which measures its own) its one-shot magnitude N:M."""
+        warm start, which measures its own) its one-shot magnitude N:M; perplexities by split."""
         cfg = self.cfg
+        ppl: dict[str, dict[str, Any]] = {"heldout": {}, "wikitext2": {}}
         with self.on_device(ctx, model):
             dense = self.evaluator.both(model, "dense model (the original)")
             for split in ("heldout", "wikitext2"):
-                results["perplexity"][split]["dense"] = dense[split]
+                ppl[split]["dense"] = dense[split]
             if not cfg.use_warm_start:
                 mags = {t.fqn: magnitude_mask(t.weight, t.transposed, cfg.n, cfg.m)
                         for t in find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)}
                 magnitude = with_masks_applied(
                     model, mags, lambda m: self.evaluator.both(m, f"one-shot magnitude {cfg.n}:{cfg.m}"))
                 for split in ("heldout", "wikitext2"):
-                    results["perplexity"][split]["magnitude"] = magnitude[split]
+                    ppl[split]["magnitude"] = magnitude[split]
+        return ppl
 
     def on_device(self, ctx, model):
         """Evaluate ``model`` on the device in the training precision (autocast). Under FSDP2 rank 0's whole
@@ -218,18 +227,17 @@ class PretrainJob(Job):
                     model.to(home)
         return ctxmgr()
 
-    def after_prepare(self, ctx, model, results, resuming: bool) -> None:
+    def after_prepare(self, ctx, model, resuming: bool) -> dict[str, Any]:
         """A warm start begins from the one-shot pruned model: measure it (the baseline the run must beat)."""
         cfg = self.cfg
         if resuming or not cfg.baseline_eval or not cfg.use_warm_start or not ctx.is_main:
-            return
+            return {}
         name = {"sparsegpt": "SparseGPT", "wanda": "Wanda"}.get(cfg.effective_init_mask, cfg.effective_init_mask)
         with ctx.phases("one-shot evaluation (rank 0)"), self.on_device(ctx, model):
             start = self.evaluator.both(model, f"one-shot {name} {cfg.n}:{cfg.m} (the warm start)")
-        for split in ("heldout", "wikitext2"):
-            results["perplexity"][split]["oneshot"] = start[split]
-        results["oneshot_method"] = cfg.effective_init_mask
         model.train()
+        return {"perplexity": {split: {"oneshot": start[split]} for split in ("heldout", "wikitext2")},
+                "oneshot_method": cfg.effective_init_mask}
 
     def batch(self, step: int, micro: int) -> torch.Tensor:
         rows = self.data.train[self.sampler.index_list(step * self.cfg.grad_accum + micro)]
@@ -273,8 +281,9 @@ class PretrainJob(Job):
             return [fsdp2.ShardedMaskStats(ctx.device)]
         return default_observers(self.cfg)
 
-    def finish(self, ctx, final, results):
+    def finish(self, ctx, final, results) -> dict[str, Any]:
         cfg = self.cfg
+        entries: dict[str, Any] = {}
         tokens_trained = self.total_steps * self.tokens_per_step
         self.teacher = self.teacher_forward = None  # its device memory goes to the final evaluation
         if ctx.is_main:
@@ -291,10 +300,9 @@ class PretrainJob(Job):
             with ctx.phases("final evaluation (rank 0)"), self.on_device(ctx, final):
                 sparse = self.evaluator.both(final, f"{cfg.method} {cfg.n}:{cfg.m} (the exported model)",
                                              validation=True)
-            results["final_eval_s"] = round(time.perf_counter() - t0, 2)
-            for split in ("heldout", "validation", "wikitext2"):
-                results["perplexity"].setdefault(split, {})["sparse"] = sparse[split]
-            results.update(
+            entries["final_eval_s"] = round(time.perf_counter() - t0, 2)
+            entries["perplexity"] = {split: {"sparse": sparse[split]} for split in ("heldout", "validation", "wikitext2")}
+            entries.update(
                 method=cfg.method, model=cfg.model, data=cfg.data, pattern=f"{cfg.n}:{cfg.m}", steps=self.total_steps,
                 tokens_trained=tokens_trained, seq_len=cfg.seq_len, eval_seq_len=self.evaluator.eval_len,
                 heldout_sequences=int(self.evaluator.test.shape[0]),
@@ -309,15 +317,14 @@ class PretrainJob(Job):
                 export_dtype=str(self.native_dtype).removeprefix("torch."),
             )
             if self.teacher_forward is not None:
-                results["teacher_forward"] = self.teacher_forward.mode
+                entries["teacher_forward"] = self.teacher_forward.mode
             if cfg.fsdp:
-                results["fsdp_precision"] = self.fsdp_precision
-            results["options"] = options_used(cfg)
-            results["init_mask"] = cfg.effective_init_mask
-            results["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
-            results["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
-            atomic_write_json(ctx.out / "results.json", results)  # the report reads it
-        return results
+                entries["fsdp_precision"] = self.fsdp_precision
+            entries["options"] = options_used(cfg)
+            entries["init_mask"] = cfg.effective_init_mask
+            entries["masks"] = mask_movement(ctx.out)  # did the masks move? (summary, report, README)
+            entries["nm_check"] = {"targets": len(final_targets), "pattern": f"{cfg.n}:{cfg.m}", "exact": True}
+        return entries
 
 
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:

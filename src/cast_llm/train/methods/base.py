@@ -53,7 +53,7 @@ class TrainingMethod:
     def before_optimizer_step(self, model: torch.nn.Module, optimizer, step: int) -> None:
         """After the backward, before clipping and the step (e.g. zero the gradients of pruned weights)."""
 
-    def before_update(self, model: torch.nn.Module, optimizer, step: int, ctx, results: dict) -> None:
+    def before_update(self, model: torch.nn.Module, optimizer, step: int, ctx) -> None:
         """Right before the optimizer step, after clipping (the gradients are final; e.g. CAST's decay
         forecast before the first update)."""
 
@@ -64,7 +64,7 @@ class TrainingMethod:
         """fqn of each target weight -> its current bool mask (True = kept), in the weight's layout."""
         return {}
 
-    def log_metrics(self, model, optimizer, step: int, results: dict) -> dict[str, Any]:
+    def log_metrics(self, model, optimizer, step: int) -> dict[str, Any]:
         """Extra entries of a log record (``step`` 0-based, as in end_step)."""
         return {}
 

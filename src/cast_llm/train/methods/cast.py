@@ -220,7 +220,7 @@ class CastMethod(TrainingMethod):
     def _forecast(self, optimizer, suggest: bool):
         return forecast_decay(optimizer, self._lrs, target=self.cfg.forecast_target, suggest=suggest)
 
-    def before_update(self, model, optimizer, step: int, ctx, results: dict) -> None:
+    def before_update(self, model, optimizer, step: int, ctx) -> None:
         if self.in_regrow(step):  # the weights the step starts from (the step's mask is known only after it)
             self._before_step = {p: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
                                  for p in optimizer.masks()}
@@ -230,7 +230,7 @@ class CastMethod(TrainingMethod):
         self.start_forecast = fc.as_dict()
         ctx.say(fc.message(lr=self.cfg.lr, l1_decay=self.cfg.l1_decay))
 
-    def log_metrics(self, model, optimizer, step: int, results: dict) -> dict:
+    def log_metrics(self, model, optimizer, step: int) -> dict:
         if self.cfg.fsdp or self.in_repair(step) or step + 1 >= self.total_steps:
             return {}
         if not forecast_due(step + 1, self.total_steps, getattr(self.cfg, "log_every", 1)):
