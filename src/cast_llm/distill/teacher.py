@@ -34,7 +34,7 @@ from torch import Tensor
 
 from cast_llm import kernels
 
-__all__ = ["TeacherForward", "MAX_GRAPHS"]
+__all__ = ["TeacherForward", "MAX_GRAPHS", "no_packed_sequence_check"]
 
 MAX_GRAPHS = 2  # batch shapes with their own graph (a run has one; a last short batch would be a second)
 WARMUP = 2  # eager forwards on the side stream before the capture
@@ -57,7 +57,7 @@ class TeacherForward:
         self.off_reason: str | None = None  # why graphs were switched off (None: on, or never tried)
 
     def eager(self, input_ids: Tensor) -> Tensor:
-        with torch.no_grad() if self.sharded else torch.inference_mode(), _no_packed_sequence_check():
+        with torch.no_grad() if self.sharded else torch.inference_mode(), no_packed_sequence_check():
             return self.teacher(input_ids=input_ids, use_cache=False).logits
 
     graph_device = "cuda"  # the device type whose forwards are captured (tests drive the logic on "cpu")
@@ -121,13 +121,13 @@ class TeacherForward:
 
 
 @contextlib.contextmanager
-def _no_packed_sequence_check():
+def no_packed_sequence_check():
     """transformers (5.x) looks for several sequences packed into one row whenever a forward has neither a KV
-    cache nor an attention mask — the teacher's case — and that check reads the device on the host
-    (``masking_utils.find_packed_sequence_indices``: ``.all()`` of a device tensor), once per forward. The
-    teacher is called with ``input_ids`` only, so its positions are 0..T-1 in every row and the check can only
-    answer "not packed" (None): it is answered without the read. Where transformers has no such function,
-    nothing changes."""
+    cache nor an attention mask — the teacher's case, the student's in training and every scored window's —
+    and that check reads the device on the host (``masking_utils.find_packed_sequence_indices``: ``.all()`` of
+    a device tensor), once per forward. Our forwards pass ``input_ids`` only, so the positions are 0..T-1 in
+    every row and the check can only answer "not packed" (None): inside this context it is answered without
+    the read. Where transformers has no such function, nothing changes."""
     try:
         from transformers import masking_utils
     except ImportError:  # pragma: no cover - an older transformers: no packed-sequence logic at all

@@ -26,7 +26,7 @@ from cast_llm.data.sources import source_files
 from cast_llm.deploy.export import save_sparse_checkpoint
 from cast_llm.distill import causal_kd_loss
 from cast_llm.distill.head import fused_head_loss, head_inputs
-from cast_llm.distill.teacher import TeacherForward
+from cast_llm.distill.teacher import TeacherForward, no_packed_sequence_check
 from cast_llm.eval.evaluator import Evaluator
 from cast_llm.eval.ppl import wikitext2_source
 from cast_llm.machine import process_rss
@@ -248,7 +248,8 @@ class PretrainJob(Job):
     def loss(self, model, teacher, batch):
         if self.cfg.fused_head:
             return self._fused_loss(model, teacher, batch)
-        logits = model(input_ids=batch, use_cache=False).logits  # (a KV cache would hold every layer's K, V)
+        with no_packed_sequence_check():  # no KV cache, and no host read for the packed-sequence check
+            logits = model(input_ids=batch, use_cache=False).logits
         t_logits = None
         if teacher is not None:
             if self.teacher_forward is None or self.teacher_forward.teacher is not teacher:
@@ -263,11 +264,13 @@ class PretrainJob(Job):
         """--fused-head: the models return their LM heads' inputs; the loss forms the logits chunk by chunk."""
         cfg = self.cfg
         with head_inputs(model, teacher):
-            hidden = model(input_ids=batch, use_cache=False).logits
+            with no_packed_sequence_check():
+                hidden = model(input_ids=batch, use_cache=False).logits
             t_hidden = None
             if teacher is not None:
                 with torch.no_grad():
-                    t_hidden = teacher(input_ids=batch, use_cache=False).logits
+                    with no_packed_sequence_check():
+                        t_hidden = teacher(input_ids=batch, use_cache=False).logits
         weight = getattr(model, "module", model).get_output_embeddings().weight
         with fsdp2.unsharded_head(teacher) as t_weight:
             out = fused_head_loss(hidden, weight, t_hidden, t_weight, batch, eta=cfg.eta if teacher is not None
