@@ -41,8 +41,9 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     text = md.read_text()
     assert "| CAST w/o KD |" in text and "| Wanda |" in text
     # the table grew by --only; its top gives the one command that runs all its rows
-    assert "The one command that runs every row of this table from scratch: `python benchmarks/compare_methods.py " \
-           "--tier quick --runs-dir" in text and ",cast-no-kd`" in text and "--seeds 0 --only dense," in text
+    rerun = text.splitlines()[2]  # first under the title; without this machine's runs and docs folders
+    assert rerun.startswith("Rerun every row from scratch") and "`python benchmarks/compare_methods.py --tier quick" \
+        in rerun and ",cast-no-kd`" in rerun and "--seeds 0 --only dense," in rerun and "--runs-dir" not in rerun
     # the JSON beside the table: every row with its seeds, what a script checks
     data = json.loads((docs / "compare-tiny-llama-256.json").read_text())
     by = {r["name"]: r for r in data["rows"]}
@@ -175,7 +176,8 @@ def test_report_only_runs_nothing_and_keeps_every_finished_row(tmp_path):
     assert set(rows) == {"naive-kd-sgpt", "cast-best"} and len(rows["cast-best"]["seeds"]) == 2
     assert "--report-only" not in data["regenerate"] and "naive-kd-sgpt" in data["regenerate"]
     head = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text().splitlines()[2]
-    assert f"from scratch: `{data['regenerate']}`" in head  # the table names the command that runs all its rows
+    assert f"from scratch (one command line; on the same runs folder it runs only what is missing): " \
+           f"`{data['regenerate']}`" in head  # the table names the command that runs all its rows
 
 
 def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
