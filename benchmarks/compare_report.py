@@ -220,14 +220,11 @@ def paired_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def _lr_note(s: dict, rows: list[dict] | None = None) -> str:
+def _lr_note(s: dict, rows: list[dict]) -> str:
     """The peak lr sentence: the tier's, and the rows of this table that ran with their own (a tuned choice or
     the tier's per-row setting)."""
     adams = s.get("adams", {}).get("lr")
-    if rows is None:
-        own = {k: v["lr"] for k, v in s.get("row_lr", {}).items() if "lr" in v and v["lr"] != s["lr"]}
-    else:
-        own = {r["key"]: r["lr"] for r in rows if r.get("lr") is not None and r["lr"] != s["lr"]}
+    own = {r["key"]: r["lr"] for r in rows if r.get("lr") is not None and r["lr"] != s["lr"]}
     if adams is not None and adams != s["lr"]:
         note = (f"{s['lr']:g} for the baselines, {adams:g} for the runs where AdamS must decay pruned weights to "
                 "~0 during training: lr·T/2 has to exceed the typical pruned |w|, method.md §2")

@@ -85,5 +85,5 @@ def pytest_collection_modifyitems(config, items):
             continue
         if path not in spawning:
             spawning[path] = _spawning_tests(path)
-        if item.originalname in spawning[path] if hasattr(item, "originalname") else False:
+        if getattr(item, "originalname", None) in spawning[path]:
             item.add_marker(pytest.mark.slow)

@@ -32,6 +32,7 @@ from cast_llm.optim.functional import (
     dense_adam,
     fused_dense_takes,
     nm_masks,
+    placed_step,
 )
 from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
 
@@ -404,9 +405,8 @@ class AdamS(Optimizer):
         """``state["step"]`` on ``device``, moved there if needed — rebuilt from the host copy of t, so a move
         never waits for the device."""
         step = state["step"]
-        if step.device != device:
-            t = self._steps_done(p, state)
-            step = state["step"] = torch.full((), float(t), dtype=torch.float32, device=device)
+        if step.device != device:  # (the same placement functional.adams makes for the sparse groups)
+            step = state["step"] = placed_step(step, self._steps_done(p, state), device)
         return step
 
     def _name(self, p: Tensor) -> str:

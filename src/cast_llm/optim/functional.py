@@ -37,7 +37,7 @@ from cast_llm.optim.adams_probes import fast_path_unsupported
 from cast_llm.sparsity.mask import magnitude_mask, packed_numel, unpack_mask
 
 __all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "fast_path_unsupported", "update_path",
-           "run_update", "update_variant", "nm_masks", "DECAY_MODES", "DEVICE_STEP_PATHS"]
+           "run_update", "update_variant", "nm_masks", "placed_step", "DECAY_MODES", "DEVICE_STEP_PATHS"]
 
 # "proportional": CAST's Eq. 7 (the default); "additive": AST's annealed SR-STE decay on the momentum signal
 DECAY_MODES = ("proportional", "additive")
@@ -130,7 +130,7 @@ def adams(
             raise RuntimeError(f"AdamS(fused=True): {name} of shape {tuple(p.shape)} cannot use the fused "
                                f"Triton kernel: {reason}. Pass fused=None to fall back to the reference path.")
         if host_steps is not None:
-            state_steps[i] = _placed_step(state_steps[i], host_steps[i],
+            state_steps[i] = placed_step(state_steps[i], host_steps[i],
                                           p.device if path in DEVICE_STEP_PATHS else _CPU)
         by_path.setdefault(path, []).append(i)
     due = [i for i in range(len(params)) if masks[i] is None or (refresh is not None and refresh[i])]
@@ -146,7 +146,7 @@ def adams(
 _CPU = torch.device("cpu")
 
 
-def _placed_step(step: Tensor, t: int, device: torch.device) -> Tensor:
+def placed_step(step: Tensor, t: int, device: torch.device) -> Tensor:
     """A count ``t`` on ``device``: ``step`` itself if it is there, else a new one from the host value (a move
     that never waits for the device)."""
     if step.device == device:
