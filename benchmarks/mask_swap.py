@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--runs-dir", default=str(REPO / "runs" / "mask-swap"))
     ap.add_argument("--docs-dir", default=str(REPO / "docs" / "results"))
+    ap.add_argument("--masks", help="train under these masks only (comma-separated keys: magnitude, wanda, sparsegpt, "
+                    "learned-…); the others are still listed from earlier calls. Default: every mask")
     ap.add_argument("--report-only", action="store_true", help="run nothing: rewrite the report from finished runs")
     opts = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -115,9 +117,22 @@ def main(argv=None) -> int:
     if not recipe:
         raise SystemExit(f"--recipe-from {opts.recipe_from}: no tuning of naive-kd-sgpt there (run its --tune first)")
     learned = dict(x.split("=", 1) for x in opts.learned)
-    masks = build_masks(cmp, learned, opts.mask_seed) if not opts.report_only else json.loads(
-        (cmp.runs / "masks.json").read_text())
-    (cmp.runs / "masks.json").write_text(json.dumps(masks, indent=2))
+    from cast_llm.io import atomic_write_text
+
+    listed = cmp.runs / "masks.json"
+    known = json.loads(listed.read_text()) if listed.is_file() else {}
+    if opts.report_only:
+        if not known:
+            raise SystemExit(f"--report-only: no {listed} (run the benchmark first)")
+        masks = known
+    else:  # masks built by earlier calls (e.g. a learned one) stay listed
+        built = build_masks(cmp, learned, opts.mask_seed)  # (read the list again: another call may have added one)
+        masks = {**(json.loads(listed.read_text()) if listed.is_file() else {}), **built}
+        atomic_write_text(listed, json.dumps(masks, indent=2))
+    chosen = set(opts.masks.split(",")) if opts.masks else set(masks)
+    if chosen - set(masks):
+        raise SystemExit(f"--masks: unknown mask(s) {', '.join(sorted(chosen - set(masks)))}; "
+                         f"known: {', '.join(masks)}")
     rows = []
     for key, info in masks.items():
         e = Entry(f"mask-{key}", f"{info['label']} mask", "train",
@@ -126,7 +141,7 @@ def main(argv=None) -> int:
         runs = []
         for seed in cmp.seeds:
             out = cmp.runs / e.key / f"seed-{seed}"
-            if opts.report_only and not (out / "compare_row.json").is_file():
+            if (opts.report_only or key not in chosen) and not (out / "compare_row.json").is_file():
                 continue
             print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} seed {seed} ...", flush=True)
             runs.append(cmp._run_one(e, out, seed, dict(recipe)))

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -209,9 +211,14 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
                                  "--tune-only", "naive-kd-sgpt", "--runs-dir", str(runs), "--docs-dir", str(docs)]) == 0
     tuning = json.loads((runs / "tiny-llama-256" / "naive-kd-sgpt" / "tuning.json").read_text())
     learned = runs / "tiny-llama-256" / "cast" / "seed-0" / "model"
-    assert mask_swap.main(["--tier", "quick", "--tokens", "256", "--seeds", "0,1", "--recipe-from",
-                           str(runs / "tiny-llama-256"), "--learned", f"paper-exact CAST={learned}", "--runs-dir",
-                           str(tmp_path / "m"), "--docs-dir", str(docs)]) == 0
+    common = ["--tier", "quick", "--tokens", "256", "--seeds", "0,1", "--recipe-from", str(runs / "tiny-llama-256"),
+              "--runs-dir", str(tmp_path / "m"), "--docs-dir", str(docs)]
+    # the one-shot masks first, the learned one in a later call: the table holds all four
+    assert mask_swap.main(common) == 0
+    with pytest.raises(SystemExit, match="--masks: unknown mask.*learned-x"):
+        mask_swap.main(common + ["--masks", "learned-x"])
+    assert mask_swap.main(common + ["--learned", f"paper-exact CAST={learned}",
+                                    "--masks", "learned-paper-exact-cast"]) == 0
     data = json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())
     by = {r["name"]: r for r in data["rows"]}
     assert set(by) == {"magnitude", "wanda", "sparsegpt", "learned-paper-exact-cast"}
