@@ -86,11 +86,20 @@ def forecast_curve(budgets: list[int], tier: dict, seed: int = 0) -> list[dict]:
 
 
 def load_rows(docs: Path, model: str) -> dict[int, dict[str, dict]]:
-    """``{budget: {row name: row}}`` from the committed comparison tables (compare-<model>-<budget>.json)."""
-    found = {}
+    """``{budget: {row name: row}}`` from the committed comparison tables (compare-<model>-<budget>.json) of the
+    fixed protocol: a table without a ``split_sha256`` (scored on a seed-dependent held-out slice) is left out,
+    and every table used must be scored on the same split (one digest), so the fit never mixes the two."""
+    found, digests = {}, {}
     for path in sorted(docs.glob(f"compare-{model}-*.json")):
         doc = json.loads(path.read_text())
+        if not doc.get("split_sha256"):
+            print(f"  {path.name}: left out (earlier protocol: no fixed split digest)", flush=True)
+            continue
+        digests[path.name] = doc["split_sha256"]
         found[int(doc["budget"])] = {r["name"]: r for r in doc["rows"] if r.get("status") == "ok"}
+    if len(set(digests.values())) > 1:
+        raise SystemExit("the comparison tables are scored on different splits ("
+                         + ", ".join(f"{k}: {v[:12]}" for k, v in digests.items()) + "): regenerate them first")
     return found
 
 

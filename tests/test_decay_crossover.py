@@ -24,11 +24,16 @@ def test_prune_cost_fit_is_exact_through_two_points_and_refuses_one():
         dc.fit_prune_cost([(0.9, 100.0)])
 
 
-def test_rows_are_read_from_the_committed_tables(tmp_path):
-    doc = {"budget": 48000, "rows": [{"name": "cast", "status": "ok", "heldout": 2.0},
-                                     {"name": "srste", "status": "failed"}]}
+def test_rows_are_read_from_the_fixed_protocol_tables_only(tmp_path):
+    doc = {"budget": 48000, "split_sha256": "ab" * 32, "rows": [{"name": "cast", "status": "ok", "heldout": 2.0},
+                                                                {"name": "srste", "status": "failed"}]}
     (tmp_path / "compare-m-48k.json").write_text(json.dumps(doc))
+    earlier = {"budget": 192000, "rows": [{"name": "cast", "status": "ok", "heldout": 1.0}]}  # no split digest
+    (tmp_path / "compare-m-192k.json").write_text(json.dumps(earlier))
     assert dc.load_rows(tmp_path, "m") == {48000: {"cast": doc["rows"][0]}}
+    (tmp_path / "compare-m-384k.json").write_text(json.dumps({**earlier, "budget": 384000, "split_sha256": "cd" * 32}))
+    with pytest.raises(SystemExit, match="different splits"):
+        dc.load_rows(tmp_path, "m")
 
 
 def test_bootstrap_crossover_reports_an_interval_and_the_share_that_never_crosses():
