@@ -174,10 +174,11 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
             row["paired"] = {"against": BASE, **{s: paired({**r, "key": r["key"]}, {**base, "key": BASE}, s)
                                                  for s in ("test", "wikitext2")}}
         out_rows.append(row)
-    regenerate = ("python benchmarks/mask_swap.py " + shlex.join(
+    regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp)) + ["python benchmarks/mask_swap.py " + shlex.join(
         ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
-         portable(opts.recipe_from)]
-        + [x for name_path in opts.learned for x in ("--learned", portable(name_path))]))
+         in_default_runs(opts.recipe_from, 1)]
+        + [x for name_path in opts.learned for x in (
+            "--learned", name_path.split("=", 1)[0] + "=" + in_default_runs(name_path.split("=", 1)[1], 4))])])
     doc = {"generated": datetime.date.today().isoformat(), "regenerate": regenerate, "model": cmp.tier["model"],
            "budget": cmp.budget, "recipe": {"method": "naive retraining + KD (fixed mask), dense weights ⊙ mask",
                                             **recipe, "eta": cmp.tier["eta"], "from": portable(opts.recipe_from)},
@@ -204,6 +205,39 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
               "`machine.other_cores`: what else kept the machine busy)."]
     (docs / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {docs / (stem + '.md')} and {docs / (stem + '.json')}")
+
+
+def recipe_tuning(cmp: Comparison) -> dict:
+    return cmp.tuning_from.get("naive-kd-sgpt") or {}
+
+
+def in_default_runs(path: str, depth: int) -> str:
+    """A comparison runs folder (``depth`` 1: ``<model>-<budget>``) or a run's model in it (4:
+    ``<model>-<budget>/<row>/seed-<s>/model``) where ``compare_methods.py`` puts it by default, so that the
+    rerun line works on a fresh clone; any other path as given."""
+    parts = Path(path).parts
+    layout = not path.endswith(".json") if depth == 1 else parts[-1:] == ("model",) and parts[-2].startswith("seed-")
+    if len(parts) >= depth and layout:
+        return "runs/compare/" + "/".join(parts[-depth:])
+    return portable(path)
+
+
+def prerequisites(opts, tuning: dict) -> list[str]:
+    """The commands that make what this benchmark reads, so that the report's one line reruns it from scratch:
+    SparseGPT + KD's lr grid (its choice is the recipe) and, for a learned mask exported by a comparison run
+    (``…/<model>-<budget>/<row>/seed-<s>/model``), that run."""
+    cmds = []
+    grid = ",".join(f"{k}={','.join(map(str, v))}" for k, v in (tuning.get("grid") or {}).items())
+    if grid:
+        cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {opts.tokens} --tune {grid} "
+                    "--tune-only naive-kd-sgpt --seeds 0 --only naive-kd-sgpt")
+    for name_path in opts.learned:
+        parts = Path(name_path.split("=", 1)[1]).parts
+        if len(parts) >= 4 and parts[-1] == "model" and parts[-2].startswith("seed-") and "-" in parts[-4]:
+            budget = parts[-4].rsplit("-", 1)[1]
+            cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only "
+                        f"{parts[-3]} --seeds {parts[-2][len('seed-'):]}")
+    return cmds
 
 
 def _cell(r: dict, split: str) -> str:

@@ -223,6 +223,13 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
     by = {r["name"]: r for r in data["rows"]}
     assert set(by) == {"magnitude", "wanda", "sparsegpt", "learned-paper-exact-cast"}
     assert data["recipe"]["lr"] == tuning["chosen_setting"]["lr"]
+    # one line reruns it from scratch: the recipe's lr grid, the run whose mask is learned, then this benchmark
+    steps = data["regenerate"].split(" && ")
+    assert steps[0].endswith("--tier quick --tokens 256 --tune lr=0.001,0.003 --tune-only naive-kd-sgpt --seeds 0 "
+                             "--only naive-kd-sgpt")
+    assert steps[1].endswith("compare_methods.py --tier quick --tokens 256 --only cast --seeds 0")
+    assert "--recipe-from runs/compare/tiny-llama-256 " in steps[2]
+    assert "'paper-exact CAST=runs/compare/tiny-llama-256/cast/seed-0/model'" in steps[2]
     for name, r in by.items():
         assert [x["seed"] for x in r["seeds"]] == [0, 1] and all(x["test_ppl"] > 1 for x in r["seeds"])
         assert len({x["split_sha256"] for x in r["seeds"]}) == 1
