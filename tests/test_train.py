@@ -95,6 +95,7 @@ def test_train_exports_exact_24_model_that_plain_transformers_loads(workdir, tmp
         assert 0 <= r["flip_rate"] <= 1 and 0 < r["sparse_weight_ratio"] <= 1
         # a group changes when at least one of its entries does, and at most 4 of them do
         assert r["initial_flip_rate"] <= r["changed_groups"] <= 4 * r["initial_flip_rate"]
+    assert res["teacher_forward"] == "eager"  # how the teacher ran (kept although the teacher is dropped first)
     masks = res["masks"]  # the run says whether its masks moved, from its own records
     assert masks["initial_flip_rate"] == recs[-1]["initial_flip_rate"]
     assert masks["changed_groups"] == recs[-1]["changed_groups"] and masks["flipped_fraction"] is not None

@@ -491,7 +491,9 @@ def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Chec
         for ob in t.observers:
             ob.on_end(end_ctx)
     merge_results(results, job.before_finalize(ctx, t.raw))
-    # training is over: the teacher's memory goes to gathering and evaluating the final model
+    # training is over: the teacher's memory goes to gathering and evaluating the final model (how it ran is kept)
+    if job.teacher_forward is not None:
+        results["teacher_forward"] = job.teacher_forward.mode
     job.teacher = job.teacher_forward = None
     t.drop_teacher()
     with ctx.phases("final model: gathered and folded" if cfg.fsdp else "final model: folded"):

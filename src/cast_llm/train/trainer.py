@@ -319,8 +319,6 @@ class PretrainJob(Job):
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out), threads=torch.get_num_threads(),
                 export_dtype=str(self.native_dtype).removeprefix("torch."),
             )
-            if self.teacher_forward is not None:
-                entries["teacher_forward"] = self.teacher_forward.mode
             if cfg.fsdp:
                 entries["fsdp_precision"] = self.fsdp_precision
             entries["options"] = options_used(cfg)
