@@ -190,6 +190,16 @@ MASK_CANDIDATES = [
 ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + LR_SWEEPS + ABLATIONS + DEFAULT_ABLATIONS + MASK_CANDIDATES
 
 
+def whole_run_wall(row: dict) -> dict:
+    """A training run stopped and resumed (a SIGTERM, a machine given back) is finished by a later invocation
+    whose own wall time covers only the last segment; the run's clock (``train_wall_s``, results.json's
+    ``wall_time_s``) counts every segment. Such a row's wall time is the run's clock, and it says so."""
+    train, wall = row.get("train_wall_s"), row.get("wall_s")
+    if train is not None and wall is not None and train > wall:
+        return {**row, "wall_s": train, "wall_s_last_invocation": wall, "resumed": True}
+    return row
+
+
 def budget_name(tokens: int) -> str:
     """40000 -> 40k, 40000000 -> 40M, 1500000000 -> 1.5B (3 significant digits)."""
     for unit, div in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
@@ -394,6 +404,7 @@ class Comparison:
     @staticmethod
     def aggregate(runs: list[dict]) -> dict:
         """One table row from the runs of a seeded entry: the mean over the seeds and the range."""
+        runs = [whole_run_wall(r) for r in runs]
         if len(runs) == 1:
             return {**runs[0], "seeds": runs}
         ok = [r for r in runs if r.get("status") == "ok"]
@@ -415,7 +426,7 @@ class Comparison:
     def _run_one(self, e: Entry, out: Path, seed: int | None, hp_override: dict | None = None) -> dict:
         done = out / "compare_row.json"
         if done.is_file() and not self.opts.fresh:
-            return json.loads(done.read_text())
+            return whole_run_wall(json.loads(done.read_text()))
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         machine = MachineLoad()
@@ -456,7 +467,7 @@ class Comparison:
                    wikitext2=ppl["wikitext2"], wall_s=round(time.perf_counter() - t0, 1), status="ok",
                    machine=machine.finish(), code=code_version())
         done.write_text(json.dumps(row, indent=2))
-        return row
+        return whole_run_wall(row)
 
     def entry_train_argv(self, e: Entry, out: Path, seed: int | None,
                          hp_override: dict | None = None) -> tuple[list[str], dict]:
@@ -582,7 +593,7 @@ class Comparison:
             if (self.only and e.key not in self.only) or e not in self.entries:  # reused, never run here
                 done = self.runs / e.key / "compare_row.json"
                 if done.is_file():
-                    rows.append(json.loads(done.read_text()))
+                    rows.append(whole_run_wall(json.loads(done.read_text())))
                 elif e.seeded and (seeds := self.finished_seeds(e)):
                     # the seeds that finished, aggregated without running (--fresh redoes only the rows it runs)
                     rows.append(self.aggregate([json.loads((self.runs / e.key / f"seed-{x}" / "compare_row.json")

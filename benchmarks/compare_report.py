@@ -73,6 +73,8 @@ def _compute(r: dict) -> str:
         out += f"<br>{'/'.join(map(str, threads))} thr"
     if other:
         out += f", other jobs {max(other):.1f} cores"
+    if any(x.get("resumed") for x in runs):
+        out += "<br>resumed: the run's clock over its segments"
     return out
 
 

@@ -193,6 +193,20 @@ def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
     assert portable(f"{REPO}/docs/results/x.json") == "docs/results/x.json"
 
 
+def test_a_resumed_row_reports_the_runs_clock_over_its_segments():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from compare_methods import whole_run_wall
+        from compare_report import _compute
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    one = {"status": "ok", "wall_s": 700.0, "train_wall_s": 650.0, "threads": 1}
+    assert whole_run_wall(one) == one and "resumed" not in _compute(one)
+    resumed = whole_run_wall({**one, "wall_s": 2021.3, "train_wall_s": 6042.6})
+    assert resumed["wall_s"] == 6042.6 and resumed["wall_s_last_invocation"] == 2021.3
+    assert _compute(resumed).startswith("6043 s") and "resumed" in _compute(resumed)
+
+
 def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
     """benchmarks/mask_swap.py on the quick tier: SparseGPT + KD tuned first (its lr is the recipe), then every
     mask (magnitude, Wanda, SparseGPT, a run's learned one) as a file, each retrained under exactly itself."""
