@@ -95,7 +95,11 @@ def load_rows(docs: Path, model: str) -> dict[int, dict[str, dict]]:
         if not doc.get("split_sha256"):
             print(f"  {path.name}: left out (earlier protocol: no fixed split digest)", flush=True)
             continue
-        digests[path.name] = doc["split_sha256"]
+        found_here = doc["split_sha256"]  # the digests of the table's rows (one, or a table that mixes splits)
+        found_here = {found_here} if isinstance(found_here, str) else set(found_here)
+        if len(found_here) > 1:
+            raise SystemExit(f"{path.name}: its rows are scored on different splits: regenerate it first")
+        digests[path.name] = found_here.pop()
         found[int(doc["budget"])] = {r["name"]: r for r in doc["rows"] if r.get("status") == "ok"}
     if len(set(digests.values())) > 1:
         raise SystemExit("the comparison tables are scored on different splits ("
@@ -267,6 +271,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def _at(cross: dict, split: dict, name: str) -> str:
+    """'at 384k', 'at no budget of the grid', or 'not estimated' where the comparator has no prediction."""
+    if all(p[name] is None for p in split["predictions"]):
+        return "not estimated (measured at fewer than two budgets)"
+    return f"at {budget_name(cross[name])}" if cross[name] else "at no budget of the grid"
+
+
 def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
     stem = docs / f"decay-crossover-{tier['model']}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -296,9 +307,8 @@ def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
         cr = sp["crossover"]
         iv = sp.get("crossover_interval") or {}
         md.append(f"- **{name}**: fit a = {sp['a']:.3f}, c = {sp['c']:.2f} (a fully decayed run's floor: "
-                  f"{sp['floor']:.1f}); on the means it overtakes one-shot SparseGPT at "
-                  f"{budget_name(cr['sparsegpt']) if cr['sparsegpt'] else 'no budget of the grid'}, SparseGPT + KD "
-                  f"at {budget_name(cr['sparsegpt_kd']) if cr['sparsegpt_kd'] else 'no budget of the grid'}. Under "
+                  f"{sp['floor']:.1f}); on the means it overtakes one-shot SparseGPT "
+                  f"{_at(cr, sp, 'sparsegpt')}, SparseGPT + KD {_at(cr, sp, 'sparsegpt_kd')}. Under "
                   f"the seed spread (σ of ln ppl between seeds {sp.get('seed_sd_log', 0):.3f}; 2,000 draws "
                   f"resampling the seeds of every measured budget): one-shot SparseGPT "
                   f"{describe_interval(iv.get('sparsegpt'))}; SparseGPT + KD {describe_interval(iv.get('sparsegpt_kd'))}.")

@@ -25,14 +25,17 @@ def test_prune_cost_fit_is_exact_through_two_points_and_refuses_one():
 
 
 def test_rows_are_read_from_the_fixed_protocol_tables_only(tmp_path):
-    doc = {"budget": 48000, "split_sha256": "ab" * 32, "rows": [{"name": "cast", "status": "ok", "heldout": 2.0},
+    doc = {"budget": 48000, "split_sha256": ["ab" * 32], "rows": [{"name": "cast", "status": "ok", "heldout": 2.0},
                                                                 {"name": "srste", "status": "failed"}]}
     (tmp_path / "compare-m-48k.json").write_text(json.dumps(doc))
     earlier = {"budget": 192000, "rows": [{"name": "cast", "status": "ok", "heldout": 1.0}]}  # no split digest
     (tmp_path / "compare-m-192k.json").write_text(json.dumps(earlier))
     assert dc.load_rows(tmp_path, "m") == {48000: {"cast": doc["rows"][0]}}
     (tmp_path / "compare-m-384k.json").write_text(json.dumps({**earlier, "budget": 384000, "split_sha256": "cd" * 32}))
-    with pytest.raises(SystemExit, match="different splits"):
+    with pytest.raises(SystemExit, match="tables are scored on different splits"):
+        dc.load_rows(tmp_path, "m")
+    (tmp_path / "compare-m-384k.json").write_text(json.dumps({**earlier, "split_sha256": ["ab" * 32, "cd" * 32]}))
+    with pytest.raises(SystemExit, match="compare-m-384k.json: its rows are scored on different splits"):
         dc.load_rows(tmp_path, "m")
 
 
@@ -54,3 +57,10 @@ def test_bootstrap_crossover_reports_an_interval_and_the_share_that_never_crosse
     assert low["crossed_share"] == 0 and dc.describe_interval(low) == "no crossover up to 12M in any of 50 draws"
     # two budgets with a spread: the seed values themselves are resampled
     assert dc.seed_values({"seeds": [{"test": 2.0}, {"heldout": 3.0}]}, "test") == [2.0, 3.0]
+
+
+def test_a_comparator_measured_at_one_budget_is_not_estimated_rather_than_never():
+    split = {"predictions": [{"sparsegpt": 80.0, "sparsegpt_kd": None}, {"sparsegpt": 80.0, "sparsegpt_kd": None}]}
+    assert dc._at({"sparsegpt": 384_000, "sparsegpt_kd": None}, split, "sparsegpt") == "at 384k"
+    assert dc._at({"sparsegpt": None, "sparsegpt_kd": None}, split, "sparsegpt") == "at no budget of the grid"
+    assert dc._at({"sparsegpt": None, "sparsegpt_kd": None}, split, "sparsegpt_kd").startswith("not estimated")
