@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             out = cmp.runs / e.key / f"seed-{seed}"
             if (opts.report_only or key not in chosen) and not (out / "compare_row.json").is_file():
                 continue
-            print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} seed {seed} ...", flush=True)
+            if not (out / "compare_row.json").is_file():  # (a finished run is reused, not announced)
+                print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} seed {seed} ...", flush=True)
             runs.append(cmp._run_one(e, out, seed, dict(recipe)))
         if runs:
             row = cmp.aggregate(runs)
