@@ -33,6 +33,7 @@ from compare_report import _num, paired, portable  # noqa: E402
 
 ONESHOT = {"magnitude": "Magnitude (Eq. 6)", "wanda": "Wanda", "sparsegpt": "SparseGPT"}
 BASE = "sparsegpt"  # every mask is paired against SparseGPT's
+START = "magnitude"  # and a learned one also against the mask paper-exact CAST starts from (Eq. 6)
 
 
 def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dict[str, dict]:
@@ -160,6 +161,7 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
     docs.mkdir(parents=True, exist_ok=True)
     stem = f"mask-swap-{cmp.model_name}-{budget_name(cmp.budget)}"
     base = next((r for r in rows if r["key"] == BASE), None)
+    start = next((r for r in rows if r["key"] == START), None)
     out_rows = []
     for r in rows:
         seeds = [{"seed": x["seed"], "test_ppl": x.get("test", x.get("heldout")), "wikitext2_ppl": x.get("wikitext2"),
@@ -174,6 +176,9 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         if base is not None and r is not base:
             row["paired"] = {"against": BASE, **{s: paired({**r, "key": r["key"]}, {**base, "key": BASE}, s)
                                                  for s in ("test", "wikitext2")}}
+        if start is not None and r["key"].startswith("learned-"):  # did the learning improve the mask it began from?
+            row["paired_vs_start"] = {"against": START, **{s: paired({**r, "key": r["key"]}, {**start, "key": START},
+                                                                     s) for s in ("test", "wikitext2")}}
         out_rows.append(row)
     regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp)) + ["python benchmarks/mask_swap.py " + shlex.join(
         ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
@@ -199,6 +204,12 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         lines.append(f"| {r['label']} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
                      f"{_num(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
                      f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} |")
+    starts = [(r, j) for r, j in zip(rows, out_rows) if "paired_vs_start" in j]
+    if starts:
+        lines += ["", "A learned mask against the magnitude mask its run started from (paper-exact CAST's first mask, "
+                  "Eq. 6), seed by seed: " + "; ".join(
+                      f"{r['label']}: test {_pair({'paired': j['paired_vs_start']}, 'test')}, WikiText-2 "
+                      f"{_pair({'paired': j['paired_vs_start']}, 'wikitext2')}" for r, j in starts) + "."]
     lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
               "interval; **better** / **worse** only where it excludes 0, else **level**.", "",
               "Masks: " + "; ".join(f"{r['label']}: {r['mask']} (`{r['mask_sha256'][:12]}`)" for r in rows), "",

@@ -253,6 +253,9 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
         state = load_file(tmp_path / "m" / "tiny-llama-256" / f"mask-{name}" / "seed-0" / "model" / "model.safetensors")
         assert all(torch_equal(state[f"{k}.weight"] != 0, v) for k, v in masks.items())
     assert by["sparsegpt"]["groups_vs_sparsegpt"] == 0 and by["magnitude"]["groups_vs_magnitude"] == 0
+    start = by["learned-paper-exact-cast"]["paired_vs_start"]  # the learned mask against the mask it began from
+    assert start["against"] == "magnitude" and start["test"]["n"] == 2
+    assert "paired_vs_start" not in by["wanda"]
     pair = by["wanda"]["paired"]["test"]
     assert pair["n"] == 2 and pair["verdict"] in ("better", "worse", "level")
     assert f"**{pair['verdict']}**" in (docs / "mask-swap-tiny-llama-256.md").read_text()
