@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_report import (  # noqa: E402
     ORDER_CHECK,
     portable,
+    register_runs_folder,
     wikitext2_description,
     write_chart,
     write_json,
@@ -232,6 +233,7 @@ class Comparison:
         if self.inprocess and not opts.threads:
             opts.threads = 1  # tiny matrices: one thread is fastest, and never oversubscribes a CI machine
         root = Path(opts.runs_dir) if opts.runs_dir else REPO / "runs" / "compare"
+        register_runs_folder(root, "runs/compare")  # reports name its runs where a fresh clone puts them
         self.entries = (CORE + (SRSTE_SWEEP if opts.sweeps else []) + (MASKLLM if opts.maskllm else [])
                         + (ABLATIONS if opts.ablations else []))
         self.only = set(opts.only.split(",")) if opts.only else None

@@ -29,6 +29,17 @@ def _num(v, fmt="{:.2f}") -> str:
     return "—" if v is None else fmt.format(v)
 
 
+RUN_FOLDERS: dict[str, str] = {}  # a runs folder given with --runs-dir → the default folder it stands for
+
+
+def register_runs_folder(path: str | Path, default: str) -> None:
+    """Reports name runs under ``path`` as under ``default`` (e.g. ``runs/compare``), where a fresh clone's
+    rerun puts them: a machine's own folders stay out of committed tables."""
+    resolved = str(Path(path).resolve())
+    if resolved != str(REPO / default):
+        RUN_FOLDERS[resolved] = default
+
+
 def portable(text: str) -> str:
     """``text`` with this checkout's absolute path removed (commands and folders read from the repository root;
     a ``…/runs/compare/`` folder of another checkout becomes ``runs/compare/``),
@@ -36,6 +47,8 @@ def portable(text: str) -> str:
     every run resolves that same copy by itself."""
     from cast_llm.eval.ppl import wikitext2_source
 
+    for folder in sorted(RUN_FOLDERS, key=len, reverse=True):
+        text = re.sub(re.escape(folder) + r"(?![\w.-])", RUN_FOLDERS[folder], text)
     text = text.replace(str(REPO) + "/", "")
     # a run made in another checkout of the repository (a worktree) names its runs folder absolutely
     text = re.sub(r"(?<![\w./-])/[^\s'\"]*?/(runs/compare/)", r"\1", text)

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_methods import Comparison, Entry, budget_name, parse_args  # noqa: E402
-from compare_report import _num, paired, portable  # noqa: E402
+from compare_report import _compute, _num, paired, portable, register_runs_folder  # noqa: E402
 
 ONESHOT = {"magnitude": "Magnitude (Eq. 6)", "wanda": "Wanda", "sparsegpt": "SparseGPT"}
 BASE = "sparsegpt"  # every mask is paired against SparseGPT's
@@ -114,10 +114,17 @@ def main(argv=None) -> int:
     cmp_argv = ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--runs-dir", opts.runs_dir,
                 "--tuning-from", opts.recipe_from, "--report-only"]
     cmp = Comparison(parse_args(cmp_argv + (["--threads", str(opts.threads)] if opts.threads else [])))
+    # reports name the runs where a fresh clone's rerun puts them (this benchmark's, and the comparison's)
+    register_runs_folder(opts.runs_dir, "runs/mask-swap")
+    if not opts.recipe_from.endswith(".json"):
+        register_runs_folder(Path(opts.recipe_from).parent, "runs/compare")
     recipe = (cmp.tuning_from.get("naive-kd-sgpt") or {}).get("chosen_setting")
     if not recipe:
         raise SystemExit(f"--recipe-from {opts.recipe_from}: no tuning of naive-kd-sgpt there (run its --tune first)")
     learned = dict(x.split("=", 1) for x in opts.learned)
+    for path in learned.values():  # a comparison run's model: <runs>/<model>-<budget>/<row>/seed-<s>/model
+        if in_default_runs(path, 4).startswith("runs/compare/"):
+            register_runs_folder(Path(path).parents[3], "runs/compare")
     from cast_llm.io import atomic_write_text
 
     listed = cmp.runs / "masks.json"
@@ -169,7 +176,7 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
                   "threads": x.get("threads"), "wall_s": x.get("wall_s"), "machine": x.get("machine"),
                   "code": x.get("code"), "status": x.get("status"), "command": portable(x.get("command", ""))}
                  for x in r.get("seeds") or [r]]
-        row = {"name": r["key"], "label": r["label"], "mask": r["mask"], "mask_sha256": r["mask_sha256"],
+        row = {"name": r["key"], "label": r["label"], "mask": portable(r["mask"]), "mask_sha256": r["mask_sha256"],
                "groups_vs_sparsegpt": r["groups_vs_sparsegpt"], "groups_vs_magnitude": r.get("groups_vs_magnitude"),
                "test_ppl": r.get("heldout"),
                "wikitext2_ppl": r.get("wikitext2"), "seeds": seeds}
@@ -199,11 +206,11 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
              "comparison tables). Masks differ from SparseGPT's in the share of 2:4 groups given; the masks are "
              "files (SHA-256 in the JSON).", "",
              "| Mask | Groups ≠ SparseGPT's | Groups ≠ magnitude's | Test ppl | WikiText-2 ppl | vs SparseGPT's mask "
-             "(test) | vs SparseGPT's mask (WikiText-2) |", "|---|---:|---:|---:|---:|---|---|"]
+             "(test) | vs SparseGPT's mask (WikiText-2) | Wall time |", "|---|---:|---:|---:|---:|---|---|---:|"]
     for r, j in zip(rows, out_rows):
         lines.append(f"| {r['label']} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
                      f"{_num(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
-                     f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} |")
+                     f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} | {_compute(r)} |")
     starts = [(r, j) for r, j in zip(rows, out_rows) if "paired_vs_start" in j]
     if starts:
         lines += ["", "A learned mask against the magnitude mask its run started from (paper-exact CAST's first mask, "
@@ -212,11 +219,40 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
                       f"{_pair({'paired': j['paired_vs_start']}, 'wikitext2')}" for r, j in starts) + "."]
     lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
               "interval; **better** / **worse** only where it excludes 0, else **level**.", "",
-              "Masks: " + "; ".join(f"{r['label']}: {r['mask']} (`{r['mask_sha256'][:12]}`)" for r in rows), "",
-              f"Wall time of this invocation: {wall:.0f} s; each run's own in the JSON (`wall_s`, `threads`, "
-              "`machine.other_cores`: what else kept the machine busy)."]
+              "Masks: " + "; ".join(f"{r['label']}: `{portable(r['mask'])}` (`{r['mask_sha256'][:12]}`)" for r in rows),
+              "", "Wall time: one run's, mean over the seeds (retraining and its evaluations; the one-shot masks' "
+              "pruning is not in it), its thread count and the most cores other jobs kept busy meanwhile (0 = an "
+              f"idle machine); every run's own in the JSON. This invocation: {wall:.0f} s."]
+    if plot(rows, docs / f"{stem}.png", f"{cmp.tier['model']}, {budget_name(cmp.budget)} tokens: one recipe, "
+            "four fixed masks"):
+        lines += ["", f"![the masks compared]({stem}.png)"]
     (docs / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {docs / (stem + '.md')} and {docs / (stem + '.json')}")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """Each mask's mean (bar) and every seed (dots), test and WikiText-2 side by side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, (split, name) in zip(axes, (("heldout", "test"), ("wikitext2", "WikiText-2"))):
+        for i, r in enumerate(rows):
+            runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
+            ax.bar(i, r[split], color="#4a78b5" if r["key"] == BASE else "#9bb0cc")
+            ax.plot([i] * len(runs), [x[split] for x in runs], "k.", markersize=6)
+        ax.set_xticks(range(len(rows)), [r["label"].removesuffix(" mask") for r in rows], rotation=15, fontsize=8)
+        ax.set_ylabel(f"{name} perplexity (lower is better)")
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def recipe_tuning(cmp: Comparison) -> dict:

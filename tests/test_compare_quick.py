@@ -185,9 +185,18 @@ def test_report_only_runs_nothing_and_keeps_every_finished_row(tmp_path):
 def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from compare_report import portable
+        import compare_report
+        from compare_report import portable, register_runs_folder
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    # a runs folder given with --runs-dir is named where a fresh clone's rerun puts it
+    register_runs_folder("/scratch/q/compare", "runs/compare")
+    try:
+        assert portable("--output-dir /scratch/q/compare/m-48k/cast/seed-0/model x") == \
+            "--output-dir runs/compare/m-48k/cast/seed-0/model x"
+        assert portable("/scratch/q/compare-old/a") == "/scratch/q/compare-old/a"  # another folder, left alone
+    finally:
+        compare_report.RUN_FOLDERS.pop("/scratch/q/compare")
     cmd = "cast-llm train --output-dir /elsewhere/wt/runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
     assert portable(cmd) == "cast-llm train --output-dir runs/compare/m-48k/naive/seed-0/model --data /data/x.jsonl"
     assert portable(f"{REPO}/docs/results/x.json") == "docs/results/x.json"
