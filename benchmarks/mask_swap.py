@@ -224,7 +224,7 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
               "pruning is not in it), its thread count and the most cores other jobs kept busy meanwhile (0 = an "
               f"idle machine); every run's own in the JSON. This invocation: {wall:.0f} s."]
     if plot(rows, docs / f"{stem}.png", f"{cmp.tier['model']}, {budget_name(cmp.budget)} tokens: one recipe, "
-            "four fixed masks"):
+            f"{len(rows)} fixed masks"):
         lines += ["", f"![the masks compared]({stem}.png)"]
     (docs / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {docs / (stem + '.md')} and {docs / (stem + '.json')}")
