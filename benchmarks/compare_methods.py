@@ -191,6 +191,12 @@ MASK_CANDIDATES = [
 ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + LR_SWEEPS + ABLATIONS + DEFAULT_ABLATIONS + MASK_CANDIDATES
 
 
+def read_row(path: Path) -> dict:
+    """A finished run's ``compare_row.json`` (rows written before resumed runs were told apart get their wall
+    time from the run's clock here)."""
+    return whole_run_wall(json.loads(path.read_text()))
+
+
 def whole_run_wall(row: dict) -> dict:
     """A training run stopped and resumed (a SIGTERM, a machine given back) is finished by a later invocation
     whose own wall time covers only the last segment; the run's clock (``train_wall_s``, results.json's
@@ -406,7 +412,6 @@ class Comparison:
     @staticmethod
     def aggregate(runs: list[dict]) -> dict:
         """One table row from the runs of a seeded entry: the mean over the seeds and the range."""
-        runs = [whole_run_wall(r) for r in runs]
         if len(runs) == 1:
             return {**runs[0], "seeds": runs}
         ok = [r for r in runs if r.get("status") == "ok"]
@@ -428,7 +433,7 @@ class Comparison:
     def _run_one(self, e: Entry, out: Path, seed: int | None, hp_override: dict | None = None) -> dict:
         done = out / "compare_row.json"
         if done.is_file() and not self.opts.fresh:
-            return whole_run_wall(json.loads(done.read_text()))
+            return read_row(done)
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         machine = MachineLoad()
@@ -468,8 +473,9 @@ class Comparison:
         row.update(heldout=ppl["heldout"], test=ppl["heldout"], validation=ppl.get("validation"),
                    wikitext2=ppl["wikitext2"], wall_s=round(time.perf_counter() - t0, 1), status="ok",
                    machine=machine.finish(), code=code_version())
+        row = whole_run_wall(row)
         done.write_text(json.dumps(row, indent=2))
-        return whole_run_wall(row)
+        return row
 
     def entry_train_argv(self, e: Entry, out: Path, seed: int | None,
                          hp_override: dict | None = None) -> tuple[list[str], dict]:
@@ -595,11 +601,11 @@ class Comparison:
             if (self.only and e.key not in self.only) or e not in self.entries:  # reused, never run here
                 done = self.runs / e.key / "compare_row.json"
                 if done.is_file():
-                    rows.append(whole_run_wall(json.loads(done.read_text())))
+                    rows.append(read_row(done))
                 elif e.seeded and (seeds := self.finished_seeds(e)):
                     # the seeds that finished, aggregated without running (--fresh redoes only the rows it runs)
-                    rows.append(self.aggregate([json.loads((self.runs / e.key / f"seed-{x}" / "compare_row.json")
-                                                           .read_text()) for x in seeds]))
+                    rows.append(self.aggregate([read_row(self.runs / e.key / f"seed-{x}" / "compare_row.json")
+                                                for x in seeds]))
                 if rows and rows[-1]["key"] == e.key:  # the entry describes the row; its runs give the numbers
                     rows[-1].update(label=e.label, weight_update=e.weight_update, mask=e.mask)
                 continue

@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     if not recipe:
         raise SystemExit(f"--recipe-from {opts.recipe_from}: no tuning of naive-kd-sgpt there (run its --tune first)")
     learned = dict(x.split("=", 1) for x in opts.learned)
-    for path in learned.values():  # a comparison run's model: <runs>/<model>-<budget>/<row>/seed-<s>/model
-        if in_default_runs(path, 4).startswith("runs/compare/"):
-            register_runs_folder(Path(path).parents[3], "runs/compare")
+    for path in learned.values():  # a comparison run's model is named as under runs/compare
+        if (run := comparison_run(path)) is not None:
+            register_runs_folder(run[0], "runs/compare")
     from cast_llm.io import atomic_write_text
 
     listed = cmp.runs / "masks.json"
@@ -189,9 +189,7 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         out_rows.append(row)
     regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp)) + ["python benchmarks/mask_swap.py " + shlex.join(
         ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
-         in_default_runs(opts.recipe_from, 1)]
-        + [x for name_path in opts.learned for x in (
-            "--learned", name_path.split("=", 1)[0] + "=" + in_default_runs(name_path.split("=", 1)[1], 4))])])
+         portable(opts.recipe_from)] + [x for name_path in opts.learned for x in ("--learned", portable(name_path))])])
     doc = {"generated": datetime.date.today().isoformat(), "regenerate": regenerate, "model": cmp.tier["model"],
            "budget": cmp.budget, "recipe": {"method": "naive retraining + KD (fixed mask), dense weights ⊙ mask",
                                             **recipe, "eta": cmp.tier["eta"], "from": portable(opts.recipe_from)},
@@ -259,15 +257,13 @@ def recipe_tuning(cmp: Comparison) -> dict:
     return cmp.tuning_from.get("naive-kd-sgpt") or {}
 
 
-def in_default_runs(path: str, depth: int) -> str:
-    """A comparison runs folder (``depth`` 1: ``<model>-<budget>``) or a run's model in it (4:
-    ``<model>-<budget>/<row>/seed-<s>/model``) where ``compare_methods.py`` puts it by default, so that the
-    rerun line works on a fresh clone; any other path as given."""
+def comparison_run(path: str) -> tuple[Path, str, str, str] | None:
+    """(runs folder, budget, row, seed) of a model exported by a comparison run
+    (``<runs>/<model>-<budget>/<row>/seed-<s>/model``); None for any other folder."""
     parts = Path(path).parts
-    layout = not path.endswith(".json") if depth == 1 else parts[-1:] == ("model",) and parts[-2].startswith("seed-")
-    if len(parts) >= depth and layout:
-        return "runs/compare/" + "/".join(parts[-depth:])
-    return portable(path)
+    if len(parts) >= 5 and parts[-1] == "model" and parts[-2].startswith("seed-") and "-" in parts[-4]:
+        return Path(*parts[:-4]), parts[-4].rsplit("-", 1)[1], parts[-3], parts[-2].removeprefix("seed-")
+    return None
 
 
 def prerequisites(opts, tuning: dict) -> list[str]:
@@ -280,11 +276,10 @@ def prerequisites(opts, tuning: dict) -> list[str]:
         cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {opts.tokens} --tune {grid} "
                     "--tune-only naive-kd-sgpt --seeds 0 --only naive-kd-sgpt")
     for name_path in opts.learned:
-        parts = Path(name_path.split("=", 1)[1]).parts
-        if len(parts) >= 4 and parts[-1] == "model" and parts[-2].startswith("seed-") and "-" in parts[-4]:
-            budget = parts[-4].rsplit("-", 1)[1]
-            cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only "
-                        f"{parts[-3]} --seeds {parts[-2][len('seed-'):]}")
+        if (run := comparison_run(name_path.split("=", 1)[1])) is not None:
+            _, budget, row, seed = run
+            cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only {row} "
+                        f"--seeds {seed}")
     return cmds
 
 
