@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -264,16 +265,7 @@ class Comparison:
                 raise SystemExit("--tune takes lr=V1,V2,... (the grid of learning rates)")
             self.grid = (name, [float(x) for x in values.split(",")])
         self.tune_only = set(opts.tune_only.split(",")) if opts.tune_only else None
-        self.tuning_from = {}
-        src = Path(opts.tuning_from) if opts.tuning_from else None
-        if src is not None and src.is_dir():  # a runs folder of another budget: its rows' tuning.json
-            for f in src.glob("*/tuning.json"):
-                self.tuning_from[f.parent.name] = {**json.loads(f.read_text()), "from": portable(str(src))}
-        elif src is not None:  # a compare-*.json
-            for row in json.loads(src.read_text()).get("rows", []):
-                t = row.get("tuning") or {}
-                if t.get("chosen_setting"):
-                    self.tuning_from[row["name"]] = {**t, "from": portable(str(src))}
+        self.tuning_from: dict[str, dict] = {}  # row → the tuning record another budget chose (--tuning-from)
         if opts.tier == "quick":
             self._build_quick_model(root)
         # Other tiers: every run resolves WikiText-2 the same way ($CAST_WIKITEXT2, else the copy packaged with
@@ -281,8 +273,31 @@ class Comparison:
         self.model_name = Path(self.tier["model"]).name if opts.tier == "quick" else self.tier["model"]
         self.runs = root / f"{self.model_name}-{budget_name(self.budget)}"
         self.runs.mkdir(parents=True, exist_ok=True)
+        self._load_tuning_from(Path(opts.tuning_from) if opts.tuning_from else None)
 
     # ------------------------------------------------------------------------------------------ setup
+    def _load_tuning_from(self, src: Path | None) -> None:
+        """Read the tuning choices ``--tuning-from`` names (another budget's runs folder or compare-*.json). The
+        runs folder remembers the source (``tuning_from.json``), so a later ``--report-only`` on it reports the
+        tuning its rows ran under without being told again."""
+        remembered = self.runs / "tuning_from.json"
+        if src is None and remembered.is_file():
+            src = Path(json.loads(remembered.read_text())["tuning_from"])
+        if src is None:
+            return
+        if not src.exists():
+            raise SystemExit(f"--tuning-from {src}: no such runs folder or compare-*.json; give the runs folder "
+                             "of the budget whose tuning these rows reuse (e.g. runs/compare/smollm2-135m-48k)")
+        remembered.write_text(json.dumps({"tuning_from": str(src.resolve())}, indent=2))
+        if src.is_dir():  # a runs folder of another budget: its rows' tuning.json
+            for f in src.glob("*/tuning.json"):
+                self.tuning_from[f.parent.name] = {**json.loads(f.read_text()), "from": portable(str(src))}
+        else:  # a compare-*.json
+            for row in json.loads(src.read_text()).get("rows", []):
+                t = row.get("tuning") or {}
+                if t.get("chosen_setting"):
+                    self.tuning_from[row["name"]] = {**t, "from": portable(str(src))}
+
     def _build_quick_model(self, root: Path) -> None:
         """A seeded tiny LLaMA with a 512-token BPE trained on a small corpus, and an evaluation text."""
         import torch
@@ -616,6 +631,8 @@ class Comparison:
             if r["status"] == "ok":
                 print(f"          held-out {r['heldout']}  WikiText-2 {r['wikitext2']}  ({r['wall_s']:.0f} s)",
                       flush=True)
+        if (clash := evaluation_clash(rows, self.tier)) is not None:
+            raise SystemExit(clash)
         for r in rows:  # how each training row's setting was chosen (on the validation split), or that it was not
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
@@ -753,10 +770,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     return opts
 
 
+# the evaluation settings a report describes once for all rows: (train option, tier setting)
+EVAL_SETTINGS = (("--wikitext-windows", "wikitext_windows"), ("--test-sequences", "test_sequences"),
+                 ("--val-sequences", "val_sequences"), ("--eval-seq-len", "eval_seq_len"), ("--seq-len", "seq_len"))
+
+
+def evaluation_clash(rows: list[dict], tier: dict) -> str | None:
+    """A one-line error when a row ran with an evaluation setting other than this invocation's (its command says
+    so), since the report describes the evaluation from the settings: e.g. 192k rows run with every WikiText-2
+    window reported by an invocation without ``--set wikitext_windows=0``. None when they agree."""
+    for r in rows:
+        for run in [r] + list(r.get("seeds") or []):
+            cmd = run.get("command") or ""
+            for flag, key in EVAL_SETTINGS:
+                found = re.findall(rf"{flag} (\S+)", cmd)
+                if found and tier.get(key) is not None and float(found[-1]) != float(tier[key]):
+                    return (f"compare_methods: row {r.get('key')} ran with {flag} {found[-1]}, this invocation's "
+                            f"setting is {tier[key]}: pass --set {key}={found[-1]} (as the rows were run), or "
+                            "the report would describe another evaluation than its rows had")
+    return None
+
+
+def tuning_prerequisites(rows: list[dict], base: list[str]) -> list[list[str]]:
+    """The invocations that make the tuning choices rows reuse from another budget (``--tuning-from``): one
+    ``--tune`` invocation at that budget per distinct grid, as its own table reruns it."""
+    keep = [x for i, a in enumerate(base) if a in ("--tier", "--threads") for x in base[i:i + 2]]
+    grids: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        tuning = r.get("tuning") or {}
+        if tuning.get("grid") and tuning.get("from"):
+            m = re.search(r"(?:^|[-/])(\d+(?:\.\d+)?[kKmMgG]?)(?:\.json)?$", tuning["from"])
+            if m is None:
+                continue  # a source not named by its budget: --tuning-from alone says where the choice came from
+            name, values = next(iter(tuning["grid"].items()))
+            grids.setdefault((m.group(1), f"{name}={','.join(map(str, values))}"), []).append(r["key"])
+    return [keep + ["--tokens", budget, "--tune", grid, "--tune-only", ",".join(keys), "--seeds", "0",
+                    "--only", ",".join(keys)] for (budget, grid), keys in grids.items()]
+
+
 def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
     """The invocations that run every row of ``rows`` from scratch, in order (joined with ``&&``, one command
-    line): one ``--tune`` invocation per distinct grid the rows were tuned over (seed 0, as tuning runs), then
-    one that runs every row with every seed any row has, each tuned row at its choice.
+    line): the tuning of another budget the rows reuse (``tuning_prerequisites``), one ``--tune`` invocation per
+    distinct grid the rows were tuned over here (seed 0, as tuning runs), then one that runs every row with every
+    seed any row has, each tuned row at its choice.
 
     A table grown by several ``--only`` invocations is regenerated by these (finished runs are reused, so on
     the same runs directory they run only what is missing, e.g. the seeds a row ran fewer of)."""
@@ -779,8 +835,9 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
         if tuning.get("grid") and not tuning.get("from"):
             name, values = next(iter(tuning["grid"].items()))
             grids.setdefault(f"{name}={','.join(map(str, values))}", []).append(r["key"])
-    out = [base + ["--tune", grid, "--tune-only", ",".join(keys), "--seeds", "0", "--only", ",".join(keys)]
-           for grid, keys in grids.items()]
+    out = tuning_prerequisites(rows, base) + [
+        base + ["--tune", grid, "--tune-only", ",".join(keys), "--seeds", "0", "--only", ",".join(keys)]
+        for grid, keys in grids.items()]
     sources = [x for src in sorted({r["tuning"]["from"] for r in rows if (r.get("tuning") or {}).get("from")})
                for x in ("--tuning-from", src)]
     return out + [base + sources + ["--seeds", ",".join(map(str, seeds or [0])),

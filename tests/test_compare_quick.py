@@ -113,6 +113,9 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
              {"key": "far", "seeds": [], "tuning": {"grid": {"lr": ["1"]}, "from": "runs/48k"}}]
     base = ["--tier", "cpu", "--tokens", "192k", "--threads", "2"]
     assert compare_methods.regenerate_argv(argv, tuned) == [
+        # the other budget's tuning first (the rerun starts from nothing), then this budget's grids
+        ["--tier", "cpu", "--threads", "2", "--tokens", "48k", "--tune", "lr=1", "--tune-only", "far", "--seeds", "0",
+         "--only", "far"],
         base + ["--tune", "lr=1e-4,2e-4", "--tune-only", "naive", "--seeds", "0", "--only", "naive"],
         base + ["--tune", "lr=1e-3", "--tune-only", "cast", "--seeds", "0", "--only", "cast"],
         base + ["--tuning-from", "runs/48k", "--seeds", "0,1", "--only", "naive,cast,far"]]
@@ -274,3 +277,40 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_a_budget_keeps_the_tuning_it_reused_and_refuses_to_misdescribe_its_evaluation(tmp_path):
+    """192k reuses 48k's choice (``--tuning-from``): the runs folder remembers it, so ``--report-only`` on it later
+    reports that tuning unprompted; a report whose settings differ from the rows' evaluation is refused."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    src = tmp_path / "runs" / "smollm2-135m-48k"
+    (src / "cast-best").mkdir(parents=True)
+    (src / "cast-best" / "tuning.json").write_text(json.dumps(
+        {"grid": {"lr": ["5e-05", "0.0001"]}, "chosen": {"lr": "0.0001"}, "chosen_setting": {"lr": 0.0001},
+         "metric": "validation perplexity, seed 0"}))
+    base = ["--tier", "cpu", "--tokens", "192k", "--report-only", "--runs-dir", str(tmp_path / "runs"),
+            "--docs-dir", str(tmp_path / "docs")]
+    first = compare_methods.Comparison(compare_methods.parse_args(base + ["--tuning-from", str(src)]))
+    assert first.tuned("cast-best")["chosen"] == {"lr": "0.0001"}
+    later = compare_methods.Comparison(compare_methods.parse_args(base))  # not told again
+    assert later.tuned("cast-best")["chosen_setting"] == {"lr": 0.0001} and later.tuned("naive-kd-sgpt") == {}
+    with pytest.raises(SystemExit, match="--tuning-from .*no such runs folder"):
+        compare_methods.Comparison(compare_methods.parse_args(base + ["--tuning-from", str(tmp_path / "nope")]))
+
+    full = {"key": "cast-best", "seeds": [{"seed": 0, "command": "cast-llm train --wikitext-windows 64 --seed 0 "
+                                                                  "--wikitext-windows 0"}]}
+    clash = compare_methods.evaluation_clash([full], later.tier)  # the cpu tier's default is 64 windows
+    assert clash is not None and "--set wikitext_windows=0" in clash and "cast-best" in clash
+    assert compare_methods.evaluation_clash([full], {**later.tier, "wikitext_windows": 0}) is None
+    assert compare_methods.evaluation_clash([{"key": "sparsegpt", "command": "cast-llm prune"}], later.tier) is None
+    (first.runs / "cast-best" / "seed-0").mkdir(parents=True)
+    (first.runs / "cast-best" / "seed-0" / "compare_row.json").write_text(json.dumps(
+        {"key": "cast-best", "label": "x", "kind": "train", "kd": True, "weight_update": "-", "mask": "-",
+         "tokens": 1, "seed": 0, "status": "ok", "heldout": 30.0, "wikitext2": 70.0, "wall_s": 1.0,
+         "command": full["seeds"][0]["command"]}))
+    with pytest.raises(SystemExit, match="wikitext_windows=0"):
+        later.run()
