@@ -1,0 +1,45 @@
+"""README's "How good is it" quotes measurements only: every figure in it is in a committed result file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+
+
+def _section(text: str, title: str) -> str:
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _figures_of_json(obj, out: set[str]) -> set[str]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _figures_of_json(v, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _figures_of_json(v, out)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out.add(f"{abs(obj):.2f}")
+    return out
+
+
+# a perplexity or a difference as the tables print them (two decimals), not a share ("1.9 %") or a count
+FIGURE = re.compile(r"(?<![\d.])\d+\.\d\d(?!\d)(?!\s*%)")
+
+
+def test_every_figure_of_how_good_is_it_is_a_committed_measurement():
+    """Each two-decimal figure of the section is in the comparison / mask-swap JSON (rows, seeds, paired
+    intervals) or, for the GPU runs it mentions, in the GPU kit's committed tables: a figure typed by hand, or
+    left behind when a table was regenerated, fails here."""
+    known: set[str] = set()
+    for f in sorted(RESULTS.glob("compare-*.json")) + sorted(RESULTS.glob("mask-swap-*.json")):
+        _figures_of_json(json.loads(f.read_text()), known)
+    for f in sorted((RESULTS / "gpu").glob("*.md")):
+        known |= set(FIGURE.findall(f.read_text()))
+    section = _section((REPO / "README.md").read_text(), "How good is it")
+    figures = FIGURE.findall(section)
+    assert len(figures) > 20  # the section still quotes its tables
+    assert [x for x in figures if x not in known] == []
