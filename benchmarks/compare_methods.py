@@ -250,7 +250,11 @@ class Comparison:
                 raise SystemExit(f"--only: unknown row(s) {', '.join(sorted(unknown))}; rows: "
                                  f"{', '.join(e.key for e in ALL_ENTRIES)}")
             self.entries = [e for e in ALL_ENTRIES if e.key in self.only or e in self.entries]
-        if opts.report_only:  # nothing runs: the table is rewritten from the rows that already finished
+        # --idle-walls: the rows whose wall time is measured once on an idle machine (--only's, else every finished
+        # row); nothing else runs, the table is rewritten with those times
+        self.wall_entries = ([e for e in ALL_ENTRIES if e.key in self.only] if self.only else None
+                             ) if opts.idle_walls else []
+        if opts.report_only or opts.idle_walls:  # nothing runs: the table is rewritten from the finished rows
             self.entries, self.only = [], None
         self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
         for kv in opts.set or []:  # tier settings of this invocation (e.g. wikitext_windows=0: the full protocol)
@@ -588,6 +592,51 @@ class Comparison:
                 taken.append(f"{e.key}{'' if run.get('seed') is None else ' seed ' + str(run['seed'])}")
         return taken
 
+    # ------------------------------------------------------------------------------------------ idle walls
+    def idle_wall(self, key: str) -> dict | None:
+        """Row ``key``'s wall time from one run on an otherwise idle machine (``<runs>/walls/<row>``), or None
+        where none was measured (or the machine turned out busy during it)."""
+        f = self.runs / "walls" / key / "compare_row.json"
+        if not f.is_file():
+            return None
+        r = read_row(f)
+        other = (r.get("machine") or {}).get("other_cores")
+        if r.get("status") != "ok" or other is None or other > IDLE_CORES:
+            return None
+        return {"wall_s": r["wall_s"], "threads": r.get("threads"), "other_cores": other, "seed": r.get("seed"),
+                "tokens": r.get("tokens"), "calib_tokens": r.get("calib_tokens"), "command": r.get("command")}
+
+    def measure_idle_walls(self, entries: list[Entry], busy=None) -> None:
+        """Run each row of ``entries`` once (its first seed, its tuned setting) into ``<runs>/walls/<row>`` and keep
+        its wall time, everything included (calibration, the teacher, the evaluations), for the table. Refuses to
+        start a row while other processes keep the machine busy, and does not keep a time during which they did:
+        the rows' own wall times are taken beside other jobs (their cells say how many cores)."""
+        import shutil
+
+        from cast_llm.train.threads import busy_cores
+
+        busy = busy or (lambda: busy_cores(os.cpu_count() or 1))
+        for e in entries:
+            if self.idle_wall(e.key) is not None:
+                print(f"          {e.key}: idle wall time measured already ({self.runs / 'walls' / e.key})")
+                continue
+            used = busy()
+            if used is not None and used > IDLE_CORES:
+                raise SystemExit(f"--idle-walls: other processes keep {used:.1f} cores busy; the wall times need "
+                                 "an otherwise idle machine (stop the other jobs and run this again: rows measured "
+                                 "so far are kept)")
+            out = self.runs / "walls" / e.key
+            if out.exists():  # an interrupted or busy measurement of ours: a resumed run's clock is not one run's
+                shutil.rmtree(out)
+            seed = self.seeds[0] if e.seeded or e.kind == "train" else None
+            print(f"          idle wall time of {e.key} (seed {seed}) ...", flush=True)
+            r = self._run_one(e, out, seed)
+            other = (r.get("machine") or {}).get("other_cores")
+            if r.get("status") == "ok":
+                print(f"          {e.key}: {r['wall_s']:.0f} s, {r.get('threads')} thread(s), other processes "
+                      f"{other} cores{'' if other is None or other <= IDLE_CORES else ' — busy: not kept'}",
+                      flush=True)
+
     def _failed(self, row: dict, out: Path) -> dict:
         log = out / "log.txt"
         tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["(in-process run failed)"]
@@ -610,6 +659,9 @@ class Comparison:
         # every row that already finished stays in the table, whichever invocation ran it
         finished = {e.key for e in ALL_ENTRIES
                     if (self.runs / e.key / "compare_row.json").is_file() or (e.seeded and self.finished_seeds(e))}
+        if self.opts.idle_walls:
+            self.measure_idle_walls([e for e in ALL_ENTRIES if e.key in finished]
+                                    if self.wall_entries is None else self.wall_entries)
         entries = [e for e in ALL_ENTRIES if e in self.entries or e.key in finished]
         rows = []
         for e in entries:
@@ -633,6 +685,9 @@ class Comparison:
                       flush=True)
         if (clash := evaluation_clash(rows, self.tier)) is not None:
             raise SystemExit(clash)
+        for r in rows:  # the row's wall time measured on an idle machine, where --idle-walls measured it
+            if (wall := self.idle_wall(r["key"])) is not None:
+                r["idle_wall"] = wall
         for r in rows:  # how each training row's setting was chosen (on the validation split), or that it was not
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
@@ -653,6 +708,7 @@ class Comparison:
         return md, png
 
 
+IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
 
 
@@ -763,6 +819,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tune-only", help="comma-separated rows that --tune tunes (default: every training row run)")
     p.add_argument("--tuning-from", help="a compare-*.json, or the runs folder of another budget, whose rows' "
                                          "tuning choices this invocation reuses (192k takes 48k's)")
+    p.add_argument("--idle-walls", action="store_true",
+                   help="measure each row's wall time once (its first seed) on an otherwise idle machine, into "
+                        "<runs>/walls/ (rows: --only's, else every finished row); nothing else runs; the table "
+                        "shows it beside the rows' own times")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a tier setting for this invocation, e.g. wikitext_windows=0 (every window)")
     opts = p.parse_args(argv)
@@ -825,7 +885,8 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
             skip = False
         elif a in dropped:
             skip = True
-        elif not a.startswith(tuple(f"{d}=" for d in dropped)) and a not in ("--fresh", "--report-only"):
+        elif not a.startswith(tuple(f"{d}=" for d in dropped)) and a not in ("--fresh", "--report-only",
+                                                                             "--idle-walls"):
             base.append(a)
     seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", []) if x.get("seed") is not None})
     # the tuning the rows went through: a grid run here (--tune), or another budget's choice (--tuning-from)
@@ -840,8 +901,10 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
         for grid, keys in grids.items()]
     sources = [x for src in sorted({r["tuning"]["from"] for r in rows if (r.get("tuning") or {}).get("from")})
                for x in ("--tuning-from", src)]
+    walls = [r["key"] for r in rows if r.get("idle_wall")]  # then the wall times measured on an idle machine
     return out + [base + sources + ["--seeds", ",".join(map(str, seeds or [0])),
-                                    "--only", ",".join(r["key"] for r in rows)]]
+                                    "--only", ",".join(r["key"] for r in rows)]] + (
+        [base + sources + ["--idle-walls", "--only", ",".join(walls)]] if walls else [])
 
 
 def main(argv=None) -> int:

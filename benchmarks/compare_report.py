@@ -81,7 +81,8 @@ def _compute(r: dict) -> str:
     runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
     threads = sorted({x.get("threads") for x in runs if x.get("threads")})
     other = [x["machine"]["other_cores"] for x in runs if (x.get("machine") or {}).get("other_cores") is not None]
-    out = f"{r['wall_s']:.0f} s"
+    idle = r.get("idle_wall")
+    out = (f"**{idle['wall_s']:.0f} s idle**, {idle['threads'] or '?'} thr<br>" if idle else "") + f"{r['wall_s']:.0f} s"
     if threads:
         out += f"<br>{'/'.join(map(str, threads))} thr"
     if other:
@@ -171,6 +172,8 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
                                 "validation_ppl": x.get("validation")}) for x in seeds]}
         if r.get("tuning") is not None:
             row["tuning"] = clean(r["tuning"])
+        if r.get("idle_wall") is not None:  # one run on an otherwise idle machine (--idle-walls)
+            row["idle_wall"] = clean(r["idle_wall"])
         for split in ("heldout", "wikitext2"):
             row[split] = r.get(split)
             row[f"{split}_range"] = r.get(f"{split}_range")
@@ -295,8 +298,10 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         "rate i_T (share of mask entries that differ from the run's first mask) / the share of 2:4 groups whose "
         "kept pair changed. tok/s: median training throughput. Wall time: one run of the row, everything "
         "included (calibration, the teacher, the evaluations), its thread count, and the most cores other jobs "
-        "kept busy meanwhile (0 = an idle machine). The same rows as data: "
-        f"`{path.with_suffix('.json').name}`.",
+        "kept busy meanwhile (0 = an idle machine)."
+        + (" Above it, where measured, one run's time on an otherwise idle machine at the same thread count "
+           "(`--idle-walls`, its first seed: \"idle\")." if any(r.get("idle_wall") for r in rows) else "")
+        + f" The same rows as data: `{path.with_suffix('.json').name}`.",
         "",
         "| Method | Type | Weight update | Mask | KD | lr | Training tokens | Test ppl | WikiText-2 ppl "
         "| S_T | Masks moved | tok/s | Wall time |",

@@ -314,3 +314,57 @@ def test_a_budget_keeps_the_tuning_it_reused_and_refuses_to_misdescribe_its_eval
          "command": full["seeds"][0]["command"]}))
     with pytest.raises(SystemExit, match="wikitext_windows=0"):
         later.run()
+
+
+def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_rows(tmp_path):
+    """``--idle-walls`` runs a row once into ``<runs>/walls`` and the table shows that time ("idle") above the
+    rows' own; it refuses to start on a busy machine, keeps rows measured so far, and drops a time taken while
+    other processes were busy; the rerun line measures the walls again."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from compare_report import _compute
+
+    argv = ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--threads", "1", "--runs-dir", str(tmp_path / "runs"),
+            "--docs-dir", str(tmp_path / "docs")]
+    cmp = compare_methods.Comparison(compare_methods.parse_args(argv + ["--idle-walls", "--only", "naive,cast"]))
+    assert cmp.entries == [] and [e.key for e in cmp.wall_entries] == ["naive", "cast"]
+    for key in ("naive", "cast"):  # the rows, run beside another job
+        out = cmp.runs / key / "seed-0"
+        out.mkdir(parents=True)
+        (out / "compare_row.json").write_text(json.dumps(
+            {"key": key, "label": key, "kind": "train", "kd": False, "weight_update": "-", "mask": "-", "tokens": 1,
+             "seed": 0, "status": "ok", "heldout": 40.0, "wikitext2": 140.0, "wall_s": 100.0, "threads": 1,
+             "machine": {"other_cores": 1.1}, "command": "cast-llm train --seed 0"}))
+    other = {"naive": 0.02, "cast": 0.9}  # cast's measurement: another process started meanwhile
+    ran = []
+
+    def fake(e, out, seed):
+        ran.append((e.key, seed, out.parent.name))
+        out.mkdir(parents=True, exist_ok=True)
+        row = {"key": e.key, "kind": "train", "seed": seed, "status": "ok", "wall_s": 80.0, "threads": 1,
+               "tokens": 1, "machine": {"other_cores": other[e.key]}, "command": "cast-llm train --seed 0"}
+        (out / "compare_row.json").write_text(json.dumps(row))
+        return row
+
+    cmp._run_one = fake
+    with pytest.raises(SystemExit, match="other processes keep 1.5 cores busy"):
+        cmp.measure_idle_walls(cmp.wall_entries, busy=lambda: 1.5)
+    assert ran == []
+    cmp.measure_idle_walls(cmp.wall_entries, busy=lambda: 0.0)
+    assert ran == [("naive", 0, "walls"), ("cast", 0, "walls")]
+    assert cmp.idle_wall("naive")["wall_s"] == 80.0 and cmp.idle_wall("cast") is None  # busy: not kept
+    cmp.measure_idle_walls(cmp.wall_entries, busy=lambda: 0.0)  # naive is kept; cast is measured again
+    assert ran[2:] == [("cast", 0, "walls")]
+
+    cmp.measure_idle_walls = lambda entries: None
+    cmp.run()
+    rows = {r["name"]: r for r in json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["rows"]}
+    assert rows["naive"]["idle_wall"]["wall_s"] == 80.0 and "idle_wall" not in rows["cast"]
+    text = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text()
+    assert "**80 s idle**, 1 thr<br>100 s<br>1 thr, other jobs 1.1 cores" in text and "`--idle-walls`" in text
+    assert _compute({"wall_s": 5.0, "seeds": [{"status": "ok", "threads": 1}]}) == "5 s<br>1 thr"
+    line = json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["regenerate"]
+    assert line.endswith("--idle-walls --only naive")
