@@ -416,7 +416,7 @@ class Comparison:
     def run_entry(self, e: Entry, seeds: list[int] | None = None) -> dict:
         """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
         if (self.grid and e.kind == "train" and (not self.tune_only or e.key in self.tune_only)
-                and not (self.runs / e.key / "tuning.json").is_file()):
+                and self.grid_changed(e.key)):
             self.tune(e)
         if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
@@ -517,6 +517,34 @@ class Comparison:
             return json.loads(local.read_text())
         return self.tuning_from.get(key, {})
 
+    def grid_changed(self, key: str) -> bool:
+        """Whether ``--tune``'s grid is not the one row ``key`` was tuned over (or it was not tuned): a wider grid
+        (its choice was the old grid's edge) re-chooses, running only the new points."""
+        local = self.runs / key / "tuning.json"
+        if not local.is_file():
+            return True
+        name, values = self.grid
+        return (json.loads(local.read_text()).get("grid") or {}).get(name) != [f"{v:g}" for v in values]
+
+    def _set_aside_other_choices(self, key: str, name: str, best: str) -> None:
+        """Seed runs of row ``key`` made at an earlier choice than ``best`` (finished or partial): renamed
+        ``seed-N.superseded-<name>-<value>`` (kept, out of the table), so the row's seeds run at the new choice."""
+        for d in sorted((self.runs / key).glob("seed-*")):
+            if not d.name.removeprefix("seed-").isdigit():
+                continue
+            row, config = d / "compare_row.json", d / "model" / "config.yaml"
+            if row.is_file():
+                value = (read_row(row).get("hyperparameters") or {}).get(name)
+            elif config.is_file():
+                found = re.search(rf"^{name}: (\S+)$", config.read_text(), re.M)
+                value = float(found.group(1)) if found else None
+            else:
+                continue
+            if value is not None and f"{float(value):g}" != best:
+                d.rename(d.with_name(f"{d.name}.superseded-{name}-{float(value):g}"))
+                print(f"          {key} {d.name}: ran at {name}={float(value):g}, not the new choice {best}: "
+                      f"set aside as {d.name}.superseded-{name}-{float(value):g}", flush=True)
+
     def tune(self, e: Entry) -> dict:
         """Run ``--tune``'s grid for training row ``e`` at the first seed, choose the setting with the lowest
         validation perplexity, record it in ``tuning.json``, and make the grid run at the chosen setting the
@@ -537,6 +565,7 @@ class Comparison:
                   "chosen_setting": {name: float(best)}, "metric": f"validation perplexity, seed {seed}",
                   "results": results}
         (self.runs / e.key / "tuning.json").write_text(json.dumps(record, indent=2))
+        self._set_aside_other_choices(e.key, name, best)
         src = self.runs / e.key / "grid" / f"{name}-{best}" / f"seed-{seed}" / "compare_row.json"
         dst = self.runs / e.key / f"seed-{seed}"
         if not (dst / "compare_row.json").is_file():

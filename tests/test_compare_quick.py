@@ -368,3 +368,48 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
     assert _compute({"wall_s": 5.0, "seeds": [{"status": "ok", "threads": 1}]}) == "5 s<br>1 thr"
     line = json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["regenerate"]
     assert line.endswith("--idle-walls --only naive")
+
+
+def test_a_wider_grid_rechooses_running_only_its_new_points_and_sets_aside_seeds_of_the_old_choice(tmp_path):
+    """A grid whose choice was its edge is widened: ``--tune`` with the new grid re-tunes (only the new points
+    run), and the row's seeds made at the old choice — finished or partial — are set aside, not reused."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    argv = ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--only", "naive-sgpt", "--runs-dir",
+            str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]
+    ran = []
+
+    def fake(e, out, seed, hp=None):
+        done = out / "compare_row.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        ran.append(hp["lr"])
+        out.mkdir(parents=True, exist_ok=True)
+        row = {"key": e.key, "seed": seed, "status": "ok", "validation": 40.0 - 1e4 * hp["lr"], "test": 1.0,
+               "wikitext2": 1.0, "lr": hp["lr"], "hyperparameters": {"lr": hp["lr"]}}
+        done.write_text(json.dumps(row))
+        return row
+
+    cmp = compare_methods.Comparison(compare_methods.parse_args(argv + ["--tune", "lr=1e-4,2e-4"]))
+    cmp._run_one = fake
+    entry = next(e for e in compare_methods.ALL_ENTRIES if e.key == "naive-sgpt")
+    assert cmp.grid_changed("naive-sgpt")
+    assert cmp.tune(entry)["chosen"] == {"lr": "0.0002"} and ran == [1e-4, 2e-4]  # the edge
+    assert not cmp.grid_changed("naive-sgpt")  # the same grid again: nothing re-tuned
+    seeds = cmp.runs / "naive-sgpt"
+    (seeds / "seed-1").mkdir()
+    (seeds / "seed-1" / "compare_row.json").write_text(json.dumps({"hyperparameters": {"lr": 2e-4}}))
+    (seeds / "seed-2" / "model").mkdir(parents=True)  # interrupted at the old choice
+    (seeds / "seed-2" / "model" / "config.yaml").write_text("lr_schedule: cosine\nlr: 0.0002\n")
+
+    wider = compare_methods.Comparison(compare_methods.parse_args(argv + ["--tune", "lr=1e-4,2e-4,4e-4"]))
+    wider._run_one = fake
+    assert wider.grid_changed("naive-sgpt")
+    assert wider.tune(entry)["chosen"] == {"lr": "0.0004"} and ran == [1e-4, 2e-4, 4e-4]  # only 4e-4 ran
+    names = sorted(p.name for p in seeds.glob("seed-*"))
+    assert names == ["seed-0", "seed-0.superseded-lr-0.0002", "seed-1.superseded-lr-0.0002",
+                     "seed-2.superseded-lr-0.0002"]
+    assert json.loads((seeds / "seed-0" / "compare_row.json").read_text())["lr"] == 4e-4  # the new choice's run
