@@ -632,8 +632,10 @@ class Comparison:
         other = (r.get("machine") or {}).get("other_cores")
         if r.get("status") != "ok" or other is None or other > IDLE_CORES:
             return None
+        # the re-run's own perplexities and code: a check that the row reproduces (same seed, same command)
         return {"wall_s": r["wall_s"], "threads": r.get("threads"), "other_cores": other, "seed": r.get("seed"),
-                "tokens": r.get("tokens"), "calib_tokens": r.get("calib_tokens"), "command": r.get("command")}
+                "tokens": r.get("tokens"), "calib_tokens": r.get("calib_tokens"), "test_ppl": r.get("test"),
+                "wikitext2_ppl": r.get("wikitext2"), "code": r.get("code"), "command": r.get("command")}
 
     def measure_idle_walls(self, entries: list[Entry], busy=None) -> None:
         """Run each row of ``entries`` once (its first seed, its tuned setting) into ``<runs>/walls/<row>`` and keep

@@ -76,6 +76,25 @@ def _ppl(r: dict, split: str) -> str:
     return f"{r[split]:.2f}<br>({per})"
 
 
+def rerun_lines(rows: list[dict]) -> list[str]:
+    """Per row with an idle wall-time run: its test / WikiText-2 against the same seed's row, and both codes."""
+    out = []
+    for r in rows:
+        idle = r.get("idle_wall") or {}
+        seed = next((x for x in r.get("seeds") or [r] if x.get("seed") == idle.get("seed")), None)
+        if idle.get("test_ppl") is None or seed is None or seed.get("test") is None:
+            continue
+        diffs = [(idle[f"{k}_ppl"] - seed[k]) / seed[k] for k in ("test", "wikitext2")]
+        same = all(abs(d) < 1e-4 for d in diffs)
+        which = "one run" if idle["seed"] is None else f"seed {idle['seed']}"
+        out.append(f"- {r.get('label', r['key'])} ({which}): test {idle['test_ppl']:.2f} vs "
+                   f"{seed['test']:.2f}, WikiText-2 {idle['wikitext2_ppl']:.2f} vs {seed['wikitext2']:.2f} "
+                   + ("— the same (within 0.01 %)" if same else
+                      f"— **{100 * diffs[0]:+.1f} % / {100 * diffs[1]:+.1f} %**")
+                   + f" (code {idle.get('code') or '?'} vs {seed.get('code') or '?'})")
+    return out
+
+
 def _compute(r: dict) -> str:
     """Wall time of the row's runs (mean over seeds), their thread count and what else kept the machine busy."""
     runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
@@ -350,6 +369,12 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   "Mean of the per-seed differences (row − SparseGPT + KD, perplexity points) with its 95 % t "
                   "interval; a row is **better** or **worse** only where the interval excludes 0, else **level**.",
                   ""] + checks
+    reruns = rerun_lines(rows)
+    if reruns:
+        lines += ["", "## Re-runs: the idle wall-time runs against the rows", "",
+                  "Each `--idle-walls` run repeats a row's first seed with its command, on the code of its own "
+                  "time: where its perplexities differ from the row's, the row is that sensitive to the last "
+                  "bits of its arithmetic.", ""] + reruns
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         lines += ["", "## Failed runs", ""] + [f"- {r['label']}: {r.get('error', '')}" for r in failed]

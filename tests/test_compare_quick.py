@@ -325,7 +325,7 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
         import compare_methods
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from compare_report import _compute
+    from compare_report import _compute, rerun_lines
 
     argv = ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--threads", "1", "--runs-dir", str(tmp_path / "runs"),
             "--docs-dir", str(tmp_path / "docs")]
@@ -336,8 +336,8 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
         out.mkdir(parents=True)
         (out / "compare_row.json").write_text(json.dumps(
             {"key": key, "label": key, "kind": "train", "kd": False, "weight_update": "-", "mask": "-", "tokens": 1,
-             "seed": 0, "status": "ok", "heldout": 40.0, "wikitext2": 140.0, "wall_s": 100.0, "threads": 1,
-             "machine": {"other_cores": 1.1}, "command": "cast-llm train --seed 0"}))
+             "seed": 0, "status": "ok", "heldout": 40.0, "test": 40.0, "wikitext2": 140.0, "wall_s": 100.0,
+             "threads": 1, "machine": {"other_cores": 1.1}, "command": "cast-llm train --seed 0"}))
     other = {"naive": 0.02, "cast": 0.9}  # cast's measurement: another process started meanwhile
     ran = []
 
@@ -345,7 +345,8 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
         ran.append((e.key, seed, out.parent.name))
         out.mkdir(parents=True, exist_ok=True)
         row = {"key": e.key, "kind": "train", "seed": seed, "status": "ok", "wall_s": 80.0, "threads": 1,
-               "tokens": 1, "machine": {"other_cores": other[e.key]}, "command": "cast-llm train --seed 0"}
+               "tokens": 1, "machine": {"other_cores": other[e.key]}, "command": "cast-llm train --seed 0",
+               "test": 40.0, "wikitext2": 140.0, "code": "abc"}
         (out / "compare_row.json").write_text(json.dumps(row))
         return row
 
@@ -366,6 +367,12 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
     text = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text()
     assert "**80 s idle**, 1 thr<br>100 s<br>1 thr, other jobs 1.1 cores" in text and "`--idle-walls`" in text
     assert _compute({"wall_s": 5.0, "seeds": [{"status": "ok", "threads": 1}]}) == "5 s<br>1 thr"
+    # the re-run reproduces the row (same seed, same command) — or says by how much it does not
+    assert "- Naive retraining (seed 0): test 40.00 vs 40.00, WikiText-2 140.00 vs 140.00 — the same (within 0.01 %)" in text
+    off = {"key": "c", "seeds": [{"seed": 0, "test": 200.0, "wikitext2": 400.0}],
+           "idle_wall": {"seed": 0, "test_ppl": 300.0, "wikitext2_ppl": 300.0}}
+    assert rerun_lines([off])[0].startswith("- c (seed 0): test 300.00 vs 200.00, WikiText-2 300.00 vs 400.00 — "
+                                            "**+50.0 % / -25.0 %**")
     line = json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["regenerate"]
     assert line.endswith("--idle-walls --only naive")
 
