@@ -107,6 +107,33 @@ def load_rows(docs: Path, model: str) -> dict[int, dict[str, dict]]:
     return found
 
 
+def wikitext_windows(docs: Path, model: str) -> dict[int, int | None]:
+    """``{budget: WikiText-2 windows its table was scored on}`` (0 = every window; None where not recorded),
+    from each table's settings: a 192k table on every window and a 48k one on 64 do not share a metric."""
+    out = {}
+    for path in sorted(docs.glob(f"compare-{model}-*.json")):
+        doc = json.loads(path.read_text())
+        out[int(doc["budget"])] = (doc.get("settings") or {}).get("wikitext_windows")
+    return out
+
+
+def comparable_rows(rows: dict[int, dict], windows: dict[int, int | None], split: str,
+                    fit_budgets: list[int]) -> tuple[dict[int, dict], list[int]]:
+    """The budgets whose ``split`` is the same metric as the paper-exact fit's: every budget for the test split
+    (one fixed split); for WikiText-2, only tables scored on the same windows as the fit's (the others are
+    returned as left out). The fit's own tables must agree."""
+    if split != "wikitext2":
+        return rows, []
+    ref = {windows.get(b) for b in fit_budgets}
+    if len(ref) > 1:
+        raise SystemExit("the paper-exact runs of the fit are scored on different WikiText-2 windows ("
+                         + ", ".join(f"{budget_name(b)}: {windows.get(b)}" for b in fit_budgets)
+                         + "): regenerate them with one --set wikitext_windows")
+    want = ref.pop() if ref else None
+    keep = {b: r for b, r in rows.items() if windows.get(b) == want}
+    return keep, sorted(b for b in rows if b not in keep)
+
+
 def fit_prune_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(a, c) of ln ppl = a + c·(1 − S_T), least squares over ``(S_T, ppl)`` points (exact with two)."""
     xs = [1 - s for s, _ in points]
@@ -232,7 +259,13 @@ def main(argv=None) -> int:
     result = {"settings": {k: tier[k] for k in ("model", "lr", "lr_schedule", "l1_decay", "eta", "seq_len",
                                                  "batch_size")},
               "curve": curve, "fit_budgets": fit_budgets, "verify": [], "splits": {}}
+    windows = wikitext_windows(docs, tier["model"])
+    all_rows = rows
     for split, _ in SPLITS:
+        rows, left_out = comparable_rows(all_rows, windows, split, fit_budgets)
+        for b in left_out:
+            print(f"  {split}: the {budget_name(b)} table is left out (WikiText-2 on "
+                  f"{windows[b] or 'every'} window(s), not the fit's {windows[fit_budgets[0]] or 'every'})", flush=True)
         pts = [(s_t[b], rows[b]["cast"][split]) for b in fit_budgets]
         a, c = fit_prune_cost(pts)
         sgpt = next((r["sparsegpt"][split] for r in rows.values() if "sparsegpt" in r), None)
@@ -256,6 +289,7 @@ def main(argv=None) -> int:
                             if k in r])
         interval = bootstrap_crossover(s_t, [cv["budget"] for cv in curve], paper_seeds, sgpt_seeds, kd_seeds, sd=sd)
         result["splits"][split] = {"a": a, "c": c, "floor": math.exp(a), "fit_points": pts, "predictions": preds,
+                                   "left_out": [{"budget": b, "wikitext_windows": windows[b]} for b in left_out],
                                    "crossover": cross, "seed_sd_log": sd, "crossover_interval": interval,
                                    "sparsegpt_kd_fit": None if kd_fit is None else {"A": kd_fit.A, "B": kd_fit.B,
                                                                                     "beta": kd_fit.beta}}
@@ -267,7 +301,7 @@ def main(argv=None) -> int:
                                          "forecast_s_t": s_t[b], "measured_s_t": rows[b]["cast"].get(
                                              "sparse_weight_ratio")})
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    write_report(result, rows, docs, tier)
+    write_report(result, all_rows, docs, tier)
     return 0
 
 
@@ -311,7 +345,10 @@ def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
                   f"{_at(cr, sp, 'sparsegpt')}, SparseGPT + KD {_at(cr, sp, 'sparsegpt_kd')}. Under "
                   f"the seed spread (σ of ln ppl between seeds {sp.get('seed_sd_log', 0):.3f}; 2,000 draws "
                   f"resampling the seeds of every measured budget): one-shot SparseGPT "
-                  f"{describe_interval(iv.get('sparsegpt'))}; SparseGPT + KD {describe_interval(iv.get('sparsegpt_kd'))}.")
+                  f"{describe_interval(iv.get('sparsegpt'))}; SparseGPT + KD {describe_interval(iv.get('sparsegpt_kd'))}."
+                  + "".join(f" The {budget_name(x['budget'])} table is left out of this fit: its WikiText-2 is "
+                            f"{'every window' if not x['wikitext_windows'] else str(x['wikitext_windows']) + ' windows'}, "
+                            "another metric than the other budgets'." for x in sp.get("left_out", [])))
     if result["verify"]:
         md += ["", "## Prediction against a run not used in the fit", ""]
         for v in result["verify"]:

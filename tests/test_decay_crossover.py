@@ -64,3 +64,20 @@ def test_a_comparator_measured_at_one_budget_is_not_estimated_rather_than_never(
     assert dc._at({"sparsegpt": 384_000, "sparsegpt_kd": None}, split, "sparsegpt") == "at 384k"
     assert dc._at({"sparsegpt": None, "sparsegpt_kd": None}, split, "sparsegpt") == "at no budget of the grid"
     assert dc._at({"sparsegpt": None, "sparsegpt_kd": None}, split, "sparsegpt_kd").startswith("not estimated")
+
+
+def test_wikitext2_fits_use_only_tables_scored_on_the_same_windows(tmp_path):
+    """A 192k table on every WikiText-2 window and 48k / 384k ones on 64 are different metrics: the WikiText-2
+    fits leave the 192k table out (the test split, one fixed split, keeps it); a fit whose own tables
+    disagree is refused."""
+    for budget, windows in ((48000, 64), (192000, 0), (384000, 64)):
+        (tmp_path / f"compare-m-{budget // 1000}k.json").write_text(json.dumps(
+            {"budget": budget, "settings": {"wikitext_windows": windows}, "rows": []}))
+    windows = dc.wikitext_windows(tmp_path, "m")
+    assert windows == {48000: 64, 192000: 0, 384000: 64}
+    rows = {b: {"cast": {}} for b in windows}
+    assert dc.comparable_rows(rows, windows, "heldout", [48000, 384000]) == (rows, [])
+    kept, left = dc.comparable_rows(rows, windows, "wikitext2", [48000, 384000])
+    assert sorted(kept) == [48000, 384000] and left == [192000]
+    with pytest.raises(SystemExit, match="different WikiText-2 windows"):
+        dc.comparable_rows(rows, windows, "wikitext2", [48000, 192000])
