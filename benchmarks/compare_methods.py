@@ -50,6 +50,7 @@ from compare_report import (  # noqa: E402
     write_report,
 )
 
+from cast_llm.config import load_yaml  # noqa: E402
 from cast_llm.io import RunDir  # noqa: E402
 from cast_llm.train.summary import mask_movement  # noqa: E402
 
@@ -287,12 +288,13 @@ class Comparison:
         remembered = self.runs / "tuning_from.json"
         if src is None and remembered.is_file():
             src = Path(json.loads(remembered.read_text())["tuning_from"])
+        elif src is not None:
+            if not src.exists():
+                raise SystemExit(f"--tuning-from {src}: no such runs folder or compare-*.json; give the runs folder "
+                                 "of the budget whose tuning these rows reuse (e.g. runs/compare/smollm2-135m-48k)")
+            remembered.write_text(json.dumps({"tuning_from": str(src.resolve())}, indent=2))
         if src is None:
             return
-        if not src.exists():
-            raise SystemExit(f"--tuning-from {src}: no such runs folder or compare-*.json; give the runs folder "
-                             "of the budget whose tuning these rows reuse (e.g. runs/compare/smollm2-135m-48k)")
-        remembered.write_text(json.dumps({"tuning_from": str(src.resolve())}, indent=2))
         if src.is_dir():  # a runs folder of another budget: its rows' tuning.json
             for f in src.glob("*/tuning.json"):
                 self.tuning_from[f.parent.name] = {**json.loads(f.read_text()), "from": portable(str(src))}
@@ -532,12 +534,11 @@ class Comparison:
         for d in sorted((self.runs / key).glob("seed-*")):
             if not d.name.removeprefix("seed-").isdigit():
                 continue
-            row, config = d / "compare_row.json", d / "model" / "config.yaml"
+            row, config = d / "compare_row.json", RunDir(d / "model").config
             if row.is_file():
                 value = (read_row(row).get("hyperparameters") or {}).get(name)
-            elif config.is_file():
-                found = re.search(rf"^{name}: (\S+)$", config.read_text(), re.M)
-                value = float(found.group(1)) if found else None
+            elif config.is_file():  # interrupted: the setting its run was started with
+                value = load_yaml(config).get(name)
             else:
                 continue
             if value is not None and f"{float(value):g}" != best:

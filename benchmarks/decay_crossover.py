@@ -117,6 +117,10 @@ def wikitext_windows(docs: Path, model: str) -> dict[int, int | None]:
     return out
 
 
+def _windows_text(n: int | None) -> str:
+    return "every window" if not n else f"{n} windows"
+
+
 def comparable_rows(rows: dict[int, dict], windows: dict[int, int | None], split: str,
                     fit_budgets: list[int]) -> tuple[dict[int, dict], list[int]]:
     """The budgets whose ``split`` is the same metric as the paper-exact fit's: every budget for the test split
@@ -264,8 +268,8 @@ def main(argv=None) -> int:
     for split, _ in SPLITS:
         rows, left_out = comparable_rows(all_rows, windows, split, fit_budgets)
         for b in left_out:
-            print(f"  {split}: the {budget_name(b)} table is left out (WikiText-2 on "
-                  f"{windows[b] or 'every'} window(s), not the fit's {windows[fit_budgets[0]] or 'every'})", flush=True)
+            print(f"  {split}: the {budget_name(b)} table is left out (WikiText-2 on {_windows_text(windows[b])}, "
+                  f"not the fit's {_windows_text(windows[fit_budgets[0]])})", flush=True)
         pts = [(s_t[b], rows[b]["cast"][split]) for b in fit_budgets]
         a, c = fit_prune_cost(pts)
         sgpt = next((r["sparsegpt"][split] for r in rows.values() if "sparsegpt" in r), None)
@@ -347,7 +351,7 @@ def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
                   f"resampling the seeds of every measured budget): one-shot SparseGPT "
                   f"{describe_interval(iv.get('sparsegpt'))}; SparseGPT + KD {describe_interval(iv.get('sparsegpt_kd'))}."
                   + "".join(f" The {budget_name(x['budget'])} table is left out of this fit: its WikiText-2 is "
-                            f"{'every window' if not x['wikitext_windows'] else str(x['wikitext_windows']) + ' windows'}, "
+                            f"{_windows_text(x['wikitext_windows'])}, "
                             "another metric than the other budgets'." for x in sp.get("left_out", [])))
     if result["verify"]:
         md += ["", "## Prediction against a run not used in the fit", ""]
