@@ -195,8 +195,14 @@ ALL_ENTRIES = CORE + SRSTE_SWEEP + MASKLLM + LR_SWEEPS + ABLATIONS + DEFAULT_ABL
 
 def read_row(path: Path) -> dict:
     """A finished run's ``compare_row.json`` (rows written before resumed runs were told apart get their wall
-    time from the run's clock here)."""
-    return whole_run_wall(json.loads(path.read_text()))
+    time from the run's clock here), with its WikiText-2 figure on the first windows where ``--first-windows``
+    scored its saved model (``first_windows.json`` beside it)."""
+    row = whole_run_wall(json.loads(path.read_text()))
+    first = path.with_name(FIRST_WINDOWS_FILE)
+    if first.is_file():
+        rec = json.loads(first.read_text())
+        row.update(wikitext2_first=rec["wikitext2_ppl"], wikitext2_first_windows=rec["windows"])
+    return row
 
 
 def whole_run_wall(row: dict) -> dict:
@@ -255,7 +261,8 @@ class Comparison:
         # row); nothing else runs, the table is rewritten with those times
         self.wall_entries = ([e for e in ALL_ENTRIES if e.key in self.only] if self.only else None
                              ) if opts.idle_walls else []
-        if opts.report_only or opts.idle_walls:  # nothing runs: the table is rewritten from the finished rows
+        if opts.report_only or opts.idle_walls or opts.first_windows:  # nothing runs: the table is rewritten
+            # from the finished rows
             self.entries, self.only = [], None
         self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
         for kv in opts.set or []:  # tier settings of this invocation (e.g. wikitext_windows=0: the full protocol)
@@ -445,6 +452,11 @@ class Comparison:
             vals = [r[split] for r in ok]
             row[split] = sum(vals) / len(vals)
             row[f"{split}_range"] = [min(vals), max(vals)]
+        row.pop("wikitext2_first", None), row.pop("wikitext2_first_windows", None)  # seed 0's, until all have it
+        if len({r.get("wikitext2_first_windows") for r in ok}) == 1 and ok[0].get("wikitext2_first") is not None:
+            vals = [r["wikitext2_first"] for r in ok]
+            row.update(wikitext2_first=sum(vals) / len(vals), wikitext2_first_range=[min(vals), max(vals)],
+                       wikitext2_first_windows=ok[0]["wikitext2_first_windows"])
         for key in ("sparse_weight_ratio", "tokens_per_s", "wall_s", *MOVEMENT_KEYS):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = sum(vals) / len(vals) if vals else None
@@ -622,6 +634,79 @@ class Comparison:
                 taken.append(f"{e.key}{'' if run.get('seed') is None else ' seed ' + str(run['seed'])}")
         return taken
 
+    # ------------------------------------------------------------------------------------------ first windows
+    def finished_runs(self) -> list[tuple[Entry, Path]]:
+        """Every finished run of this budget: (its entry, the folder holding its ``compare_row.json``)."""
+        out = []
+        for e in ALL_ENTRIES:
+            if (self.runs / e.key / "compare_row.json").is_file():
+                out.append((e, self.runs / e.key))
+            elif e.seeded:
+                out += [(e, self.runs / e.key / f"seed-{s}") for s in self.finished_seeds(e)]
+        return out
+
+    def saved_model(self, e: Entry, run: Path, row: dict) -> str | None:
+        """The model a finished run scored: the dense model itself, else the run's saved model (a seed taken
+        from the tuning grid: the grid run's); None where it is not on this machine."""
+        if e.kind == "dense":
+            return str(self.tier["model"])
+        places = [run / "model"]
+        if row.get("from_grid"):
+            name, _, value = row["from_grid"].partition("=")
+            places.append(self.runs / e.key / "grid" / f"{name}-{value}" / run.name / "model")
+        return next((str(p) for p in places if (p / "config.json").is_file()), None)
+
+    def score_first_windows(self, n: int) -> None:
+        """Score every finished row's model again on the first ``n`` WikiText-2 windows, so that a table scored
+        on every window compares with tables scored on ``n`` (the same first windows: the evaluation cuts the
+        text the same way). Each figure goes to ``first_windows.json`` beside the run's row; the run's test
+        figure is scored again with it, and a model that does not give the row's test figure is not the row's
+        model: nothing is written for it."""
+        import torch
+
+        from cast_llm.eval.ppl import perplexity
+        from cast_llm.models import load_model
+
+        ev = self.evaluator()
+        if ev.wiki_ids is None:
+            raise SystemExit("--first-windows: no WikiText-2 text to score (set $CAST_WIKITEXT2 or the tier's "
+                             "wikitext_file)")
+        if n < 1 or n > ev.windows_total:
+            raise SystemExit(f"--first-windows {n}: give 1 to {ev.windows_total} (the windows of "
+                             f"{ev.eval_len} tokens WikiText-2 holds)")
+        for e, run in self.finished_runs():
+            name = f"{e.key}{'' if run.name == e.key else ' ' + run.name}"
+            done = run / FIRST_WINDOWS_FILE
+            if done.is_file() and json.loads(done.read_text()).get("windows") == n:
+                print(f"          {name}: first {n} windows scored already", flush=True)
+                continue
+            row = json.loads((run / "compare_row.json").read_text())
+            if row.get("status") != "ok":
+                continue
+            model_path = self.saved_model(e, run, row)
+            if model_path is None:
+                print(f"          {name}: its saved model is not on this machine (a row recorded elsewhere): "
+                      "not scored", flush=True)
+                continue
+            t0 = time.perf_counter()
+            model = load_model(model_path, dtype=torch.float32).eval()
+            with torch.no_grad():
+                test = ev.heldout(model, name)
+                if test is None or abs(test / row["test"] - 1) > 1e-6:
+                    print(f"          {name}: {model_path} scores test {test}, its row {row['test']}: not the "
+                          "row's model, not scored", flush=True)
+                    continue
+                wiki = perplexity(model, ev.wiki_ids, ev.eval_len, batch_size=1, max_windows=n).perplexity
+            wall = round(time.perf_counter() - t0, 1)
+            rec = {"windows": n, "seq_len": ev.eval_len, "wikitext2_ppl": wiki, "test_ppl": test,
+                   "row_test_ppl": row["test"], "model": portable(model_path), "wall_s": wall, "code": code_version()}
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rec, indent=2))
+            tmp.replace(done)
+            print(f"          {name}: WikiText-2 on the first {n} windows {wiki:.2f} (test {test:.2f}, as its "
+                  f"row; {rec['wall_s']:.0f} s)", flush=True)
+            del model
+
     # ------------------------------------------------------------------------------------------ idle walls
     def idle_wall(self, key: str) -> dict | None:
         """Row ``key``'s wall time from one run on an otherwise idle machine (``<runs>/walls/<row>``), or None
@@ -691,6 +776,8 @@ class Comparison:
         # every row that already finished stays in the table, whichever invocation ran it
         finished = {e.key for e in ALL_ENTRIES
                     if (self.runs / e.key / "compare_row.json").is_file() or (e.seeded and self.finished_seeds(e))}
+        if self.opts.first_windows:
+            self.score_first_windows(self.opts.first_windows)
         if self.opts.idle_walls:
             self.measure_idle_walls([e for e in ALL_ENTRIES if e.key in finished]
                                     if self.wall_entries is None else self.wall_entries)
@@ -740,6 +827,7 @@ class Comparison:
         return md, png
 
 
+FIRST_WINDOWS_FILE = "first_windows.json"  # a run's model scored on the first N WikiText-2 windows (--first-windows)
 IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
 
@@ -855,6 +943,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure each row's wall time once (its first seed) on an otherwise idle machine, into "
                         "<runs>/walls/ (rows: --only's, else every finished row); nothing else runs; the table "
                         "shows it beside the rows' own times")
+    p.add_argument("--first-windows", type=int, metavar="N",
+                   help="score every finished row's model again on the first N WikiText-2 windows (its saved "
+                        "model; the dense row: the model), so that a table on every window compares with tables "
+                        "on N; nothing else runs; the table shows the figures beside the rows'")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a tier setting for this invocation, e.g. wikitext_windows=0 (every window)")
     opts = p.parse_args(argv)
@@ -910,7 +1002,8 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
     the same runs directory they run only what is missing, e.g. the seeds a row ran fewer of)."""
     # (where this invocation kept its runs and wrote its report is this machine's business: the rerun uses the
     # defaults, runs/compare and docs/results)
-    dropped = ("--only", "--seeds", "--tune", "--tune-only", "--tuning-from", "--runs-dir", "--docs-dir")
+    dropped = ("--only", "--seeds", "--tune", "--tune-only", "--tuning-from", "--runs-dir", "--docs-dir",
+               "--first-windows")
     base, skip = [], False
     for a in argv:
         if skip:
@@ -934,9 +1027,13 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
     sources = [x for src in sorted({r["tuning"]["from"] for r in rows if (r.get("tuning") or {}).get("from")})
                for x in ("--tuning-from", src)]
     walls = [r["key"] for r in rows if r.get("idle_wall")]  # then the wall times measured on an idle machine
+    # and the rows' models scored on the first windows (--first-windows)
+    first = sorted({x["wikitext2_first_windows"] for r in rows for x in r.get("seeds") or [r]
+                    if x.get("wikitext2_first_windows")})
     return out + [base + sources + ["--seeds", ",".join(map(str, seeds or [0])),
                                     "--only", ",".join(r["key"] for r in rows)]] + (
-        [base + sources + ["--idle-walls", "--only", ",".join(walls)]] if walls else [])
+        [base + sources + ["--idle-walls", "--only", ",".join(walls)]] if walls else []) + [
+        base + sources + ["--first-windows", str(n)] for n in first]
 
 
 def main(argv=None) -> int:

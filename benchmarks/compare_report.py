@@ -131,7 +131,7 @@ def movement(r: dict) -> str:
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
         20: 2.086}
-SPLIT_NAMES = {"test": "test", "wikitext2": "WikiText-2"}
+SPLIT_NAMES = {"test": "test", "wikitext2": "WikiText-2", "wikitext2_first": "WikiText-2 (first windows)"}
 
 
 def _value(run: dict, split: str):
@@ -197,9 +197,13 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
             row[split] = r.get(split)
             row[f"{split}_range"] = r.get(f"{split}_range")
         row["test_ppl"] = r.get("heldout")
+        if r.get("wikitext2_first") is not None:  # its model on the first N windows (--first-windows)
+            row.update({k: r.get(k) for k in ("wikitext2_first", "wikitext2_first_range", "wikitext2_first_windows")})
         base = by.get(FIXED_MASK_KD)
         if base is not None and r.get("key") != FIXED_MASK_KD and r.get("kind") == "train" and r.get("status") == "ok":
-            pairs = {split: paired(r, base, split) for split in ("test", "wikitext2")}
+            pairs = {split: paired(r, base, split) for split in ("test", "wikitext2", "wikitext2_first")}
+            if pairs["wikitext2_first"] is None:
+                del pairs["wikitext2_first"]
             if any(pairs.values()):
                 row["paired"] = {"against": FIXED_MASK_KD, **pairs}
         for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",
@@ -240,6 +244,21 @@ def tuning_lines(rows: list[dict]) -> list[str]:
         grid = ", ".join(f"{name} {v}: {_num(res.get(v, {}).get('validation'))}" for v in t["grid"][name])
         src = f" (chosen at {portable(t['from'])})" if t.get("from") else ""
         out.append(f"- {r['label']}: {name} **{choice}**{src} — validation ppl {grid} ({t.get('metric', '')})")
+    return out
+
+
+def first_window_lines(rows: list[dict]) -> list[str]:
+    """Per row scored on the first windows (``--first-windows``): the mean, every seed, and (training rows) the
+    paired difference against SparseGPT + KD on those windows."""
+    base = next((r for r in rows if r.get("key") == FIXED_MASK_KD and r.get("status") == "ok"), None)
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or r.get("wikitext2_first") is None:
+            continue
+        line = f"- {r.get('label', r['key'])}: {_ppl(r, 'wikitext2_first').replace('<br>', ' ')}"
+        if base is not None and r is not base and r.get("kind") == "train":
+            line += "; " + paired_line(r, base, "wikitext2_first")
+        out.append(line)
     return out
 
 
@@ -369,6 +388,14 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   "Mean of the per-seed differences (row − SparseGPT + KD, perplexity points) with its 95 % t "
                   "interval; a row is **better** or **worse** only where the interval excludes 0, else **level**.",
                   ""] + checks
+    first = first_window_lines(rows)
+    if first:
+        n = next(r["wikitext2_first_windows"] for r in rows if r.get("wikitext2_first_windows"))
+        lines += ["", f"## WikiText-2 on the first {n} windows", "",
+                  f"Each row's model scored again on the first {n} WikiText-2 windows of {s['eval_seq_len']} "
+                  f"tokens (`--first-windows {n}`: the saved model, whose test figure it reproduces; the dense row: "
+                  f"the model): the windows a table scored on {n} windows uses, so these figures compare across "
+                  "budgets. Against SparseGPT + KD as above.", ""] + first
     reruns = rerun_lines(rows)
     if reruns:
         lines += ["", "## Re-runs: the idle wall-time runs against the rows", "",

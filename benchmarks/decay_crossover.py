@@ -122,12 +122,14 @@ def _windows_text(n: int | None) -> str:
 
 
 def comparable_rows(rows: dict[int, dict], windows: dict[int, int | None], split: str,
-                    fit_budgets: list[int]) -> tuple[dict[int, dict], list[int]]:
+                    fit_budgets: list[int]) -> tuple[dict[int, dict], list[int], list[int]]:
     """The budgets whose ``split`` is the same metric as the paper-exact fit's: every budget for the test split
-    (one fixed split); for WikiText-2, only tables scored on the same windows as the fit's (the others are
-    returned as left out). The fit's own tables must agree."""
+    (one fixed split); for WikiText-2, the tables scored on the same windows as the fit's, and those on other
+    windows whose rows were scored again on the fit's first windows (``compare_methods.py --first-windows``:
+    their rows taken with that figure, the rows without it dropped). Returns (the rows, the budgets left out,
+    the budgets taken on their first-window figures). The fit's own tables must agree."""
     if split != "wikitext2":
-        return rows, []
+        return rows, [], []
     ref = {windows.get(b) for b in fit_budgets}
     if len(ref) > 1:
         raise SystemExit("the paper-exact runs of the fit are scored on different WikiText-2 windows ("
@@ -135,7 +137,21 @@ def comparable_rows(rows: dict[int, dict], windows: dict[int, int | None], split
                          + "): regenerate them with one --set wikitext_windows")
     want = ref.pop() if ref else None
     keep = {b: r for b, r in rows.items() if windows.get(b) == want}
-    return keep, sorted(b for b in rows if b not in keep)
+    via_first = []
+    for b in sorted(set(rows) - set(keep)):
+        first = {name: on_first_windows(r) for name, r in rows[b].items()
+                 if want and r.get("wikitext2_first_windows") == want}
+        if first:
+            keep[b] = first
+            via_first.append(b)
+    return keep, sorted(b for b in rows if b not in keep), via_first
+
+
+def on_first_windows(row: dict) -> dict:
+    """A row (and its seeds) with its first-window WikiText-2 figure in the place of its own."""
+    seeds = [{**x, "wikitext2": x["wikitext2_first"]} for x in row.get("seeds") or []
+             if x.get("wikitext2_first") is not None]
+    return {**row, "wikitext2": row["wikitext2_first"], "seeds": seeds}
 
 
 def fit_prune_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -266,10 +282,13 @@ def main(argv=None) -> int:
     windows = wikitext_windows(docs, tier["model"])
     all_rows = rows
     for split, _ in SPLITS:
-        rows, left_out = comparable_rows(all_rows, windows, split, fit_budgets)
+        rows, left_out, via_first = comparable_rows(all_rows, windows, split, fit_budgets)
         for b in left_out:
             print(f"  {split}: the {budget_name(b)} table is left out (WikiText-2 on {_windows_text(windows[b])}, "
                   f"not the fit's {_windows_text(windows[fit_budgets[0]])})", flush=True)
+        for b in via_first:
+            print(f"  {split}: the {budget_name(b)} table's rows {', '.join(sorted(rows[b]))} on their models' "
+                  f"first {windows[fit_budgets[0]]} windows (--first-windows)", flush=True)
         pts = [(s_t[b], rows[b]["cast"][split]) for b in fit_budgets]
         a, c = fit_prune_cost(pts)
         sgpt = next((r["sparsegpt"][split] for r in rows.values() if "sparsegpt" in r), None)
@@ -294,6 +313,7 @@ def main(argv=None) -> int:
         interval = bootstrap_crossover(s_t, [cv["budget"] for cv in curve], paper_seeds, sgpt_seeds, kd_seeds, sd=sd)
         result["splits"][split] = {"a": a, "c": c, "floor": math.exp(a), "fit_points": pts, "predictions": preds,
                                    "left_out": [{"budget": b, "wikitext_windows": windows[b]} for b in left_out],
+                                   "first_windows": [{"budget": b, "rows": sorted(rows[b])} for b in via_first],
                                    "crossover": cross, "seed_sd_log": sd, "crossover_interval": interval,
                                    "sparsegpt_kd_fit": None if kd_fit is None else {"A": kd_fit.A, "B": kd_fit.B,
                                                                                     "beta": kd_fit.beta}}
@@ -352,7 +372,10 @@ def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
                   f"{describe_interval(iv.get('sparsegpt'))}; SparseGPT + KD {describe_interval(iv.get('sparsegpt_kd'))}."
                   + "".join(f" The {budget_name(x['budget'])} table is left out of this fit: its WikiText-2 is "
                             f"{_windows_text(x['wikitext_windows'])}, "
-                            "another metric than the other budgets'." for x in sp.get("left_out", [])))
+                            "another metric than the other budgets'." for x in sp.get("left_out", []))
+                  + "".join(f" The {budget_name(x['budget'])} table's rows ({', '.join(x['rows'])}) enter it "
+                            "with their models scored again on the same first windows as the other budgets "
+                            "(`compare_methods.py --first-windows`)." for x in sp.get("first_windows", [])))
     if result["verify"]:
         md += ["", "## Prediction against a run not used in the fit", ""]
         for v in result["verify"]:

@@ -420,3 +420,54 @@ def test_a_wider_grid_rechooses_running_only_its_new_points_and_sets_aside_seeds
     assert names == ["seed-0", "seed-0.superseded-lr-0.0002", "seed-1.superseded-lr-0.0002",
                      "seed-2.superseded-lr-0.0002"]
     assert json.loads((seeds / "seed-0" / "compare_row.json").read_text())["lr"] == 4e-4  # the new choice's run
+
+
+def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tmp_path):
+    """``--first-windows N`` scores every finished row's model again on the first N WikiText-2 windows (the
+    saved model, checked against the row's test figure; the dense row: the model) and reports that figure beside
+    the row's own, paired against SparseGPT + KD: the same figure a table scored on N windows gives."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    base = ["--tier", "quick", "--runs-dir", str(runs), "--docs-dir", str(docs)]
+    compare_methods.main(base + ["--only", "dense,naive-kd-sgpt,cast-best", "--seeds", "0,1",
+                                 "--set", "wikitext_windows=0"])
+    full = {r["name"]: r for r in json.loads((docs / "compare-tiny-llama-256.json").read_text())["rows"]}
+    assert all("wikitext2_first" not in r for r in full.values())
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
+    data = json.loads((docs / "compare-tiny-llama-256.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    for name in ("dense", "naive-kd-sgpt", "cast-best"):
+        assert rows[name]["wikitext2_first_windows"] == 2
+        assert rows[name]["wikitext2"] == full[name]["wikitext2"]  # the row's own figure stays
+        assert all(x["wikitext2_first_windows"] == 2 for x in rows[name]["seeds"])
+    kd = rows["naive-kd-sgpt"]["seeds"]
+    assert rows["naive-kd-sgpt"]["wikitext2_first"] == pytest.approx((kd[0]["wikitext2_first"]
+                                                                      + kd[1]["wikitext2_first"]) / 2)
+    assert rows["cast-best"]["paired"]["wikitext2_first"]["n"] == 2
+    text = (docs / "compare-tiny-llama-256.md").read_text()
+    assert "## WikiText-2 on the first 2 windows" in text and "WikiText-2 (first windows)" in text
+    assert data["regenerate"].endswith("--first-windows 2")
+    # the figure a table scored on those 2 windows gives
+    compare_methods.main(["--tier", "quick", "--runs-dir", str(tmp_path / "two"), "--docs-dir",
+                          str(tmp_path / "docs-two"), "--only", "dense", "--set", "wikitext_windows=2"])
+    two = json.loads((tmp_path / "docs-two" / "compare-tiny-llama-256.json").read_text())["rows"][0]
+    assert two["wikitext2"] == pytest.approx(rows["dense"]["wikitext2_first"], rel=1e-12)
+    # a model that does not give its row's test figure is not the row's model: nothing is written for it
+    run = runs / "tiny-llama-256" / "naive-kd-sgpt" / "seed-1"
+    row = json.loads((run / "compare_row.json").read_text())
+    (run / "compare_row.json").write_text(json.dumps({**row, "test": row["test"] * 1.01}))
+    (run / compare_methods.FIRST_WINDOWS_FILE).unlink()
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
+    assert not (run / compare_methods.FIRST_WINDOWS_FILE).exists()
+    # a seed taken from the tuning grid scored the grid run's model
+    cmp = compare_methods.Comparison(compare_methods.parse_args(base + ["--report-only"]))
+    e = next(x for x in compare_methods.ALL_ENTRIES if x.key == "naive-kd-sgpt")
+    grid = cmp.runs / "naive-kd-sgpt" / "grid" / "lr-0.001" / "seed-3" / "model"
+    grid.mkdir(parents=True)
+    (grid / "config.json").write_text("{}")
+    assert cmp.saved_model(e, cmp.runs / "naive-kd-sgpt" / "seed-3", {"from_grid": "lr=0.001"}) == str(grid)
+    assert cmp.saved_model(e, cmp.runs / "naive-kd-sgpt" / "seed-4", {}) is None

@@ -76,8 +76,17 @@ def test_wikitext2_fits_use_only_tables_scored_on_the_same_windows(tmp_path):
     windows = dc.wikitext_windows(tmp_path, "m")
     assert windows == {48000: 64, 192000: 0, 384000: 64}
     rows = {b: {"cast": {}} for b in windows}
-    assert dc.comparable_rows(rows, windows, "heldout", [48000, 384000]) == (rows, [])
-    kept, left = dc.comparable_rows(rows, windows, "wikitext2", [48000, 384000])
-    assert sorted(kept) == [48000, 384000] and left == [192000]
+    assert dc.comparable_rows(rows, windows, "heldout", [48000, 384000]) == (rows, [], [])
+    kept, left, first = dc.comparable_rows(rows, windows, "wikitext2", [48000, 384000])
+    assert sorted(kept) == [48000, 384000] and left == [192000] and first == []
+    # unless its rows' models were scored again on the first 64 windows (--first-windows 64): those rows enter
+    kd = {"wikitext2": 70.0, "wikitext2_first": 75.0, "wikitext2_first_windows": 64,
+          "seeds": [{"seed": 0, "wikitext2": 69.0, "wikitext2_first": 74.0, "wikitext2_first_windows": 64},
+                    {"seed": 1, "wikitext2": 71.0, "wikitext2_first": 76.0, "wikitext2_first_windows": 64}]}
+    rows[192000] = {"naive-kd-sgpt": kd, "dense": {"wikitext2": 30.0}}
+    kept, left, first = dc.comparable_rows(rows, windows, "wikitext2", [48000, 384000])
+    assert left == [] and first == [192000] and list(kept[192000]) == ["naive-kd-sgpt"]
+    assert kept[192000]["naive-kd-sgpt"]["wikitext2"] == 75.0
+    assert dc.seed_values(kept[192000]["naive-kd-sgpt"], "wikitext2") == [74.0, 76.0]
     with pytest.raises(SystemExit, match="different WikiText-2 windows"):
         dc.comparable_rows(rows, windows, "wikitext2", [48000, 192000])
