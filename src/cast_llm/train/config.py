@@ -31,6 +31,7 @@ from cast_llm.optim.schedule import SCHEDULES
 # training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
 INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
+DECAY_MODES = ("proportional", "additive")  # AdamS's decay_mode (cast_llm.optim.functional's; torch-free here)
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
 LR_SCHEDULES = SCHEDULES  # after the linear warm-up (the paper gives none; cast_llm.optim.schedule)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
@@ -243,6 +244,10 @@ class TrainConfig(RunConfig, CastSettings):
     mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
                                         "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS,
                                section=BASELINES)
+    decay_mode: str = option("proportional", "cast with AdamS: how the pruned weights decay — proportional (Eq. 7: "
+                                             "mixed with the gradient by α_t = t/T, CAST) or additive (AST's: "
+                                             "α_t·λ·θ added to it; the paper's ablation)", choices=DECAY_MODES,
+                             section=BASELINES)
     srste_decay: float = option(2e-4, "λ_W of the SR-STE decay λ_W(1-M)⊙W on pruned weights (SR-STE paper's "
                                       "2e-4): added to the gradient (srste, cast --mask-learner srste) or, "
                                       "ramped up linearly, to the Adam momentum signal (ast)", min=0,
@@ -324,6 +329,10 @@ class TrainConfig(RunConfig, CastSettings):
             raise CastError("give exactly one budget: --max-steps N or --tokens N (e.g. 20M)")
         if self.mask_learner != "adams" and self.method != "cast":
             raise CastError(f"--mask-learner is a CAST ablation; --method {self.method} has its own mask learner")
+        if self.decay_mode != "proportional" and (self.method != "cast" or self.mask_learner != "adams"):
+            raise CastError(f"--decay-mode is AdamS's, in --method cast with --mask-learner adams (got --method "
+                            f"{self.method}{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''}"
+                            "; ast decays additively already)")
         beyond = {"--warm-start": self.warm_start, "--repair-fraction": self.repair_fraction,
                   "--final-prune": self.final_prune, "--warm-start-mix": self.warm_start_mix,
                   "--regrow-factor": None if self.regrow_factor == 1 else self.regrow_factor,

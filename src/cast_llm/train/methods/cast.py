@@ -125,6 +125,7 @@ class CastMethod(TrainingMethod):
             m=cfg.m,
             weight_decay=cfg.weight_decay,
             mask_storage="packed" if getattr(cfg, "packed_masks", False) else "bool",
+            decay_mode=getattr(cfg, "decay_mode", "proportional"),
         )
         shared = self._start in ("send", "receive") and self.uses_one_shot_start
         if self._init_masks is not None or shared:
@@ -226,12 +227,20 @@ class CastMethod(TrainingMethod):
                                  for p in optimizer.masks()}
         if step != 0 or self.cfg.fsdp:
             return
+        if not self.forecasts:
+            ctx.say("decay forecast: not made (it models Eq. 7's proportional decay; this run decays additively)")
+            return
         fc = self._forecast(optimizer, suggest=True)  # the first gradient is known: its noise sets σ
         self.start_forecast = fc.as_dict()
         ctx.say(fc.message(lr=self.cfg.lr, l1_decay=self.cfg.l1_decay))
 
+    @property
+    def forecasts(self) -> bool:
+        """Whether the decay forecast describes this run (it models proportional decay only)."""
+        return getattr(self.cfg, "decay_mode", "proportional") == "proportional"
+
     def log_metrics(self, model, optimizer, step: int) -> dict:
-        if self.cfg.fsdp or self.in_repair(step) or step + 1 >= self.total_steps:
+        if self.cfg.fsdp or not self.forecasts or self.in_repair(step) or step + 1 >= self.total_steps:
             return {}
         if not forecast_due(step + 1, self.total_steps, getattr(self.cfg, "log_every", 1)):
             return {}
