@@ -216,6 +216,13 @@ def read_row(path: Path) -> dict:
     return row
 
 
+def write_json_atomic(path: Path, data: dict) -> None:
+    """``path`` holds ``data`` whole or keeps what it held (a stopped job leaves no half-written file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
 def whole_run_wall(row: dict) -> dict:
     """A training run stopped and resumed (a SIGTERM, a machine given back) is finished by a later invocation
     whose own wall time covers only the last segment; the run's clock (``train_wall_s``, results.json's
@@ -508,9 +515,11 @@ class Comparison:
             row["threads"] = res.get("threads")
             row["split_sha256"] = (res.get("data_split") or {}).get("sha256")
             row["wikitext_windows"] = res.get("wikitext_windows")
+            row["wikitext2_window_nll"] = res.get("wikitext2_window_nll")  # any first windows' figure, model-free
             row.update(run_statistics(out / "model", res))
         if e.kind != "train":
-            self.evaluator()
+            ev = self.evaluator()
+            row["wikitext_windows"], row["wikitext2_window_nll"] = ev.windows, ev.wikitext_window_nll
             row["split_sha256"] = self.split_sha256
             row["threads"] = self.opts.threads or None
         # test = the held-out test split (kept under "heldout" too, the key earlier tables used)
@@ -675,7 +684,7 @@ class Comparison:
         model: nothing is written for it."""
         import torch
 
-        from cast_llm.eval.ppl import perplexity
+        from cast_llm.eval.ppl import perplexity, perplexity_of_windows
         from cast_llm.models import load_model
 
         ev = self.evaluator()
@@ -694,6 +703,20 @@ class Comparison:
             row = json.loads((run / "compare_row.json").read_text())
             if row.get("status") != "ok":
                 continue
+            stored = row.get("wikitext2_window_nll") or []
+            if len(stored) >= n and row.get("wikitext2") is not None:
+                # the run recorded every window's NLL: the first n need no model (its figure over all of them
+                # must be the row's, else the record is not the row's)
+                if abs(perplexity_of_windows(stored, len(stored)) / row["wikitext2"] - 1) > 1e-9:
+                    print(f"          {name}: its per-window record does not give its WikiText-2 figure: not "
+                          "scored", flush=True)
+                    continue
+                rec = {"windows": n, "seq_len": ev.eval_len, "wikitext2_ppl": perplexity_of_windows(stored, n),
+                       "source": "the row's per-window NLL (wikitext2_window_nll)", "code": code_version()}
+                write_json_atomic(done, rec)
+                print(f"          {name}: WikiText-2 on the first {n} windows {rec['wikitext2_ppl']:.2f} (from its "
+                      "per-window record)", flush=True)
+                continue
             model_path = self.saved_model(e, run, row)
             if model_path is None:
                 print(f"          {name}: its saved model is not on this machine (a row recorded elsewhere): "
@@ -711,9 +734,7 @@ class Comparison:
             wall = round(time.perf_counter() - t0, 1)
             rec = {"windows": n, "seq_len": ev.eval_len, "wikitext2_ppl": wiki, "test_ppl": test,
                    "row_test_ppl": row["test"], "model": portable(model_path), "wall_s": wall, "code": code_version()}
-            tmp = done.with_suffix(".tmp")
-            tmp.write_text(json.dumps(rec, indent=2))
-            tmp.replace(done)
+            write_json_atomic(done, rec)
             print(f"          {name}: WikiText-2 on the first {n} windows {wiki:.2f} (test {test:.2f}, as its "
                   f"row; {rec['wall_s']:.0f} s)", flush=True)
             del model

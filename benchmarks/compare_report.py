@@ -186,7 +186,7 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
         seeds = r.get("seeds") or [r]
         row = {"name": r["key"], "label": r.get("label"), "status": r.get("status"), "kind": r.get("kind"),
                "kd": r.get("kd"), "lr": r.get("lr"), "tokens": r.get("tokens"),
-               "seeds": [clean({**{k: v for k, v in x.items() if k != "seeds"},
+               "seeds": [clean({**{k: v for k, v in x.items() if k not in ("seeds", "wikitext2_window_nll")},
                                 "test_ppl": _value(x, "test"), "wikitext2_ppl": x.get("wikitext2"),
                                 "validation_ppl": x.get("validation")}) for x in seeds]}
         if r.get("tuning") is not None:

@@ -437,7 +437,18 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
                                  "--set", "wikitext_windows=0"])
     full = {r["name"]: r for r in json.loads((docs / "compare-tiny-llama-256.json").read_text())["rows"]}
     assert all("wikitext2_first" not in r for r in full.values())
+    # every row records each window's NLL (the first windows' figure needs no model), kept out of the table's JSON
+    kd_runs = runs / "tiny-llama-256" / "naive-kd-sgpt"
+    windows = full["dense"]["seeds"][0]["wikitext_windows"]
+    for run in (runs / "tiny-llama-256" / "dense", kd_runs / "seed-0", kd_runs / "seed-1"):
+        assert len(json.loads((run / "compare_row.json").read_text())["wikitext2_window_nll"]) == windows > 2
+    assert all("wikitext2_window_nll" not in x for r in full.values() for x in r["seeds"])
+    # a row recorded before runs kept them (naive + KD's seed 1 here) is scored from its saved model
+    row = json.loads((kd_runs / "seed-1" / "compare_row.json").read_text())
+    (kd_runs / "seed-1" / "compare_row.json").write_text(json.dumps({**row, "wikitext2_window_nll": None}))
     compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
+    sources = {p.parent.name: json.loads(p.read_text()) for p in kd_runs.glob("seed-*/first_windows.json")}
+    assert "model" in sources["seed-1"] and sources["seed-0"]["source"].startswith("the row's per-window NLL")
     data = json.loads((docs / "compare-tiny-llama-256.json").read_text())
     rows = {r["name"]: r for r in data["rows"]}
     for name in ("dense", "naive-kd-sgpt", "cast-best"):
@@ -456,13 +467,19 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
                           str(tmp_path / "docs-two"), "--only", "dense", "--set", "wikitext_windows=2"])
     two = json.loads((tmp_path / "docs-two" / "compare-tiny-llama-256.json").read_text())["rows"][0]
     assert two["wikitext2"] == pytest.approx(rows["dense"]["wikitext2_first"], rel=1e-12)
-    # a model that does not give its row's test figure is not the row's model: nothing is written for it
+    # a model that does not give its row's test figure is not the row's model, a per-window record that does not
+    # give the row's WikiText-2 figure is not the row's record: nothing is written for either
     run = runs / "tiny-llama-256" / "naive-kd-sgpt" / "seed-1"
     row = json.loads((run / "compare_row.json").read_text())
     (run / "compare_row.json").write_text(json.dumps({**row, "test": row["test"] * 1.01}))
     (run / compare_methods.FIRST_WINDOWS_FILE).unlink()
+    other = kd_runs / "seed-0"
+    row = json.loads((other / "compare_row.json").read_text())
+    (other / "compare_row.json").write_text(json.dumps({**row, "wikitext2": row["wikitext2"] * 1.01}))
+    (other / compare_methods.FIRST_WINDOWS_FILE).unlink()
     compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
     assert not (run / compare_methods.FIRST_WINDOWS_FILE).exists()
+    assert not (other / compare_methods.FIRST_WINDOWS_FILE).exists()
     # a seed taken from the tuning grid scored the grid run's model
     cmp = compare_methods.Comparison(compare_methods.parse_args(base + ["--report-only"]))
     e = next(x for x in compare_methods.ALL_ENTRIES if x.key == "naive-kd-sgpt")

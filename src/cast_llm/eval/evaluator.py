@@ -32,6 +32,7 @@ class Evaluator:
         self.test = test[: cfg.test_sequences] if cfg.test_sequences else test
         self.val = test[:0] if val is None else (val[: cfg.val_sequences] if cfg.val_sequences else val)
         self.wiki_ids = None
+        self.wikitext_window_nll: list[float] | None = None  # the last WikiText-2 score's per-window NLL
         self.eval_len = cfg.eval_seq_len or cfg.seq_len
         if model_max is not None and self.eval_len > model_max:
             raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
@@ -83,8 +84,10 @@ class Evaluator:
     def wikitext(self, model, label: str = "model") -> float | None:
         if self.wiki_ids is None:
             return None
-        return perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
-                          progress=self.cfg.progress, desc=f"{label}: WikiText-2 ppl").perplexity
+        res = perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
+                         progress=self.cfg.progress, desc=f"{label}: WikiText-2 ppl")
+        self.wikitext_window_nll = list(res.window_nll)  # the last model's, window by window (a run records it)
+        return res.perplexity
 
     def both(self, model, label: str = "model", *, validation: bool = False) -> dict[str, float | None]:
         """Test and WikiText-2 perplexities (and validation's, when asked: the final model's)."""

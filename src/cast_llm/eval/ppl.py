@@ -17,7 +17,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -143,9 +143,16 @@ class PplResult:
     seconds: float
     text_tokens: int = 0  # tokens in the whole text (the windows scored may be the first few only)
     text_windows: int = 0  # full windows the whole text holds
+    # each window's mean NLL per scored token, in the text's order: the figure on any first n windows
+    # (:meth:`first`) without the model — kept out of to_dict (a run's metadata stays small)
+    window_nll: tuple[float, ...] = field(default=(), repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "window_nll"}
+
+    def first(self, n: int) -> float:
+        """Perplexity on the first ``n`` windows scored (every window has the same number of scored tokens)."""
+        return perplexity_of_windows(self.window_nll, n)
 
     def __str__(self) -> str:
         of = f" of {self.text_windows:,}" if self.text_windows > self.windows else ""
@@ -164,14 +171,25 @@ def tokenize_text(text: str, tokenizer) -> torch.Tensor:
     return ids
 
 
+def perplexity_of_windows(window_nll, n: int) -> float:
+    """Perplexity on the first ``n`` windows from their mean NLLs per scored token (a run's
+    ``wikitext2_window_nll``): windows of one length score the same number of tokens, so the mean of the means
+    is the mean over their tokens."""
+    if not 1 <= n <= len(window_nll):
+        raise ValueError(f"the first {n} windows: {len(window_nll)} were scored")
+    nll = math.fsum(window_nll[:n]) / n
+    return math.exp(nll) if nll < 700 else float("inf")
+
+
 @torch.no_grad()
-def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
-    """Sum of token NLLs (float64) of a batch of windows (B, L): predicts tokens 1..L-1 of each."""
+def window_nll(model, windows: torch.Tensor, *, per_window: bool = False) -> torch.Tensor:
+    """Sum of token NLLs (float64) of a batch of windows (B, L): predicts tokens 1..L-1 of each (``per_window``:
+    one sum per window, shape (B,))."""
     # no KV cache: it would keep every layer's keys and values until the forward returns
     logits = model(input_ids=windows, use_cache=False).logits  # (B, L, V)
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
-    return nll.double().sum()
+    return nll.double().sum(dim=1) if per_window else nll.double().sum()
 
 
 def perplexity(
@@ -198,7 +216,7 @@ def perplexity(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    total = 0.0
+    sums: list[float] = []
     t0 = time.perf_counter()
     bar = None
     if progress:
@@ -207,14 +225,14 @@ def perplexity(
         bar = tqdm(total=n * seq_len, desc=desc, unit="tok", unit_scale=True, leave=False)
     for i in range(0, n, batch_size):
         w = windows[i : i + batch_size].to(device)
-        total += float(window_nll(model, w))
+        sums.extend(window_nll(model, w, per_window=True).tolist())
         if bar is not None:
             bar.update(w.numel())
     if bar is not None:
         bar.close()
     model.train(was_training)
     scored = n * (seq_len - 1)
-    nll = total / scored
+    nll = math.fsum(sums) / scored
     return PplResult(
         perplexity=math.exp(nll) if nll < 700 else float("inf"),
         nll=nll,
@@ -224,6 +242,7 @@ def perplexity(
         seconds=time.perf_counter() - t0,
         text_tokens=ids.numel(),
         text_windows=available,
+        window_nll=tuple(x / (seq_len - 1) for x in sums),
     )
 
 
