@@ -36,11 +36,11 @@ lint: install
 # two workers: most tests are single-threaded (tests/conftest.py) and many wait on subprocesses, so two
 # share a 2-core machine well (measured here: 4 min 22 s against 6 min 44 s in one process)
 test: install lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 2
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 # while editing: everything but the tests marked slow (the real model, long runs, other processes)
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
