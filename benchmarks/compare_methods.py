@@ -51,7 +51,7 @@ from compare_report import (  # noqa: E402
 )
 
 from cast_llm.config import load_yaml  # noqa: E402
-from cast_llm.io import RunDir  # noqa: E402
+from cast_llm.io import RunDir, atomic_write_json  # noqa: E402
 from cast_llm.train.summary import mask_movement  # noqa: E402
 
 # Tier defaults; every key is a `cast-llm train` option (the one-shot runs use model/data/seq_len/calib), except
@@ -214,13 +214,6 @@ def read_row(path: Path) -> dict:
         rec = json.loads(first.read_text())
         row.update(wikitext2_first=rec["wikitext2_ppl"], wikitext2_first_windows=rec["windows"])
     return row
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """``path`` holds ``data`` whole or keeps what it held (a stopped job leaves no half-written file)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 def whole_run_wall(row: dict) -> dict:
@@ -713,7 +706,7 @@ class Comparison:
                     continue
                 rec = {"windows": n, "seq_len": ev.eval_len, "wikitext2_ppl": perplexity_of_windows(stored, n),
                        "source": "the row's per-window NLL (wikitext2_window_nll)", "code": code_version()}
-                write_json_atomic(done, rec)
+                atomic_write_json(done, rec)
                 print(f"          {name}: WikiText-2 on the first {n} windows {rec['wikitext2_ppl']:.2f} (from its "
                       "per-window record)", flush=True)
                 continue
@@ -734,7 +727,7 @@ class Comparison:
             wall = round(time.perf_counter() - t0, 1)
             rec = {"windows": n, "seq_len": ev.eval_len, "wikitext2_ppl": wiki, "test_ppl": test,
                    "row_test_ppl": row["test"], "model": portable(model_path), "wall_s": wall, "code": code_version()}
-            write_json_atomic(done, rec)
+            atomic_write_json(done, rec)
             print(f"          {name}: WikiText-2 on the first {n} windows {wiki:.2f} (test {test:.2f}, as its "
                   f"row; {rec['wall_s']:.0f} s)", flush=True)
             del model
