@@ -58,10 +58,10 @@ from cast_llm.train.summary import mask_movement  # noqa: E402
 # "adams" (lr/λ overrides for every row whose pruned weights AdamS decays) and "row_lr" (a row's own settings:
 # the best of the lrs measured for it, docs/results/compare-smollm2-135m-cpu-notes.md). Every row states its lr.
 TIERS: dict[str, dict] = {
-    # a tiny random LLaMA built locally; seconds in all, so that the test suite runs it
+    # a tiny random LLaMA built locally; seconds in all, so that the test suite runs it (no HTML report per row)
     "quick": dict(tokens=256, seq_len=32, batch_size=2, grad_accum=1, lr=3e-3, l1_decay=1e-4, eta=1 / 3,
                   log_every=2, mask_interval=2, val_sequences=1, test_sequences=2, wikitext_windows=1, eval_seq_len=32,
-                  calib_samples=4, device="cpu", precision="fp32", adams={}),
+                  calib_samples=4, device="cpu", precision="fp32", report=False, adams={}),
     # SmolLM2-135M on the embedded corpus (100-150 training tok/s on 2 idle cores). Short sequences (128) buy
     # more optimizer steps for the same tokens: 94 steps without KD, 71 with at 48k. Evaluation: 64 held-out
     # sequences, 64 WikiText-2 windows of 512. lr: 5e-4 for the runs that start from the one-shot magnitude

@@ -12,13 +12,22 @@ os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("CAST_TEST_THREADS", "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# the token cache (and any other per-user cache) of this test session: never the developer's own
-_CACHE = tempfile.mkdtemp(prefix="cast-llm-test-cache-")
+# the token cache (and any other per-user cache) of this test session: never the developer's own. pytest-xdist's
+# workers share the one their controller made (they inherit its environment; it removes the folder at exit), so
+# the embedded model's GGUF is converted once a session, not once a worker (~25 s each here)
+_SHARED = "CAST_TEST_SESSION_CACHE"
+if "PYTEST_XDIST_WORKER" in os.environ and os.path.isdir(os.environ.get(_SHARED, "")):
+    _CACHE = os.environ[_SHARED]
+else:
+    _CACHE = tempfile.mkdtemp(prefix="cast-llm-test-cache-")
+    os.environ[_SHARED] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["CAST_LLM_CACHE"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 # kernel verdicts (cast_llm.kernels) go to a file of this test process, never the user's cache; the
 # torch.compile candidates are left out (tens of seconds of compiling each) except where a test asks for them
-os.environ["CAST_LLM_KERNEL_VERDICTS"] = os.path.join(tempfile.mkdtemp(prefix="cast-llm-verdicts-"), "verdicts.json")
+_VERDICTS = tempfile.mkdtemp(prefix="cast-llm-verdicts-")
+atexit.register(shutil.rmtree, _VERDICTS, ignore_errors=True)
+os.environ["CAST_LLM_KERNEL_VERDICTS"] = os.path.join(_VERDICTS, "verdicts.json")
 os.environ["CAST_LLM_COMPILE"] = "0"
 _KERNELS_MODE = os.environ.get("CAST_LLM_KERNELS")  # a run of the whole suite in reference mode keeps it
 

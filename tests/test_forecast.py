@@ -96,7 +96,7 @@ def test_forecast_during_a_run_matches_the_sparse_weight_ratio_it_reaches(workdi
     assert main(["train", "--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"), "--output-dir",
                  str(out), "--wikitext-file", str(workdir / "eval.txt"), "--max-steps", str(steps), "--batch-size",
                  "2", "--seq-len", "32", "--log-every", "10", "--val-sequences", "1", "--wikitext-windows", "1",
-                 "--no-progress", "--mask-interval", "10", "--no-baseline-eval", "--paper-exact", "--lr-schedule",
+                 "--no-progress", "--no-report", "--mask-interval", "10", "--no-baseline-eval", "--paper-exact", "--lr-schedule",
                  schedule, "--lr", lr, "--l1-decay", lam]) == 0
     res = json.loads((out / "results.json").read_text())["decay"]
     actual = res["final_prune"]["sparse_weight_ratio"]

@@ -43,6 +43,9 @@ def run_dir(workdir):
 
 
 def test_training_run_writes_the_analysis_files(run_dir):
+    # and, by default, its HTML report (the other test modules train with --no-report)
+    assert json.loads((run_dir / "results.json").read_text())["report"] == str(run_dir / "report" / "report.html")
+    assert (run_dir / "report" / "report.html").is_file()
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [2, 4, 6, 8]
     assert all(r["tracked_kept_abs"] > r["tracked_pruned_abs"] > 0 for r in recs)

@@ -21,8 +21,9 @@ from cast_llm.cli import main
 from cast_llm.train.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
+# no HTML report: it is tested where it is the subject (test_report.py), and costs 1-2 s a run elsewhere
 BASE = ["--batch-size", "2", "--seq-len", "32", "--log-every", "2", "--val-sequences", "2",
-        "--no-progress", "--lr", "1e-3", "--l1-decay", "1e-4", "--mask-interval", "2"]
+        "--no-progress", "--lr", "1e-3", "--l1-decay", "1e-4", "--mask-interval", "2", "--no-report"]
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +272,7 @@ def test_ddp_two_cpu_processes_match_single_process(workdir, tmp_path):
     common = ["--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"), "--wikitext-file",
               str(workdir / "eval.txt"), "--seq-len", "32", "--log-every", "2", "--val-sequences", "2",
               "--no-progress", "--lr", "1e-3", "--l1-decay", "1e-4", "--mask-interval", "2", "--max-steps", "4",
-              "--no-baseline-eval", "--device", "cpu"]
+              "--no-baseline-eval", "--device", "cpu", "--no-report"]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     assert main(["train", *common, "--batch-size", "2", "--output-dir", str(single)]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -293,7 +294,7 @@ def test_ddp_two_cpu_processes_match_single_process(workdir, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ FSDP2
 FSDP_COMMON = ["--seq-len", "32", "--log-every", "2", "--val-sequences", "2", "--no-progress", "--lr", "1e-3",
-               "--l1-decay", "1e-4", "--mask-interval", "2", "--no-baseline-eval", "--device", "cpu"]
+               "--l1-decay", "1e-4", "--mask-interval", "2", "--no-baseline-eval", "--device", "cpu", "--no-report"]
 
 
 def _torchrun(args, nproc=2, **kw):

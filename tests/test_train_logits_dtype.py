@@ -36,7 +36,7 @@ def test_bf16_training_keeps_logits_in_bf16(tmp_path, monkeypatch, fresh_acceler
     monkeypatch.setattr(trainer, "lm_loss", spy)
     argv = ["train", "--model", str(tmp_path / "llama"), "--data", str(tmp_path / "corpus.jsonl"),
             "--output-dir", str(tmp_path / "run"), "--batch-size", "2", "--seq-len", "32", "--max-steps", "2",
-            "--no-progress", "--precision", "bf16", "--kd", "--no-baseline-eval", "--val-sequences", "2",
+            "--no-progress", "--no-report", "--precision", "bf16", "--kd", "--no-baseline-eval", "--val-sequences", "2",
             "--device", "cpu", "--wikitext-file", str(tmp_path / "eval.txt")]
     assert main(argv) == 0
     assert seen and all(s == (torch.bfloat16, torch.bfloat16) for s in seen)

@@ -16,7 +16,7 @@ from cast_llm.sparsity.mask import is_nm
 
 BASE = ["--batch-size", "2", "--seq-len", "32", "--log-every", "2", "--val-sequences", "1", "--wikitext-windows",
         "1", "--no-progress", "--lr", "1e-2", "--l1-decay", "1e-3", "--mask-interval", "2", "--no-baseline-eval",
-        "--calib-samples", "4"]
+        "--calib-samples", "4", "--no-report"]  # the HTML report: tested in test_report.py
 
 
 @pytest.fixture(scope="module")
