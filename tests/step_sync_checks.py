@@ -124,7 +124,7 @@ def count_in_training(workdir: str, *, counted=(1, 2, 3), log_every: int = 5, ma
 
     cast_method.CastMethod.finalize = finalize
     argv = ["train", "--model", str(work / "llama"), "--data", str(work / "corpus.jsonl"),
-            "--output-dir", str(work / "run"), "--batch-size", "2", "--seq-len", "32", "--grad-accum", "3",
+            "--output-dir", str(work / "run"), "--batch-size", "1", "--seq-len", "16", "--grad-accum", "3",
             "--max-steps", str(max_steps), "--log-every", str(log_every), "--kd", "--mask-interval", "3",
             "--no-progress", "--no-baseline-eval", "--val-sequences", "2", "--device", "cpu",
             "--wikitext-file", str(work / "eval.txt"), "--track-weights", "0", "--ratio-hist-steps=", "--no-report",
