@@ -480,6 +480,26 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
     assert not (run / compare_methods.FIRST_WINDOWS_FILE).exists()
     assert not (other / compare_methods.FIRST_WINDOWS_FILE).exists()
+    # a row without the record takes it from the same seed run again (--idle-walls' run) when that run reproduces
+    # the row's test and WikiText-2 figures (up to last-bit rounding, which the source states); a rerun that came
+    # out different is not the row's (its model is scored instead)
+    (other / "compare_row.json").write_text(json.dumps({**row, "wikitext2_window_nll": None,
+                                                        "test": row["test"] * (1 + 2e-6)}))
+    rerun = runs / "tiny-llama-256" / "walls" / "naive-kd-sgpt" / "compare_row.json"
+    rerun.parent.mkdir(parents=True)
+    rerun.write_text(json.dumps(row))
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
+    rec = json.loads((other / compare_methods.FIRST_WINDOWS_FILE).read_text())
+    assert rec["source"].startswith("the per-window NLL of the row run again") and "model" not in rec
+    assert "within relative 2.0e-06 and 0.0e+00" in rec["source"], rec["source"]
+    assert rec["wikitext2_ppl"] == pytest.approx(kd[0]["wikitext2_first"], rel=1e-12)
+    (other / "compare_row.json").write_text(json.dumps({**row, "wikitext2_window_nll": None}))
+    rerun.write_text(json.dumps({**row, "test": row["test"] * (1 + 1e-3)}))
+    (other / compare_methods.FIRST_WINDOWS_FILE).unlink()
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
+    rec = json.loads((other / compare_methods.FIRST_WINDOWS_FILE).read_text())
+    assert "source" not in rec and "model" in rec
+    assert rec["wikitext2_ppl"] == pytest.approx(kd[0]["wikitext2_first"], rel=1e-9)
     # a seed taken from the tuning grid scored the grid run's model
     cmp = compare_methods.Comparison(compare_methods.parse_args(base + ["--report-only"]))
     e = next(x for x in compare_methods.ALL_ENTRIES if x.key == "naive-kd-sgpt")

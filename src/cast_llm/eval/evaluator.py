@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cast_llm.errors import CastError
-from cast_llm.eval.ppl import packed_perplexity, perplexity, tokenize_text, wikitext2_source
+from cast_llm.eval.ppl import PplResult, packed_perplexity, perplexity, tokenize_text, wikitext2_source
 
 __all__ = ["Evaluator"]
 
@@ -32,7 +34,6 @@ class Evaluator:
         self.test = test[: cfg.test_sequences] if cfg.test_sequences else test
         self.val = test[:0] if val is None else (val[: cfg.val_sequences] if cfg.val_sequences else val)
         self.wiki_ids = None
-        self.wikitext_window_nll: list[float] | None = None  # the last WikiText-2 score's per-window NLL
         self.eval_len = cfg.eval_seq_len or cfg.seq_len
         if model_max is not None and self.eval_len > model_max:
             raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
@@ -81,21 +82,22 @@ class Evaluator:
         """Perplexity on the validation split (for choices: tuning, --eval-every)."""
         return self._packed(model, self.val, f"{label}: validation ppl")
 
-    def wikitext(self, model, label: str = "model") -> float | None:
+    def wikitext(self, model, label: str = "model") -> PplResult | None:
+        """WikiText-2 on the evaluation's windows: the perplexity and each window's mean NLL (``window_nll``)."""
         if self.wiki_ids is None:
             return None
-        res = perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
-                         progress=self.cfg.progress, desc=f"{label}: WikiText-2 ppl")
-        self.wikitext_window_nll = list(res.window_nll)  # the last model's, window by window (a run records it)
-        return res.perplexity
+        return perplexity(model, self.wiki_ids, self.eval_len, batch_size=1, max_windows=self.windows or None,
+                          progress=self.cfg.progress, desc=f"{label}: WikiText-2 ppl")
 
-    def both(self, model, label: str = "model", *, validation: bool = False) -> dict[str, float | None]:
-        """Test and WikiText-2 perplexities (and validation's, when asked: the final model's)."""
+    def both(self, model, label: str = "model", *, validation: bool = False) -> dict[str, Any]:
+        """Test and WikiText-2 perplexities by split (and validation's, when asked: the final model's), and
+        ``wikitext2_window_nll``: WikiText-2 window by window (a run records it; None without WikiText-2)."""
         h = self.heldout(model, label)
         v = self.validation(model, label) if validation else None
-        w = self.wikitext(model, label)
+        wiki = self.wikitext(model, label)
+        w = None if wiki is None else wiki.perplexity
         self.say(f"{label}: " + _fmt({"test ppl": h, "validation ppl": v, "WikiText-2 ppl": w}))
-        out = {"heldout": h, "wikitext2": w}
+        out = {"heldout": h, "wikitext2": w, "wikitext2_window_nll": None if wiki is None else list(wiki.window_nll)}
         if validation:
             out["validation"] = v
         return out

@@ -177,7 +177,11 @@ def perplexity_of_windows(window_nll, n: int) -> float:
     is the mean over their tokens."""
     if not 1 <= n <= len(window_nll):
         raise ValueError(f"the first {n} windows: {len(window_nll)} were scored")
-    nll = math.fsum(window_nll[:n]) / n
+    return _exp(math.fsum(window_nll[:n]) / n)
+
+
+def _exp(nll: float) -> float:
+    """Perplexity from a mean NLL: inf where exp overflows a float (a diverged model), not an OverflowError."""
     return math.exp(nll) if nll < 700 else float("inf")
 
 
@@ -234,7 +238,7 @@ def perplexity(
     scored = n * (seq_len - 1)
     nll = math.fsum(sums) / scored
     return PplResult(
-        perplexity=math.exp(nll) if nll < 700 else float("inf"),
+        perplexity=_exp(nll),
         nll=nll,
         seq_len=seq_len,
         windows=n,

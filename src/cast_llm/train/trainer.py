@@ -306,7 +306,7 @@ class PretrainJob(Job):
             entries["final_eval_s"] = round(time.perf_counter() - t0, 2)
             entries["perplexity"] = {split: {"sparse": sparse[split]} for split in ("heldout", "validation", "wikitext2")}
             if sparse["wikitext2"] is not None:  # window by window: its figure on any first windows, model-free
-                entries["wikitext2_window_nll"] = self.evaluator.wikitext_window_nll
+                entries["wikitext2_window_nll"] = sparse["wikitext2_window_nll"]
             entries.update(
                 method=cfg.method, model=cfg.model, data=cfg.data, pattern=f"{cfg.n}:{cfg.m}", steps=self.total_steps,
                 tokens_trained=tokens_trained, seq_len=cfg.seq_len, eval_seq_len=self.evaluator.eval_len,
