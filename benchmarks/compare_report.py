@@ -393,9 +393,11 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         n = next(r["wikitext2_first_windows"] for r in rows if r.get("wikitext2_first_windows"))
         lines += ["", f"## WikiText-2 on the first {n} windows", "",
                   f"Each row's model scored again on the first {n} WikiText-2 windows of {s['eval_seq_len']} "
-                  f"tokens (`--first-windows {n}`: the saved model, whose test figure it reproduces; the dense row: "
-                  f"the model): the windows a table scored on {n} windows uses, so these figures compare across "
-                  "budgets. Against SparseGPT + KD as above.", ""] + first
+                  f"tokens (`--first-windows {n}`: from the run's per-window record, else from that of its seed run "
+                  "again, else its saved model — each checked against the row's own figures; `first_windows.json` "
+                  f"beside the run says which): the windows a table scored on {n} windows uses, so these figures "
+                  "compare across budgets. A row shows them once every seed has one (the seeds' own are in the "
+                  "JSON). Against SparseGPT + KD as above.", ""] + first
     reruns = rerun_lines(rows)
     if reruns:
         lines += ["", "## Re-runs: the idle wall-time runs against the rows", "",
