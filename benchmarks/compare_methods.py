@@ -882,10 +882,10 @@ class Comparison:
         return md, png
 
 
-FIRST_WINDOWS_FILE = "first_windows.json"
+FIRST_WINDOWS_FILE = "first_windows.json"  # a run's model scored on the first N WikiText-2 windows (--first-windows)
 # a rerun of a row's seed whose test and WikiText-2 figures are within this of the row's is the row's run (a code
 # version that rounds the last bits differently: measured 1.1e-6 / 3.1e-5 at 192k); a different run differs by %
-RERUN_REL = 1e-4  # a run's model scored on the first N WikiText-2 windows (--first-windows)
+RERUN_REL = 1e-4
 IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
 
