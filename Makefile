@@ -41,9 +41,10 @@ lint: install
 
 # two workers: most tests are single-threaded (tests/conftest.py) and many wait on subprocesses, so two
 # share a 2-core machine well (measured here: 4 min 22 s against 6 min 44 s in one process).
-# compile-src: the suite starts hundreds of Python processes that import the package; where
-# PYTHONDONTWRITEBYTECODE is set, each compiled its ~130 modules again (0.3 s a process here). Compiled once
-# here instead (a file edited later is compiled in memory as before: Python checks each cache file's source).
+# compile-src: the suite starts many Python processes that import the package (the subprocess, torchrun and
+# Triton-interpreter tests); where PYTHONDONTWRITEBYTECODE is set, each compiled its ~130 modules again (0.3 s
+# a process here). Compiled once here instead (a file edited later is compiled in memory as before: Python
+# checks each cache file against its source).
 test: install lint compile-src
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
