@@ -273,6 +273,11 @@ class Comparison:
         # row); nothing else runs, the table is rewritten with those times
         self.wall_entries = ([e for e in ALL_ENTRIES if e.key in self.only] if self.only else None
                              ) if opts.idle_walls else []
+        # --rerun-unrecorded: the rows whose unrecorded seeds may be run again (--only's, else every row)
+        self.rerun_keys = (set(self.only) if self.only else None) if opts.rerun_unrecorded else set()
+        if opts.rerun_unrecorded and not opts.first_windows:
+            raise SystemExit("--rerun-unrecorded goes with --first-windows N (it runs a seed again for the per-window "
+                             "record that figure is taken from)")
         if opts.report_only or opts.idle_walls or opts.first_windows:  # nothing runs: the table is rewritten
             # from the finished rows
             self.entries, self.only = [], None
@@ -703,6 +708,9 @@ class Comparison:
             stored, source = row.get("wikitext2_window_nll") or [], "the row's per-window NLL (wikitext2_window_nll)"
             whole = row.get("wikitext2")  # what the record over every window must give
             rerun = None if stored else self.reproducing_rerun(e, row)
+            if (rerun is None and not stored and self.saved_model(e, run, row) is None and e.kind == "train"
+                    and (self.rerun_keys is None or e.key in self.rerun_keys)):
+                rerun = self.rerun_for_record(e, row)
             if rerun is not None:
                 stored, source, whole = rerun
             if len(stored) >= n and whole is not None:
@@ -747,20 +755,42 @@ class Comparison:
         (the latter over every window of the record) within RERUN_REL of the row's — the same run up to the last
         bits a code version rounds differently. The source says by how much it differs. None otherwise (a row run
         before the record existed and not run again, or a rerun that came out different)."""
-        f = self.runs / "walls" / e.key / "compare_row.json"
-        if not f.is_file():
+        for f in (self.runs / "walls" / e.key / "compare_row.json", self.rerun_dir(e, row) / "compare_row.json"):
+            if not f.is_file():
+                continue
+            r = read_row(f)
+            stored = r.get("wikitext2_window_nll") or []
+            if r.get("status") != "ok" or r.get("seed") != row.get("seed") or not stored:
+                continue
+            diff = {k: abs(r[k] / row[k] - 1) if r.get(k) is not None and row.get(k) else math.inf
+                    for k in ("test", "wikitext2")}
+            if max(diff.values()) > RERUN_REL:
+                continue
+            return stored, (f"the per-window NLL of the row run again ({portable(str(f.parent))}, code "
+                            f"{r.get('code')}), whose test and WikiText-2 figures are the row's within relative "
+                            f"{diff['test']:.1e} and {diff['wikitext2']:.1e}"), r["wikitext2"]
+        return None
+
+    def rerun_dir(self, e: Entry, row: dict) -> Path:
+        """Where ``--rerun-unrecorded`` runs a row's seed again (``<runs>/reruns/<row>/seed-N``)."""
+        return self.runs / "reruns" / e.key / f"seed-{row.get('seed')}"
+
+    def rerun_for_record(self, e: Entry, row: dict) -> tuple[list[float], str, float] | None:
+        """``--rerun-unrecorded``: run the row's seed again (its setting, its seed: the same run) for the per-window
+        record the row lacks, and return it as :meth:`reproducing_rerun` does; None (said why) if the rerun
+        failed or came out different."""
+        out = self.rerun_dir(e, row)
+        print(f"          {e.key} seed {row.get('seed')}: no per-window record and no saved model here: run again "
+              f"into {portable(str(out))} ...", flush=True)
+        r = self._run_one(e, out, row.get("seed"))
+        if r.get("status") != "ok":
             return None
-        r = read_row(f)
-        stored = r.get("wikitext2_window_nll") or []
-        if r.get("status") != "ok" or r.get("seed") != row.get("seed") or not stored:
-            return None
-        diff = {k: abs(r[k] / row[k] - 1) if r.get(k) is not None and row.get(k) else math.inf
-                for k in ("test", "wikitext2")}
-        if max(diff.values()) > RERUN_REL:
-            return None
-        return stored, (f"the per-window NLL of the row run again ({portable(str(f.parent))}, code {r.get('code')}), "
-                        f"whose test and WikiText-2 figures are the row's within relative {diff['test']:.1e} and "
-                        f"{diff['wikitext2']:.1e}"), r["wikitext2"]
+        got = self.reproducing_rerun(e, row)
+        if got is None:
+            print(f"          {e.key} seed {row.get('seed')}: the rerun gives test {r.get('test')} / WikiText-2 "
+                  f"{r.get('wikitext2')}, the row {row.get('test')} / {row.get('wikitext2')}: not the row's run, "
+                  "not scored", flush=True)
+        return got
 
     # ------------------------------------------------------------------------------------------ idle walls
     def idle_wall(self, key: str) -> dict | None:
@@ -1005,6 +1035,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="score every finished row's model again on the first N WikiText-2 windows (its saved "
                         "model; the dense row: the model), so that a table on every window compares with tables "
                         "on N; nothing else runs; the table shows the figures beside the rows'")
+    p.add_argument("--rerun-unrecorded", action="store_true",
+                   help="with --first-windows: a training row's seed that has neither a per-window record nor its "
+                        "saved model here is run again (its seed, its setting) into <runs>/reruns/<row>/seed-N, "
+                        "and scored from the rerun's record when the rerun reproduces the row (rows: --only's, "
+                        "else every row; each is a whole training run)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a tier setting for this invocation, e.g. wikitext_windows=0 (every window)")
     opts = p.parse_args(argv)
@@ -1069,7 +1104,7 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
         elif a in dropped:
             skip = True
         elif not a.startswith(tuple(f"{d}=" for d in dropped)) and a not in ("--fresh", "--report-only",
-                                                                             "--idle-walls"):
+                                                                             "--idle-walls", "--rerun-unrecorded"):
             base.append(a)
     seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", []) if x.get("seed") is not None})
     # the tuning the rows went through: a grid run here (--tune), or another budget's choice (--tuning-from)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -500,6 +501,25 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     rec = json.loads((other / compare_methods.FIRST_WINDOWS_FILE).read_text())
     assert "source" not in rec and "model" in rec
     assert rec["wikitext2_ppl"] == pytest.approx(kd[0]["wikitext2_first"], rel=1e-9)
+    # --rerun-unrecorded: a seed with neither a record nor its saved model is run again (its seed, its setting) into
+    # reruns/<row>/seed-N and scored from the rerun's record, which reproduces the row; without the flag: not scored
+    seed1 = json.loads((run / "compare_row.json").read_text())
+    (run / "compare_row.json").write_text(json.dumps({**seed1, "test": seed1["test"] / 1.01}))
+    shutil.rmtree(run / "model")
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
+    assert not (run / compare_methods.FIRST_WINDOWS_FILE).exists()
+    with pytest.raises(SystemExit, match="goes with --first-windows"):
+        compare_methods.main(base + ["--rerun-unrecorded"])
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0", "--rerun-unrecorded",
+                                 "--only", "naive-kd-sgpt"])
+    rec = json.loads((run / compare_methods.FIRST_WINDOWS_FILE).read_text())
+    assert "reruns/naive-kd-sgpt/seed-1" in rec["source"] and "model" not in rec, rec
+    assert rec["wikitext2_ppl"] == pytest.approx(kd[1]["wikitext2_first"], rel=1e-6)
+    # a rerun that does not give the row's figures is not the row's run: nothing is written
+    (run / compare_methods.FIRST_WINDOWS_FILE).unlink()
+    (run / "compare_row.json").write_text(json.dumps({**seed1, "test": seed1["test"] / 1.01 * (1 + 1e-3)}))
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0", "--rerun-unrecorded"])
+    assert not (run / compare_methods.FIRST_WINDOWS_FILE).exists()
     # a seed taken from the tuning grid scored the grid run's model
     cmp = compare_methods.Comparison(compare_methods.parse_args(base + ["--report-only"]))
     e = next(x for x in compare_methods.ALL_ENTRIES if x.key == "naive-kd-sgpt")

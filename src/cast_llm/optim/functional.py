@@ -161,7 +161,9 @@ def nm_masks(params: list[Tensor], *, transposed: bool, n: int, m: int, packed: 
     by_path: dict[str, list[int]] = {}
     for i, p in enumerate(params):
         path = kernels.REFERENCE
-        if p.dim() == 2 and p.is_contiguous():  # (no candidate runs on a plain CPU: a dict lookup)
+        # (no candidate runs on a plain CPU: a dict lookup; none takes float64, which goes to the reference
+        # without a probe that could only fail)
+        if p.dim() == 2 and p.is_contiguous() and p.dtype in adams_probes.DTYPES:
             variant = (p.dtype, "transposed" if transposed else "rows", "packed" if packed else "bool", f"{n}:{m}")
             path = kernels.choose("adams.masks", p.device, variant)
         by_path.setdefault(path, []).append(i)
