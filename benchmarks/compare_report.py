@@ -87,9 +87,12 @@ def rerun_lines(rows: list[dict]) -> list[str]:
         diffs = [(idle[f"{k}_ppl"] - seed[k]) / seed[k] for k in ("test", "wikitext2")]
         same = all(abs(d) < 1e-4 for d in diffs)
         which = "one run" if idle["seed"] is None else f"seed {idle['seed']}"
+        # a last-bits difference (another code version rounding differently) in relative units, a real one in %
+        small = max(abs(d) for d in diffs) < 1e-3
         out.append(f"- {r.get('label', r['key'])} ({which}): test {idle['test_ppl']:.2f} vs "
                    f"{seed['test']:.2f}, WikiText-2 {idle['wikitext2_ppl']:.2f} vs {seed['wikitext2']:.2f} "
                    + ("— the same (within 0.01 %)" if same else
+                      f"— relative {diffs[0]:+.1e} / {diffs[1]:+.1e}" if small else
                       f"— **{100 * diffs[0]:+.1f} % / {100 * diffs[1]:+.1f} %**")
                    + f" (code {idle.get('code') or '?'} vs {seed.get('code') or '?'})")
     return out
@@ -101,7 +104,10 @@ def _compute(r: dict) -> str:
     threads = sorted({x.get("threads") for x in runs if x.get("threads")})
     other = [x["machine"]["other_cores"] for x in runs if (x.get("machine") or {}).get("other_cores") is not None]
     idle = r.get("idle_wall")
-    out = (f"**{idle['wall_s']:.0f} s idle**, {idle['threads'] or '?'} thr<br>" if idle else "") + f"{r['wall_s']:.0f} s"
+    busy = (idle or {}).get("other_cores")
+    out = (f"**{idle['wall_s']:.0f} s idle**, {idle['threads'] or '?'} thr"
+           + (f", other {busy:.2f} cores" if busy is not None and busy > 0.05 else "") + "<br>" if idle else ""
+           ) + f"{r['wall_s']:.0f} s"
     if threads:
         out += f"<br>{'/'.join(map(str, threads))} thr"
     if other:

@@ -374,6 +374,11 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
            "idle_wall": {"seed": 0, "test_ppl": 300.0, "wikitext2_ppl": 300.0}}
     assert rerun_lines([off])[0].startswith("- c (seed 0): test 300.00 vs 200.00, WikiText-2 300.00 vs 400.00 — "
                                             "**+50.0 % / -25.0 %**")
+    close = {**off, "idle_wall": {"seed": 0, "test_ppl": 200.0 * (1 + 2.3e-4), "wikitext2_ppl": 400.0 * (1 - 1.4e-5)}}
+    assert rerun_lines([close])[0].endswith("— relative +2.3e-04 / -1.4e-05 (code ? vs ?)"), rerun_lines([close])
+    shared = {"wall_s": 100.0, "seeds": [{"status": "ok", "threads": 1}],
+              "idle_wall": {"wall_s": 80.0, "threads": 1, "other_cores": 0.15}}
+    assert _compute(shared).startswith("**80 s idle**, 1 thr, other 0.15 cores<br>100 s")
     line = json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["regenerate"]
     assert line.endswith("--idle-walls --only naive")
 
