@@ -103,7 +103,7 @@ def count_in_training(workdir: str, *, counted=(1, 2, 3), log_every: int = 5, ma
 
     work = Path(workdir)
     # one block, width 32: what is counted does not depend on size, and the Triton interpreter runs a program per
-    # tile in Python (the 2-block, width-64 model took 70 s here)
+    # tile in Python (with the 2-block, width-64 model this test took 33 s in the suite here, 12 s alone now)
     tiny.save_model(work / "llama", "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
     tiny.write_corpus(work / "corpus.jsonl")
     (work / "eval.txt").write_text(tiny.CORPUS)
