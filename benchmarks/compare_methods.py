@@ -762,8 +762,7 @@ class Comparison:
             stored = r.get("wikitext2_window_nll") or []
             if r.get("status") != "ok" or r.get("seed") != row.get("seed") or not stored:
                 continue
-            diff = {k: abs(r[k] / row[k] - 1) if r.get(k) is not None and row.get(k) else math.inf
-                    for k in ("test", "wikitext2")}
+            diff = rerun_difference(r, row)
             if max(diff.values()) > RERUN_REL:
                 continue
             return stored, (f"the per-window NLL of the row run again ({portable(str(f.parent))}, code "
@@ -787,8 +786,10 @@ class Comparison:
             return None
         got = self.reproducing_rerun(e, row)
         if got is None:
+            diff = rerun_difference(r, row)
             print(f"          {e.key} seed {row.get('seed')}: the rerun gives test {r.get('test')} / WikiText-2 "
-                  f"{r.get('wikitext2')}, the row {row.get('test')} / {row.get('wikitext2')}: not the row's run, "
+                  f"{r.get('wikitext2')}, the row {row.get('test')} / {row.get('wikitext2')} (relative "
+                  f"{diff['test']:.1e} / {diff['wikitext2']:.1e}, more than {RERUN_REL:.0e}): not the row's run, "
                   "not scored", flush=True)
         return got
 
@@ -923,6 +924,12 @@ FIRST_WINDOWS_FILE = "first_windows.json"  # a run's model scored on the first N
 RERUN_REL = 1e-3
 IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
+
+
+def rerun_difference(rerun: dict, row: dict) -> dict[str, float]:
+    """How far a rerun's test and WikiText-2 figures are from its row's, relative (inf where either lacks one)."""
+    return {k: abs(rerun[k] / row[k] - 1) if rerun.get(k) is not None and row.get(k) else math.inf
+            for k in ("test", "wikitext2")}
 
 
 def code_version() -> str | None:

@@ -428,7 +428,7 @@ def test_a_wider_grid_rechooses_running_only_its_new_points_and_sets_aside_seeds
     assert json.loads((seeds / "seed-0" / "compare_row.json").read_text())["lr"] == 4e-4  # the new choice's run
 
 
-def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tmp_path):
+def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tmp_path, capsys):
     """``--first-windows N`` scores every finished row's model again on the first N WikiText-2 windows (the
     saved model, checked against the row's test figure; the dense row: the model) and reports that figure beside
     the row's own, paired against SparseGPT + KD: the same figure a table scored on N windows gives."""
@@ -523,8 +523,10 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     # a rerun that does not give the row's figures is not the row's run: nothing is written
     (run / compare_methods.FIRST_WINDOWS_FILE).unlink()
     (run / "compare_row.json").write_text(json.dumps({**seed1, "test": seed1["test"] / 1.01 * (1 + 5 * compare_methods.RERUN_REL)}))
+    capsys.readouterr()
     compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0", "--rerun-unrecorded"])
     assert not (run / compare_methods.FIRST_WINDOWS_FILE).exists()
+    assert "(relative 5.0e-03 / 0.0e+00, more than 1e-03): not the row's run" in capsys.readouterr().out
     # a seed taken from the tuning grid scored the grid run's model
     cmp = compare_methods.Comparison(compare_methods.parse_args(base + ["--report-only"]))
     e = next(x for x in compare_methods.ALL_ENTRIES if x.key == "naive-kd-sgpt")
