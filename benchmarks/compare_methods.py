@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_report import (  # noqa: E402
     ORDER_CHECK,
+    RERUN_REL,
     portable,
     register_runs_folder,
     wikitext2_description,
@@ -774,6 +775,17 @@ class Comparison:
         """Where ``--rerun-unrecorded`` runs a row's seed again (``<runs>/reruns/<row>/seed-N``)."""
         return self.runs / "reruns" / e.key / f"seed-{row.get('seed')}"
 
+    def record_reruns(self, key: str) -> list[dict]:
+        """Row ``key``'s seeds run again by ``--rerun-unrecorded`` (``<runs>/reruns/<row>/seed-N``) that finished:
+        each one's seed, perplexities and code, for the table to set against the row's."""
+        out = []
+        for f in sorted((self.runs / "reruns" / key).glob("seed-*/compare_row.json")):
+            r = read_row(f)
+            if r.get("status") == "ok":
+                out.append({"seed": r.get("seed"), "test_ppl": r.get("test"), "wikitext2_ppl": r.get("wikitext2"),
+                            "code": r.get("code"), "threads": r.get("threads"), "wall_s": r.get("wall_s")})
+        return out
+
     def rerun_for_record(self, e: Entry, row: dict) -> tuple[list[float], str, float] | None:
         """``--rerun-unrecorded``: run the row's seed again (its setting, its seed: the same run) for the per-window
         record the row lacks, and return it as :meth:`reproducing_rerun` does; None (said why) if the rerun
@@ -893,6 +905,8 @@ class Comparison:
         for r in rows:  # the row's wall time measured on an idle machine, where --idle-walls measured it
             if (wall := self.idle_wall(r["key"])) is not None:
                 r["idle_wall"] = wall
+            if reruns := self.record_reruns(r["key"]):  # its seeds run again for their records (--rerun-unrecorded)
+                r["reruns"] = reruns
         for r in rows:  # how each training row's setting was chosen (on the validation split), or that it was not
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
@@ -914,14 +928,6 @@ class Comparison:
 
 
 FIRST_WINDOWS_FILE = "first_windows.json"  # a run's model scored on the first N WikiText-2 windows (--first-windows)
-# a rerun of a row's seed whose test and WikiText-2 figures are within this of the row's is the row's run: the same
-# seed and setting, on a code version that rounds the last bits differently. Measured so far: 1.1e-6 / 3.1e-5 (192k
-# SparseGPT + KD seed 0, one code version apart), 2.3e-4 / 1.4e-5 (the default seed 0) and 2.6e-4 / 4.1e-4
-# (SparseGPT + KD seed 1), the last two rows run on older code (and the default's at 2 threads). Another seed lands
-# by % (σ of ln ppl between seeds 0.024 test, 0.125 WikiText-2 at these budgets): 1e-3 is 24x below the smaller.
-# It was 1e-4 until 2026-11-29, raised after the two older-code reruns above came out at 2-4e-4; the first rerun
-# judged by 1e-3 without its figures known when it was set is the default's seed 1 at 192k (see the CPU notes)
-RERUN_REL = 1e-3
 IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
 

@@ -520,6 +520,12 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     rec = json.loads((run / compare_methods.FIRST_WINDOWS_FILE).read_text())
     assert "reruns/naive-kd-sgpt/seed-1" in rec["source"] and "model" not in rec, rec
     assert rec["wikitext2_ppl"] == pytest.approx(kd[1]["wikitext2_first"], rel=1e-6)
+    # the table sets the rerun against its row
+    kd_row = next(r for r in json.loads((docs / "compare-tiny-llama-256.json").read_text())["rows"]
+                  if r["name"] == "naive-kd-sgpt")
+    assert [x["seed"] for x in kd_row["reruns"]] == [1]
+    assert "- SparseGPT + KD (fixed mask) (seed 1, run again for its record): test " in \
+        (docs / "compare-tiny-llama-256.md").read_text()
     # a rerun that does not give the row's figures is not the row's run: nothing is written
     (run / compare_methods.FIRST_WINDOWS_FILE).unlink()
     (run / "compare_row.json").write_text(json.dumps({**seed1, "test": seed1["test"] / 1.01 * (1 + 5 * compare_methods.RERUN_REL)}))
