@@ -26,9 +26,10 @@ NOTES_MARKER = "<!-- notes: kept when the report is regenerated -->"
 # seed and setting, on a code version that rounds the last bits differently. Measured so far: 1.1e-6 / 3.1e-5 (192k
 # SparseGPT + KD seed 0, one code version apart), 2.3e-4 / 1.4e-5 (the default seed 0) and 2.6e-4 / 4.1e-4
 # (SparseGPT + KD seed 1), the last two rows run on code several versions older. Another seed lands by % (σ of
-# ln ppl between seeds 0.024 test, 0.125 WikiText-2 at these budgets): 1e-3 is 24x below the smaller. It was 1e-4
-# until 2026-11-29, raised after the two older-code reruns above came out at 2-4e-4; the first rerun judged by 1e-3
-# that ran after it was set (the default's seed 1 at 192k) came out at 4.0e-5 / 1.1e-5 (the CPU notes)
+# ln ppl between seeds 0.024 test, 0.095 WikiText-2, decay-crossover-smollm2-135m.md): 1e-3 is 24x below the
+# smaller. It was 1e-4 until 2026-11-29, raised after the two older-code reruns above came out at 2-4e-4; the
+# first rerun judged by 1e-3 that ran after it was set (the default's seed 1 at 192k) came out at 4.0e-5 / 1.1e-5
+# (the CPU notes)
 RERUN_REL = 1e-3
 COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": "#c0392b"}
 
