@@ -167,6 +167,22 @@ def fit_prune_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - c * mx, c
 
 
+def fit_residuals(budgets: list[int], points: list[tuple[float, float]], a: float, c: float) -> list[dict]:
+    """Each fit point's measured perplexity against the fitted one and the leave-one-out prediction (the fit
+    through the other points; None with fewer than two other points at distinct S_T): with three or more
+    budgets the one-term model can miss, and this is where it shows."""
+    out = []
+    for i, (b, (s, ppl)) in enumerate(zip(budgets, points)):
+        rest = points[:i] + points[i + 1:]
+        loo = None
+        if len(rest) >= 2 and len({x for x, _ in rest}) >= 2:
+            a_, c_ = fit_prune_cost(rest)
+            loo = math.exp(a_ + c_ * (1 - s))
+        out.append({"budget": b, "measured": ppl, "fitted": math.exp(a + c * (1 - s)), "leave_one_out": loo,
+                    "log_residual": math.log(ppl) - (a + c * (1 - s))})
+    return out
+
+
 def fit_scaling(points: list[tuple[int, float]]):
     """ln ppl = A + B·D^−β over (tokens, ppl) points (cast_llm.scaling, β fixed)."""
     from cast_llm.scaling import fit_token_scaling
@@ -291,6 +307,7 @@ def main(argv=None) -> int:
                   f"first {windows[fit_budgets[0]]} windows (--first-windows)", flush=True)
         pts = [(s_t[b], rows[b]["cast"][split]) for b in fit_budgets]
         a, c = fit_prune_cost(pts)
+        residuals = fit_residuals(fit_budgets, pts, a, c)
         sgpt = next((r["sparsegpt"][split] for r in rows.values() if "sparsegpt" in r), None)
         kd_pts = [(x["tokens"], x[split]) for b in sorted(rows) if "naive-kd-sgpt" in rows[b]
                   for x in rows[b]["naive-kd-sgpt"]["seeds"]]  # (KD training tokens, ppl)
@@ -315,6 +332,7 @@ def main(argv=None) -> int:
                                    "left_out": [{"budget": b, "wikitext_windows": windows[b]} for b in left_out],
                                    "first_windows": [{"budget": b, "rows": sorted(rows[b])} for b in via_first],
                                    "crossover": cross, "seed_sd_log": sd, "crossover_interval": interval,
+                                   "residuals": residuals,
                                    "sparsegpt_kd_fit": None if kd_fit is None else {"A": kd_fit.A, "B": kd_fit.B,
                                                                                     "beta": kd_fit.beta}}
         for b in sorted(verify):
@@ -376,6 +394,16 @@ def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
                   + "".join(f" The {budget_name(x['budget'])} table's rows ({', '.join(x['rows'])}) enter it "
                             "with their models scored again on the same first windows as the other budgets "
                             "(`compare_methods.py --first-windows`)." for x in sp.get("first_windows", [])))
+    if len(result["fit_budgets"]) >= 3:
+        md += ["", "## How well the one-term model fits", "",
+               "Each fitted budget: measured (the mean of its seeds), the fit through every budget, and the "
+               "fit through the other budgets only (leave-one-out: a prediction the point did not shape). "
+               "A residual beyond the seed spread (σ above) is a cost the prune-only model does not carry.", ""]
+        for split, name in SPLITS:
+            for r in result["splits"][split].get("residuals", []):
+                loo = "—" if r["leave_one_out"] is None else f"{r['leave_one_out']:.1f}"
+                md.append(f"- {name}, {budget_name(r['budget'])}: measured {r['measured']:.1f}, fitted "
+                          f"{r['fitted']:.1f} (ln residual {r['log_residual']:+.3f}), leave-one-out {loo}")
     if result["verify"]:
         md += ["", "## Prediction against a run not used in the fit", ""]
         for v in result["verify"]:

@@ -24,6 +24,22 @@ def test_prune_cost_fit_is_exact_through_two_points_and_refuses_one():
         dc.fit_prune_cost([(0.9, 100.0)])
 
 
+def test_residuals_show_a_point_the_one_term_model_misses():
+    # three points on ln ppl = 2 + 10·(1 − S_T), the middle one 40 % above the line
+    line = [(s, math.exp(2 + 10 * (1 - s))) for s in (0.83, 0.93, 0.98)]
+    pts = [line[0], (line[1][0], line[1][1] * 1.4), line[2]]
+    a, c = dc.fit_prune_cost(pts)
+    res = dc.fit_residuals([48_000, 192_000, 384_000], pts, a, c)
+    assert [r["budget"] for r in res] == [48_000, 192_000, 384_000]
+    mid = res[1]
+    assert mid["leave_one_out"] == pytest.approx(line[1][1])  # the other two points lie on the line
+    assert mid["measured"] / mid["leave_one_out"] == pytest.approx(1.4)
+    assert mid["log_residual"] > 0 > res[0]["log_residual"]
+    assert sum(r["log_residual"] for r in res) == pytest.approx(0.0, abs=1e-12)  # least squares with an intercept
+    two = dc.fit_residuals([48_000, 384_000], [line[0], line[2]], *dc.fit_prune_cost([line[0], line[2]]))
+    assert all(r["leave_one_out"] is None and r["log_residual"] == pytest.approx(0.0, abs=1e-12) for r in two)
+
+
 def test_rows_are_read_from_the_fixed_protocol_tables_only(tmp_path):
     doc = {"budget": 48000, "split_sha256": ["ab" * 32], "rows": [{"name": "cast", "status": "ok", "heldout": 2.0},
                                                                 {"name": "srste", "status": "failed"}]}
