@@ -71,6 +71,10 @@ def test_bootstrap_crossover_reports_an_interval_and_the_share_that_never_crosse
     # a comparator that is never reached: said as "no crossover up to <the grid's end>", not "never"
     low = dc.bootstrap_crossover(s_t, grid, paper, [5.0, 5.1], {}, sd=sd, draws=50)["sparsegpt"]
     assert low["crossed_share"] == 0 and dc.describe_interval(low) == "no crossover up to 12M in any of 50 draws"
+    # a rare crossing is counted, never rounded to "no crossover in 100 % of the draws"
+    rare = {"draws": 2000, "crossed_share": 2 / 2000, "p5": 768_000, "p50": 768_000, "p95": 768_000,
+            "grid_max": 48_000_000}
+    assert dc.describe_interval(rare).endswith("no crossover up to 48M in 1,998 of the 2,000 draws)")
     # two budgets with a spread: the seed values themselves are resampled
     assert dc.seed_values({"seeds": [{"test": 2.0}, {"heldout": 3.0}]}, "test") == [2.0, 3.0]
 
@@ -106,3 +110,10 @@ def test_wikitext2_fits_use_only_tables_scored_on_the_same_windows(tmp_path):
     assert dc.seed_values(kept[192000]["naive-kd-sgpt"], "wikitext2") == [74.0, 76.0]
     with pytest.raises(SystemExit, match="different WikiText-2 windows"):
         dc.comparable_rows(rows, windows, "wikitext2", [48000, 192000])
+    # a fit budget on every window joins the fit once its paper-exact row has the others' first-window figure
+    rows[192000]["cast"] = {"wikitext2": 400.0, "wikitext2_first": 380.0, "wikitext2_first_windows": 64}
+    kept, left, first = dc.comparable_rows(rows, windows, "wikitext2", [48000, 192000, 384000])
+    assert left == [] and first == [192000] and kept[192000]["cast"]["wikitext2"] == 380.0
+    rows[192000]["cast"]["wikitext2_first_windows"] = 32  # scored again, but on other windows: still refused
+    with pytest.raises(SystemExit, match="different WikiText-2 windows"):
+        dc.comparable_rows(rows, windows, "wikitext2", [48000, 192000, 384000])
