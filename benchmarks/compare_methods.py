@@ -918,7 +918,8 @@ class Comparison:
                 "command": "python benchmarks/compare_methods.py " + shlex.join(self.opts.argv),
                 "regenerate": " && ".join("python benchmarks/compare_methods.py " + shlex.join(x)
                                           for x in regenerate_argv(self.opts.argv, rows)),
-                "runs_dir": portable(str(self.runs)), "wikitext2": wikitext2_description(self.tier)}
+                "runs_dir": portable(str(self.runs)), "wikitext2": wikitext2_description(self.tier),
+                "table6": [e.key for e in ABLATIONS]}
         png = write_chart(rows, meta, docs / f"{stem}.png")
         md = write_report(rows, meta, docs / f"{stem}.md", png)
         js = write_json(rows, meta, docs / f"{stem}.json")

@@ -21,6 +21,9 @@ EXTRA_CHECK = [("cast", "ast", 1.0)]  # the paper also has CAST ahead of its pre
 # The strongest cheap recipe (SparseGPT + distillation, fixed mask): every CAST variant of the table is held
 # against it, seed by seed, to show what learning the mask adds
 FIXED_MASK_KD = "naive-kd-sgpt"
+# The paper's Table 6 ablates its own algorithm: each of those rows (compare_methods.ABLATIONS, passed in the
+# report's meta as "table6") is held against paper-exact CAST seed by seed
+PAPER_EXACT = "cast"
 NOTES_MARKER = "<!-- notes: kept when the report is regenerated -->"
 # a rerun of a row's seed whose test and WikiText-2 figures are within this of the row's is the row's run: the same
 # seed and setting, on a code version that rounds the last bits differently. Measured so far: 1.1e-6 / 3.1e-5 (192k
@@ -192,6 +195,55 @@ def paired_line(r: dict, base: dict, split: str) -> str:
             f"({100 * p['mean_rel']:+.1f} %, {p['n']} seeds): **{p['verdict']}**")
 
 
+def against_paper_exact(r: dict, base: dict, split: str) -> dict | None:
+    """Row ``r`` against paper-exact CAST on ``split``: ``paired`` where they share two or more seeds; with one
+    common seed that seed's difference (``n`` 1, no interval, no verdict); None with none."""
+    p = paired(r, base, split)
+    if p is not None:
+        return p
+    sa = {x["seed"]: _value(x, split) for x in r.get("seeds") or [r] if x.get("status", "ok") == "ok"}
+    sb = {x["seed"]: _value(x, split) for x in base.get("seeds") or [base] if x.get("status", "ok") == "ok"}
+    common = sorted(x for x in set(sa) & set(sb) if sa[x] is not None and sb[x] is not None)
+    if not common:
+        return None
+    x = common[0]
+    return {"against": base["key"], "n": 1, "seeds": common, "mean_diff": round(sa[x] - sb[x], 3), "ci95": None,
+            "mean_rel": round(sa[x] / sb[x] - 1, 4),
+            "per_seed": [{"seed": x, "a": sa[x], "b": sb[x], "diff": round(sa[x] - sb[x], 3)}], "verdict": None}
+
+
+def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
+    """The paper's Table 6 rows present here against paper-exact CAST: per split the paired difference (an
+    interval and a verdict from two common seeds on), or one seed's difference said as such; and paper-exact's
+    own seed spread, the scale a one-seed difference has to beat."""
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    base = by.get(PAPER_EXACT)
+    present = [r for r in rows if r["key"] in keys and r["key"] in by]
+    if base is None or not present:
+        return []
+    out = []
+    spread = [v for v in (_value(x, "test") for x in base.get("seeds") or [base]
+                          if x.get("status", "ok") == "ok") if v is not None]
+    if len(spread) >= 2:
+        out += [f"Paper-exact CAST's own seeds span {min(spread):.2f}–{max(spread):.2f} on test (×"
+                f"{max(spread) / min(spread):.2f}): a one-seed difference smaller than that is not evidence.", ""]
+    for r in present:
+        cells = []
+        for split in ("test", "wikitext2"):
+            p = against_paper_exact(r, base, split)
+            name = SPLIT_NAMES[split]
+            if p is None:
+                cells.append(f"{name}: no common seed")
+            elif p["n"] == 1:
+                cells.append(f"{name} {p['mean_diff']:+.2f} ({100 * p['mean_rel']:+.1f} %, seed {p['seeds'][0]} "
+                             "only: no interval)")
+            else:
+                cells.append(f"{name} {p['mean_diff']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] "
+                             f"({100 * p['mean_rel']:+.1f} %, {p['n']} seeds): **{p['verdict']}**")
+        out.append(f"- {r['label']}: " + "; ".join(cells) + f"; masks moved (i_T / groups changed): {movement(r)}")
+    return out
+
+
 def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
     """The table as data: per row its name, label, every seed's run (held-out, WikiText-2, S_T, mask movement,
     command) and the mean and range — what a script checks, and what a fresh checkout regenerates from."""
@@ -230,6 +282,11 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
                 del pairs["wikitext2_first"]
             if any(pairs.values()):
                 row["paired"] = {"against": FIXED_MASK_KD, **pairs}
+        exact = by.get(PAPER_EXACT)
+        if exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok":
+            pairs = {split: against_paper_exact(r, exact, split) for split in ("test", "wikitext2")}
+            if any(pairs.values()):
+                row["paired_paper_exact"] = {"against": PAPER_EXACT, **pairs}
         for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",
                     "flipped_fraction"):
             row[key] = r.get(key)
@@ -412,6 +469,13 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   "Mean of the per-seed differences (row − SparseGPT + KD, perplexity points) with its 95 % t "
                   "interval; a row is **better** or **worse** only where the interval excludes 0, else **level**.",
                   ""] + checks
+    table6 = table6_lines(rows, meta.get("table6") or [])
+    if table6:
+        lines += ["", "## The paper's Table 6: each ablation against paper-exact CAST, seed by seed", "",
+                  "Row − paper-exact CAST (perplexity points, the same seeds: same data order): positive = the "
+                  "ablated row is worse, i.e. the component it removes or replaces helps. With two or more common "
+                  "seeds, the mean with its 95 % t interval and a verdict as above; with one, that seed's "
+                  "difference only.", ""] + table6
     first = first_window_lines(rows)
     if first:
         n = next(r["wikitext2_first_windows"] for r in rows if r.get("wikitext2_first_windows"))

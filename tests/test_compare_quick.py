@@ -126,6 +126,45 @@ def test_report_keeps_the_seeds_that_finished(tmp_path):
     assert png.is_file() and png.stat().st_size > 10_000  # whiskers for the 2-seed row, none for the other
 
 
+def test_table6_rows_are_held_against_paper_exact_seed_by_seed(tmp_path):
+    """The paper's Table 6 ablates its own algorithm: each ablation row is set against paper-exact CAST on the
+    seeds both ran — with an interval from two seeds on, as one seed's difference (no verdict) with one — and
+    paper-exact's own seed spread is printed as the scale a one-seed difference must beat."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+        from compare_report import against_paper_exact, table6_lines, write_json
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    keys = [e.key for e in compare_methods.ABLATIONS]
+    assert {"cast-no-kd", "naive-kd-adams", "cast-srste", "cast-additive", "cast-sgpt-fixed"} <= set(keys)
+
+    def row(key, vals, label):
+        seeds = [{"seed": i, "status": "ok", "heldout": t, "wikitext2": w} for i, (t, w) in vals.items()]
+        return {"key": key, "label": label, "kind": "train", "status": "ok", "seeds": seeds,
+                "heldout": sum(x["heldout"] for x in seeds) / len(seeds),
+                "wikitext2": sum(x["wikitext2"] for x in seeds) / len(seeds)}
+
+    cast = row("cast", {0: (100.0, 400.0), 1: (140.0, 410.0), 2: (70.0, 270.0)}, "CAST (paper-exact)")
+    no_kd = row("cast-no-kd", {0: (120.0, 500.0)}, "CAST w/o KD")
+    adams = row("naive-kd-adams", {0: (90.0, 380.0), 1: (120.0, 400.0)}, "Naive + KD + AdamS")
+    other = row("naive-kd-sgpt", {0: (27.0, 70.0)}, "SparseGPT + KD")  # not a Table 6 row
+    one = against_paper_exact(no_kd, cast, "test")
+    assert one["n"] == 1 and one["mean_diff"] == 20.0 and one["ci95"] is None and one["verdict"] is None
+    two = against_paper_exact(adams, cast, "test")
+    assert two["n"] == 2 and two["mean_diff"] == -15.0 and two["verdict"] == "level"
+    assert against_paper_exact(no_kd, row("cast", {5: (1.0, 1.0)}, "x"), "test") is None
+    lines = table6_lines([cast, no_kd, adams, other], keys)
+    assert lines[0].startswith("Paper-exact CAST's own seeds span 70.00–140.00 on test (×2.00)")
+    assert "- CAST w/o KD: test +20.00 (+20.0 %, seed 0 only: no interval); WikiText-2 +100.00" in lines[2]
+    assert "2 seeds): **level**" in lines[3] and not any("SparseGPT + KD" in x for x in lines)
+    assert table6_lines([no_kd, adams], keys) == []  # no paper-exact row: nothing to hold them against
+    doc = json.loads(write_json([cast, no_kd, other], {"table6": keys}, tmp_path / "t.json").read_text())
+    by = {r["name"]: r for r in doc["rows"]}
+    assert by["cast-no-kd"]["paired_paper_exact"]["test"]["mean_diff"] == 20.0
+    assert "paired_paper_exact" not in by["naive-kd-sgpt"] and "paired_paper_exact" not in by["cast"]
+
+
 def test_fresh_redoes_only_the_rows_it_runs(tmp_path):
     """``--fresh --only naive`` reruns naive; the other finished rows of the table are reused as they are."""
     sys.path.insert(0, str(REPO / "benchmarks"))
