@@ -226,7 +226,7 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
                           if x.get("status", "ok") == "ok") if v is not None]
     if len(spread) >= 2:
         out += [f"Paper-exact CAST's own seeds span {min(spread):.2f}–{max(spread):.2f} on test (×"
-                f"{max(spread) / min(spread):.2f}): a one-seed difference smaller than that is not evidence.", ""]
+                f"{max(spread) / min(spread):.2f}): one seed's difference inside that spread is not evidence.", ""]
     for r in present:
         cells = []
         for split in ("test", "wikitext2"):
