@@ -165,13 +165,18 @@ def _value(run: dict, split: str):
     return run.get("heldout") if v is None and split == "test" else v
 
 
+def _common_seeds(a: dict, b: dict, split: str) -> tuple[dict, dict, list]:
+    """Per-seed values of rows ``a`` and ``b`` on ``split`` (finished runs only) and the seeds both have."""
+    sa = {r["seed"]: _value(r, split) for r in a.get("seeds") or [a] if r.get("status") == "ok"}
+    sb = {r["seed"]: _value(r, split) for r in b.get("seeds") or [b] if r.get("status") == "ok"}
+    return sa, sb, sorted(x for x in set(sa) & set(sb) if sa[x] is not None and sb[x] is not None)
+
+
 def paired(a: dict, b: dict, split: str) -> dict | None:
     """Row ``a`` against row ``b`` on ``split``, seed by seed (the seeds both ran: same data order, same
     calibration draw): per-seed differences a - b, their mean, and the 95 % t interval of that mean; the
     verdict is "better" / "worse" only where the interval excludes 0, else "level". None without 2 pairs."""
-    sa = {r["seed"]: _value(r, split) for r in a.get("seeds") or [a] if r.get("status") == "ok"}
-    sb = {r["seed"]: _value(r, split) for r in b.get("seeds") or [b] if r.get("status") == "ok"}
-    common = sorted(x for x in set(sa) & set(sb) if sa[x] is not None and sb[x] is not None)
+    sa, sb, common = _common_seeds(a, b, split)
     if len(common) < 2:
         return None
     diffs = [sa[x] - sb[x] for x in common]
@@ -201,9 +206,7 @@ def against_paper_exact(r: dict, base: dict, split: str) -> dict | None:
     p = paired(r, base, split)
     if p is not None:
         return p
-    sa = {x["seed"]: _value(x, split) for x in r.get("seeds") or [r] if x.get("status", "ok") == "ok"}
-    sb = {x["seed"]: _value(x, split) for x in base.get("seeds") or [base] if x.get("status", "ok") == "ok"}
-    common = sorted(x for x in set(sa) & set(sb) if sa[x] is not None and sb[x] is not None)
+    sa, sb, common = _common_seeds(r, base, split)
     if not common:
         return None
     x = common[0]
