@@ -324,7 +324,8 @@ def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path):
 
 
 # one uninterrupted 2-process FSDP2 run, launched once for the two tests below (most of a launch's time is its
-# processes' imports: 12 of 15 s of a one-process run, profiled here): 8 steps of micro-batch 1 × 2 accumulations on each rank, a checkpoint every 2 steps, kept
+# processes' imports: 12 of 15 s of a one-process run, profiled here): 8 steps of micro-batch 1 × 2
+# accumulations on each rank, a checkpoint every 2 steps, kept
 FSDP_REF = ["--max-steps", "8", "--batch-size", "1", "--grad-accum", "2", "--fsdp", "--save-every", "2",
             "--keep-last", "10"]
 
