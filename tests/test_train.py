@@ -519,7 +519,7 @@ def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp
     computes no warm start again, removes the partial checkpoint folders a killed save of ours left (and
     only those), and ends with an exact 2:4 export in the model's own dtype."""
     out = tmp_path / "run"
-    args = ["-m", "cast_llm.cli", "train", *_preset_args(workdir, big_corpus), "--fsdp", "--max-steps", "16",
+    args = ["-m", "cast_llm.cli", "train", *_preset_args(workdir, big_corpus), "--fsdp", "--max-steps", "8",
             "--save-every", "2", "--output-dir", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
