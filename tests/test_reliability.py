@@ -123,11 +123,11 @@ def test_a_resume_on_a_busy_machine_computes_with_the_threads_the_run_chose(work
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (conftest's: a launcher's choice is never overridden)
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})  # two cores, whatever the machine
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    args = ("--max-steps", "8", "--threads", "0")
+    args = ("--max-steps", "4", "--threads", "0")
     real_batch = PretrainJob.batch
 
-    def sigterm_in_step_4(self, step, micro):
-        if step == 3 and micro == 0:
+    def sigterm_in_step_2(self, step, micro):
+        if step == 1 and micro == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_batch(self, step, micro)
 
@@ -135,11 +135,11 @@ def test_a_resume_on_a_busy_machine_computes_with_the_threads_the_run_chose(work
         with monkeypatch.context() as m:
             m.setattr(threads, "busy_cores", lambda online, **kw: 0.0)  # the idle machine of the first segment
             assert main(_args(workdir, ref, *args)) == 0
-            m.setattr(PretrainJob, "batch", sigterm_in_step_4)
+            m.setattr(PretrainJob, "batch", sigterm_in_step_2)
             assert main(_args(workdir, cut, *args)) == EXIT_PREEMPTED
         (done,) = [c for c in (cut / "checkpoints").iterdir() if (c / "meta.json").is_file()]
         meta = json.loads((done / "meta.json").read_text())
-        assert meta["step"] == 4 and meta["threads"] == 2  # what the run chose, recorded with its checkpoint
+        assert meta["step"] == 2 and meta["threads"] == 2  # what the run chose, recorded with its checkpoint
         assert threads.choose_threads(2, 2.0) == 1  # what a fresh choice on the busy machine would be
         monkeypatch.setattr(threads, "busy_cores", lambda online, **kw: 2.0)  # both cores busy elsewhere
         assert main(["train", "--output-dir", str(cut), "--resume", "auto"]) == 0
