@@ -260,28 +260,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_ddp_two_cpu_processes_match_single_process(workdir, tmp_path):
-    """Two CPU processes (gloo DDP through accelerate) with micro-batch 1 each == one process with 2.
+# one uninterrupted 2-process DDP run, launched once for the two tests below: 10 steps of micro-batch 1 on each
+# rank, started the way the docs say — `accelerate launch --multi_gpu --num_processes 2 … --device cpu`
+# (accelerate 1.x's `--cpu` switch starts several CPU processes only through MPI; `--multi_gpu` starts them with
+# torchrun and our `--device cpu` makes the Accelerator use gloo on the CPU). A plain torchrun launch of the
+# same run is bitwise equal to it (checked here: weights and every metrics line).
+DDP_ARGS = ["--seq-len", "32", "--log-every", "1", "--val-sequences", "2", "--no-progress", "--lr", "1e-3",
+            "--l1-decay", "1e-4", "--mask-interval", "2", "--max-steps", "10", "--no-baseline-eval", "--device",
+            "cpu", "--no-report"]
 
-    Started the way the docs say: `accelerate launch --multi_gpu --num_processes 2 … --device cpu` (accelerate
-    1.x's `--cpu` switch starts several CPU processes only through MPI; `--multi_gpu` starts them with torchrun
-    and our `--device cpu` makes the Accelerator use gloo on the CPU).
-    """
-    common = ["--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"), "--wikitext-file",
-              str(workdir / "eval.txt"), "--seq-len", "32", "--log-every", "2", "--val-sequences", "2",
-              "--no-progress", "--lr", "1e-3", "--l1-decay", "1e-4", "--mask-interval", "2", "--max-steps", "4",
-              "--no-baseline-eval", "--device", "cpu", "--no-report"]
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert main(["train", *common, "--batch-size", "2", "--output-dir", str(single)]) == 0
+
+@pytest.fixture(scope="module")
+def ddp_ref(workdir, tmp_path_factory):
+    if os.environ.get("CAST_SKIP_DDP") == "1":
+        pytest.skip("CAST_SKIP_DDP=1")
+    out = tmp_path_factory.mktemp("ddp-ref") / "ref"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
                 str(_free_port()), "-m", "cast_llm.cli"]
-    r = subprocess.run([*launcher, "train", *common, "--batch-size", "1", "--output-dir", str(ddp)],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([*launcher, "train", *_data_args(workdir), *DDP_ARGS, "--batch-size", "1", "--output-dir",
+                        str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "on 2 process(es)" in r.stdout
+    return types.SimpleNamespace(out=out, stdout=r.stdout)
+
+
+def test_ddp_two_cpu_processes_match_single_process(workdir, ddp_ref, tmp_path):
+    """Two CPU processes (gloo DDP through accelerate) with micro-batch 1 each == one process with 2: the same
+    weights and losses up to float summation order over 10 steps."""
+    single, ddp = tmp_path / "single", ddp_ref.out
+    assert main(["train", *_data_args(workdir), *DDP_ARGS, "--batch-size", "2", "--output-dir", str(single)]) == 0
+    assert "on 2 process(es)" in ddp_ref.stdout
     a, b = load_file(single / "model.safetensors"), load_file(ddp / "model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
@@ -289,6 +298,55 @@ def test_ddp_two_cpu_processes_match_single_process(workdir, tmp_path):
     lb = [json.loads(x) for x in (ddp / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in la] == [r["tokens"] for r in lb]
     assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], rel=1e-5)
+
+
+def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step_and_resumes_bitwise(workdir, ddp_ref, tmp_path):
+    """2 gloo DDP processes under torchrun; SIGTERM reaches one worker only: the ranks agree (all-reduce) on
+    the step, write one complete checkpoint, exit 75; `--resume auto` with the same launch ends bitwise equal
+    to the uninterrupted 2-process run."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def launch(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), "-m", "cast_llm.cli", "train", *_data_args(workdir), *DDP_ARGS, "--batch-size",
+               "1", "--output-dir", str(out), *extra]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    cut = tmp_path / "cut"
+    p = launch(cut)
+    deadline = time.time() + 240
+    metrics = cut / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
+        assert p.poll() is None, "the run ended before the signal"
+        assert time.time() < deadline, "timed out waiting for the run"
+        time.sleep(0.02)
+    workers = _children_running("cast_llm.cli", p.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGTERM)  # one rank only
+    out, err = p.communicate(timeout=600)
+    complete = [c for c in (cut / "checkpoints").iterdir() if (c / "meta.json").is_file()]
+    assert len(complete) == 1, (out[-2000:], err[-3000:])
+    assert "stopped at step" in out + err
+    p = launch(cut, "--resume", "auto")
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    _assert_same_run(ddp_ref.out, cut)
+
+
+def _children_running(needle: str, parent: int) -> list[int]:
+    """PIDs of the processes below ``parent`` whose command line contains ``needle`` (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat[3]) == parent and needle in cmd:
+            out.append(int(d.name))
+    return sorted(out)
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2
