@@ -416,7 +416,11 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         f"windows of {s['eval_seq_len']}, {s['wikitext_windows'] or 'all'} windows. Lower is better.",
         "",
         "Rows with several seeds show the mean and, below it, every seed's value. S_T: the sparse-weight ratio just "
-        "before the final prune (1 = nothing left to cut; method.md §7). Masks moved: the final initial-flip "
+        "before the final prune (1 = nothing left to cut; method.md §7)."
+        + (" Rows trained through a straight-through estimator (weight update \"… STE\") compute their forward "
+           "with the masked weights from the first step: their S_T is the kept share of the latent dense "
+           "weights, no cost at the export." if any("STE" in (r.get("weight_update") or "") for r in rows) else "")
+        + " Masks moved: the final initial-flip "
         "rate i_T (share of mask entries that differ from the run's first mask) / the share of 2:4 groups whose "
         "kept pair changed. tok/s: median training throughput. Wall time: one run of the row, everything "
         "included (calibration, the teacher, the evaluations), its thread count, and the most cores other jobs "
