@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import tiny
 import torch
+from run_helpers import wait_for_step
 from safetensors.torch import load_file
 
 from cast_llm.cli import main
@@ -60,17 +61,6 @@ def _popen(args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _wait_for_step(out: Path, step: int, proc, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    metrics = out / "metrics.jsonl"
-    while True:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
-            return
-        assert proc.poll() is None, "the run ended before the signal"
-        assert time.time() < deadline, "timed out waiting for the run"
-        time.sleep(0.02)
-
-
 def _free_port() -> int:
     import socket
 
@@ -95,7 +85,7 @@ def test_signal_checkpoints_and_resume_auto_alone_continues_bitwise(workdir, tmp
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(_args(workdir, ref, "--max-steps", "14")) == 0
     p = _popen(_args(workdir, cut, "--max-steps", "14"))
-    _wait_for_step(cut, random.Random(sig).randint(2, 9), p)
+    wait_for_step(cut, random.Random(sig).randint(2, 9), p)
     p.send_signal(sig)
     out, err = p.communicate(timeout=240)
     assert p.returncode == EXIT_PREEMPTED, err[-2000:]
@@ -192,7 +182,7 @@ def test_finetune_sigterm_checkpoint_and_resume_is_bitwise(workdir, tmp_path):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(args(ref)) == 0
     p = _popen(args(cut))
-    _wait_for_step(cut, 5, p)
+    wait_for_step(cut, 5, p)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=240)
     assert p.returncode == EXIT_PREEMPTED, err[-2000:]

@@ -16,6 +16,7 @@ import pytest
 import tiny
 import torch
 import yaml
+from run_helpers import children_running, wait_for_step
 from safetensors.torch import load_file
 
 from cast_llm.cli import main
@@ -314,13 +315,8 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step_and_resumes_bitw
 
     cut = tmp_path / "cut"
     p = launch(cut)
-    deadline = time.time() + 240
-    metrics = cut / "metrics.jsonl"
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
-        assert p.poll() is None, "the run ended before the signal"
-        assert time.time() < deadline, "timed out waiting for the run"
-        time.sleep(0.02)
-    workers = _children_running("cast_llm.cli", p.pid)
+    wait_for_step(cut, 4, p)
+    workers = children_running("cast_llm.cli", p.pid)
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGTERM)  # one rank only
     out, err = p.communicate(timeout=600)
@@ -331,22 +327,6 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step_and_resumes_bitw
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     _assert_same_run(ddp_ref.out, cut)
-
-
-def _children_running(needle: str, parent: int) -> list[int]:
-    """PIDs of the processes below ``parent`` whose command line contains ``needle`` (Linux /proc)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text().split()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat[3]) == parent and needle in cmd:
-            out.append(int(d.name))
-    return sorted(out)
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2
