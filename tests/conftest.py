@@ -55,6 +55,22 @@ def _fresh_kernel_verdicts(tmp_path_factory, monkeypatch):
     kernels.reset()
 
 
+@pytest.fixture(scope="session")
+def triton_interpreter():
+    """Code run under Triton's interpreter (TRITON_INTERPRET=1, one intra-op thread) in a process of its own:
+    ``triton_interpreter.run(code)`` forks it from one warm server per pytest worker that has imported torch,
+    Triton, the package's kernels and the tests' check modules (tests/warm_interpreter.py), instead of paying
+    those imports in a new interpreter per test."""
+    from warm_interpreter import WarmInterpreter
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    server = WarmInterpreter({"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}, path=[here], preload=[
+        "torch", "triton", "transformers", "cast_llm.cli", "cast_llm.optim.triton_adams", "cast_llm.train.trainer",
+        "test_triton_adams", "step_kernel_checks", "step_sync_checks", "tiny"])
+    yield server
+    server.close()
+
+
 def pytest_configure(config):
     # model-loading progress bars would drown the one-line errors the CLI tests look for
     from transformers.utils import logging as hf_logging
@@ -63,10 +79,13 @@ def pytest_configure(config):
 
 
 # ---------------------------------------------------------------------------------------------- markers
+_SPAWNING_FIXTURES = {"triton_interpreter"}  # fixtures of this file whose tests run code in another process
+
+
 def _spawning_tests(path) -> set[str]:
     """Names of the test functions in ``path`` that start other processes: they call ``subprocess`` directly,
-    through a module-level helper that does, or take a module fixture that does (found in the source, so a new
-    such test is marked too)."""
+    through a module-level helper that does, or take a module fixture that does or one of _SPAWNING_FIXTURES
+    (found in the source, so a new such test is marked too)."""
     import ast
 
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -76,9 +95,10 @@ def _spawning_tests(path) -> set[str]:
     def spawns(f, names) -> bool:
         return any((isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name) and c.value.id in names)
                    or (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in names)
-                   for c in ast.walk(f)) or any(a.arg in names & fixtures for a in f.args.args)
+                   for c in ast.walk(f)) or any(a.arg in names & (fixtures | _SPAWNING_FIXTURES)
+                                                for a in f.args.args)
 
-    spawners = {"subprocess"}
+    spawners = {"subprocess", "WarmInterpreter", *_SPAWNING_FIXTURES}
     for _ in range(len(funcs)):  # helpers and fixtures that call (or take) ones that spawn
         more = {f.name for f in funcs if not f.name.startswith("test") and spawns(f, spawners)}
         if more <= spawners:

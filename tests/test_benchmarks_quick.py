@@ -1,17 +1,16 @@
 """Every benchmark of benchmarks/ runs in its --quick mode (tiny shapes / a tiny random LLaMA), so that the
-recorded commands of docs/results keep working. The scripts run as subprocesses, all at once: most of their
-time is interpreter start-up and imports, which overlap."""
+recorded commands of docs/results keep working. Most of a script's time in --quick is its imports (torch,
+transformers, the package: ~4 s of CPU each here), so each runs in a process forked from one warm interpreter
+that has imported them (tests/warm_interpreter.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from warm_interpreter import WarmInterpreter
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # script -> a line its report must contain
@@ -26,6 +25,9 @@ EXPECTED = {
 }
 # --json: what the GPU kit's perf stage reads
 WRITES_JSON = ("linear24.py", "inference24.py", "optimizer_step.py", "train_step.py")
+# what the scripts import (each imported once, in the warm interpreter, not once per script)
+PRELOAD = ["torch", "torch.profiler", "transformers", "cast_llm.optim.adams", "cast_llm.deploy.sparse24",
+           "cast_llm.deploy.sparse24.decode", "cast_llm.targets", "_common", "_sparse24"]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,20 @@ def json_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(json_dir):
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), "--quick",
-                                     *(["--json", str(json_dir / f"{name}.json")] if name in WRITES_JSON else [])],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in EXPECTED}
-    return {name: (p, *p.communicate(timeout=600)) for name, p in procs.items()}
+    """Each script as ``python <script> --quick`` runs it (``__main__``, its argv, its folder first on sys.path),
+    in a child forked from one warm interpreter that has imported what the scripts import."""
+    server = WarmInterpreter({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+                             path=[BENCHMARKS], preload=PRELOAD)
+    out = {}
+    try:
+        for name in EXPECTED:
+            argv = [str(BENCHMARKS / name), "--quick",
+                    *(["--json", str(json_dir / f"{name}.json")] if name in WRITES_JSON else [])]
+            out[name] = server.run(f"import runpy, sys\nsys.argv = {argv!r}\nsys.path[0] = {str(BENCHMARKS)!r}\n"
+                                   f"runpy.run_path({argv[0]!r}, run_name='__main__')\n")
+    finally:
+        server.close()
+    return {name: (r, r.stdout, r.stderr) for name, r in out.items()}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

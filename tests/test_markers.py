@@ -30,6 +30,17 @@ def test_a_test_taking_a_module_fixture_that_starts_processes_is_found(tmp_path)
     assert "test_optimizer_step_json_has_the_targets" in real
 
 
+def test_a_test_running_code_in_a_warm_interpreter_is_found(tmp_path):
+    f = tmp_path / "test_z.py"
+    f.write_text("import pytest\nfrom warm_interpreter import WarmInterpreter\n\n"
+                 "@pytest.fixture(scope='module')\ndef server():\n    return WarmInterpreter({}, preload=[])\n\n"
+                 "def test_own(server):\n    server.run('1')\n\n"
+                 "def test_shared(triton_interpreter):\n    triton_interpreter.run('1')\n\n"
+                 "def test_plain():\n    assert 1\n")
+    assert _spawning_tests(f) == {"test_own", "test_shared"}
+    assert "test_kernels_match_float64_in_triton_interpreter" in _spawning_tests(HERE / "test_step_kernels.py")
+
+
 def test_each_half_of_the_run_order_starts_slow_and_ends_quick():
     """conftest orders the tests so that xdist's two workers each start with slow tests (a file's kept
     together) and end with quick ones: no worker is left alone in a long test at the end."""

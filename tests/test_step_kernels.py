@@ -1,7 +1,7 @@
 """The training step's Triton kernels — ScaledLinear's fused backward and the fused KD loss — against float64
 references (tests/step_kernel_checks.py), and the dispatch that chooses them.
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors (a subprocess with TRITON_INTERPRET=1);
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (a process of its own with TRITON_INTERPRET=1);
 on a CUDA machine they run compiled. The dispatch (CUDA → kernel, CPU → the torch paths, which the other
 tests check) is tested here on CPU.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,14 +45,11 @@ def _check(errors: dict[str, float], interpreter: bool) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter runs the kernels on CPU tensors)")
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU runs the compiled kernels instead")
-def test_kernels_match_float64_in_triton_interpreter():
-    here = Path(__file__).parent
+def test_kernels_match_float64_in_triton_interpreter(triton_interpreter):
     code = ("import json, step_kernel_checks as c\n"
             "print('RESULT ' + json.dumps({**c.check_scaled_weight('cpu'), **c.check_kd('cpu'),\n"
             "                              **c.check_grouped('cpu')}))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = triton_interpreter.run(code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     _check(json.loads(line.removeprefix("RESULT ")), interpreter=True)

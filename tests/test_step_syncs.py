@@ -1,7 +1,7 @@
 """A training step (CAST, KD, several micro-batches, a mask refresh) reads nothing on the host between log steps
 (issue 29), and a non-finite step is still never applied (train/finite.py).
 
-On CPU the host reads are counted (tests/step_sync_checks.py) in a subprocess under TRITON_INTERPRET=1, where
+On CPU the host reads are counted (tests/step_sync_checks.py) in a process of its own under TRITON_INTERPRET=1, where
 every training-step kernel takes its Triton (CUDA) path; on a GPU the same run goes under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronising call.
 """
@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,14 +47,11 @@ def test_the_counter_sees_every_kind_of_host_read():
 
 
 @pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs Triton's interpreter (a GPU runs the CUDA variant)")
-def test_a_kd_training_step_reads_nothing_on_the_host_between_log_steps(tmp_path):
-    here = Path(__file__).parent
+def test_a_kd_training_step_reads_nothing_on_the_host_between_log_steps(triton_interpreter, tmp_path):
     code = ("import json, sys, step_sync_checks as c\n"
             f"out = c.count_in_training({str(tmp_path)!r})\n"
             "print('RESULT ' + json.dumps(out, default=str))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    proc = triton_interpreter.run(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
     assert out["rc"] == 0 and out["seen"] == [0, 1, 2, 3, 4]

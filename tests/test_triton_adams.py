@@ -2,7 +2,8 @@
 float64 reference.
 
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), in a
-subprocess per test because Triton picks the interpreter when it decorates the kernels (at import): the
+process per test (forked from a warm server: conftest's ``triton_interpreter``) because Triton picks the
+interpreter when it decorates the kernels (at import): the
 update kernel against the float64 single-tensor reference, the mask kernel against ``nm_mask`` bit for bit,
 the AdamS class on its kernel path over many steps with mask refreshes, and a resume from a state dict in
 mid-run. Small tiles (:func:`small_tiles`) make tiny tensors span several programs and end in ragged tails,
@@ -13,11 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -267,12 +264,9 @@ def check_resume(device: str, storage_saved="packed", storage_loaded="bool", dty
 
 
 # ------------------------------------------------------------------------- under Triton's interpreter
-def _in_interpreter(code: str) -> None:
-    here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+def _in_interpreter(triton_interpreter, code: str) -> None:
     prog = "import torch\nimport test_triton_adams as t\nt.small_tiles()\n" + textwrap.dedent(code) + "\nprint('ok')\n"
-    out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=600)
+    out = triton_interpreter.run(prog)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
     # every kernel a path chose passed its check: none failed (float64 goes to the reference unprobed)
     assert "failed its check" not in out.stderr, out.stderr[-4000:]
@@ -285,15 +279,15 @@ interpreter = pytest.mark.skipif(not HAS_TRITON or HAS_CUDA,
 
 @interpreter
 @pytest.mark.parametrize("part", [0, 1])
-def test_update_kernel_matches_float64_reference_in_interpreter(part):
+def test_update_kernel_matches_float64_reference_in_interpreter(triton_interpreter, part):
     # 11 cases, split in two processes of a few seconds each
-    _in_interpreter(f"t.check_update_cases('cpu', t.ALL_CASES[{part}::2])")
+    _in_interpreter(triton_interpreter, f"t.check_update_cases('cpu', t.ALL_CASES[{part}::2])")
 
 
 @interpreter
-def test_update_kernel_default_tiles_in_interpreter():
+def test_update_kernel_default_tiles_in_interpreter(triton_interpreter):
     # the shipped tile and chunk sizes: a 40 x 1100 tensor spans 3 chunks of 16 tiles
-    _in_interpreter("""
+    _in_interpreter(triton_interpreter, """
         from cast_llm.optim import triton_adams
         triton_adams._BLOCK, triton_adams._CHUNK = 1024, 16 * 1024
         t.SHAPES = [(40, 1100), (6, 20)]
@@ -303,8 +297,8 @@ def test_update_kernel_default_tiles_in_interpreter():
 
 
 @interpreter
-def test_mask_kernel_equals_nm_mask_in_interpreter():
-    _in_interpreter("t.check_masks('cpu')")
+def test_mask_kernel_equals_nm_mask_in_interpreter(triton_interpreter):
+    _in_interpreter(triton_interpreter, "t.check_masks('cpu')")
 
 
 CLASS_CASES = [("float32", "bool", "proportional"), ("float32", "packed", "additive"),
@@ -313,13 +307,13 @@ CLASS_CASES = [("float32", "bool", "proportional"), ("float32", "packed", "addit
 
 @interpreter
 @pytest.mark.parametrize("dtype,storage,mode", CLASS_CASES)
-def test_adams_kernel_path_matches_reference_in_interpreter(dtype, storage, mode):
-    _in_interpreter(f"t.check_class('cpu', torch.{dtype}, storage='{storage}', decay_mode='{mode}')")
+def test_adams_kernel_path_matches_reference_in_interpreter(triton_interpreter, dtype, storage, mode):
+    _in_interpreter(triton_interpreter, f"t.check_class('cpu', torch.{dtype}, storage='{storage}', decay_mode='{mode}')")
 
 
 @interpreter
-def test_adams_kernel_path_resumes_bitwise_in_interpreter():
-    _in_interpreter("""
+def test_adams_kernel_path_resumes_bitwise_in_interpreter(triton_interpreter):
+    _in_interpreter(triton_interpreter, """
         t.check_resume('cpu', 'packed', 'bool')
         t.check_resume('cpu', 'bool', 'bool', dtype=torch.bfloat16)
         t.test_refresh_masks_recomputes_every_mask_from_the_current_weights()  # through the mask kernel

@@ -1,0 +1,63 @@
+"""tests/warm_interpreter.py, which runs the Triton-interpreter tests' code in children forked from a warm
+server: each child behaves as ``python -c`` would (the environment at the time of the call, exit statuses,
+output), a child that runs too long is killed, and a server that cannot start says why."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from warm_interpreter import WarmInterpreter
+
+
+@pytest.fixture(scope="module")
+def warm():
+    server = WarmInterpreter({"WARM_FIXED": "1"}, preload=["json"], path=[Path(__file__).parent])
+    yield server
+    server.close()
+
+
+def test_a_child_sees_the_environment_of_the_call_and_its_output_comes_back(warm, monkeypatch):
+    monkeypatch.setenv("WARM_PER_TEST", "a")
+    r = warm.run("import os, sys\nprint(os.environ['WARM_FIXED'], os.environ['WARM_PER_TEST'], sys.path[0] == '')\n"
+                 "print('to stderr', file=sys.stderr)")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "1 a True\n", "to stderr\n")
+    monkeypatch.setenv("WARM_PER_TEST", "b")
+    assert warm.run("import os; print(os.environ['WARM_PER_TEST'])").stdout == "b\n"
+
+
+def test_children_do_not_share_state(warm):
+    assert warm.run("import json; json.MARK = 1").returncode == 0
+    assert warm.run("import json; print(hasattr(json, 'MARK'))").stdout == "False\n"
+
+
+@pytest.mark.parametrize("code,status,err", [
+    ("assert 1 == 2, 'boom'", 1, "AssertionError: boom"),
+    ("import sys; sys.exit(3)", 3, ""),
+    ("import sys; sys.exit('a message')", 1, "a message"),
+    ("import atexit; atexit.register(print, 'at exit')", 0, ""),
+])
+def test_exit_statuses_and_errors_are_those_of_python_c(warm, code, status, err):
+    r = warm.run(code)
+    assert r.returncode == status and err in r.stderr
+    if "atexit" in code:
+        assert r.stdout == "at exit\n"
+
+
+def test_a_child_past_its_timeout_is_killed_and_the_server_goes_on(warm):
+    t = time.monotonic()
+    r = warm.run("import time; time.sleep(60)", timeout=1)
+    assert r.returncode == -9 and "killed after 1 s" in r.stderr and time.monotonic() - t < 30
+    assert warm.run("print('next')").stdout == "next\n"
+
+
+def test_a_server_that_cannot_import_its_preload_says_why():
+    server = WarmInterpreter({}, preload=["no_such_module_for_the_warm_test"])
+    try:
+        r = server.run("print(1)")
+        assert r.returncode == 1 and "No module named 'no_such_module_for_the_warm_test'" in r.stderr
+    finally:
+        server.close()
+    assert not os.path.exists(server._dir.name)

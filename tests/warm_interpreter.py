@@ -1,0 +1,148 @@
+"""A warm interpreter for tests that need a fresh process with a different environment (TRITON_INTERPRET=1:
+Triton picks its interpreter when it decorates the kernels, at import): one server process per pytest worker
+imports the heavy modules once, then forks a child for every piece of code a test sends. The child starts
+from the server's state (the modules imported, nothing run) as a fresh ``python -c`` would after the same
+imports, and what it changes dies with it, so tests stay independent. A new ``python -c`` per test paid the
+imports (torch, Triton, the package: ~2.5 s of CPU here) every time.
+
+Run as a script, this file is the server: it reads one JSON request per line on stdin, forks, and answers one
+JSON line per request on stdout (the child's pid at once, then its exit status)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class WarmInterpreter:
+    """``run(code)`` is ``subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **overrides),
+    capture_output=True)`` in a child forked from a server that has imported ``preload`` under that environment
+    (``path`` goes first on PYTHONPATH). The child takes the environment of the moment of ``run`` (a test's own
+    variables, e.g. its kernel-verdict file); the modules the server imported read theirs at its start."""
+
+    def __init__(self, overrides: dict[str, str], preload: list[str], path: list[str] = ()):
+        self.overrides = dict(overrides, PYTHONPATH=os.pathsep.join([*map(str, path),
+                                                                     os.environ.get("PYTHONPATH", "")]))
+        self._dir = tempfile.TemporaryDirectory(prefix="warm-interpreter-")
+        self.proc = subprocess.Popen([sys.executable, __file__, *preload], env=dict(os.environ, **self.overrides),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        self._n = 0
+        self._buf = b""
+
+    def run(self, code: str, timeout: float = 600) -> Result:
+        self._n += 1
+        out, err = (Path(self._dir.name) / f"{self._n}.{k}" for k in ("out", "err"))
+        env = dict(os.environ, **self.overrides)
+        self.proc.stdin.write(json.dumps({"code": code, "out": str(out), "err": str(err), "env": env}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read(timeout)
+        if "error" in reply:  # the server itself failed (an import of preload): report it as the test's failure
+            return Result(1, "", reply["error"])
+        try:
+            status = self._read(timeout)["status"]
+        except TimeoutError:
+            os.kill(reply["pid"], signal.SIGKILL)
+            self._read(60)
+            return Result(-9, _text(out), _text(err) + f"\nkilled after {timeout:.0f} s")
+        return Result(status, _text(out), _text(err))
+
+    def _read(self, timeout: float) -> dict:
+        """The server's next reply line. Read from the pipe's descriptor with a buffer of our own: a buffered file
+        may already hold the next line (a quick child's pid and status come together), which select() would not
+        see."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the server died: its stderr says why
+                return {"error": "the warm interpreter ended:\n" + self.proc.stderr.read()[-4000:]}
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._dir.cleanup()
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _child(code: str, out: str, err: str, env: dict[str, str]) -> None:
+    """In the forked child: the request's code as ``python -c`` runs it, in the request's environment,
+    stdout/stderr to the given files."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name in ((1, out), (2, err)):
+        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - the child's stdin must not be the request pipe
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
+    status = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    import atexit
+
+    atexit._run_exitfuncs()  # as an interpreter's exit runs them; then leave without returning to the server loop
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _serve(preload: list[str]) -> None:
+    import importlib
+
+    sys.path.insert(0, "")  # as python -c has it
+    try:
+        for name in preload:
+            importlib.import_module(name)
+    except BaseException:
+        print(json.dumps({"error": traceback.format_exc()}), flush=True)
+        return
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(req["code"], req["out"], req["err"], req["env"])
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])
