@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # the token cache (and any other per-user cache) of this test session: never the developer's own. pytest-xdist's
 # workers share the one their controller made (they inherit its environment; it removes the folder at exit), so
-# the embedded model's GGUF is converted once a session, not once a worker (~25 s each here)
+# the embedded model's GGUF is converted once a session, not once a worker (~10 s of CPU each here)
 _SHARED = "CAST_TEST_SESSION_CACHE"
 if "PYTEST_XDIST_WORKER" in os.environ and os.path.isdir(os.environ.get(_SHARED, "")):
     _CACHE = os.environ[_SHARED]

@@ -174,3 +174,35 @@ def test_an_export_can_be_exported_again(exports, tmp_path):
     assert state_dicts_bitwise_equal(load_model(str(out), dtype="auto"), load_model(str(exports["hf"]),
                                                                                        dtype="auto")) == []
     assert load_model(str(exports["compressed"]), dtype="auto").dtype == torch.float16
+
+
+def test_a_gguf_is_parsed_once_per_load_and_loads_the_same(tmp_path, monkeypatch):
+    """transformers parses a GGUF's metadata for the tokenizer, the config and the weights separately;
+    gguf_parsed_once shares one parse (and one tensor-name map) inside its block, with what is loaded unchanged,
+    and restores gguf's own functions after it."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny.write_gguf(tmp_path / "tiny.gguf")
+    kwargs = {"gguf_file": path.name}
+    plain_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kwargs)
+    plain_tok = AutoTokenizer.from_pretrained(tmp_path, **kwargs)
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parses, maps = [], []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real_reader(*a, **k))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or real_map(*a))
+    patched = gguf.GGUFReader, gguf.get_tensor_name_map
+    with models.gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kwargs)
+        tok = AutoTokenizer.from_pretrained(tmp_path, **kwargs)
+    assert len(parses) == 1 and len(maps) == 1, (parses, maps)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == patched  # restored
+    assert not state_dicts_bitwise_equal(model, plain_model)  # the names of tensors that differ: none
+    assert tok.get_vocab() == plain_tok.get_vocab() and model.config.to_dict() == plain_model.config.to_dict()
+
+    parses.clear()  # load_model and load_tokenizer of a .gguf path each parse it once
+    loaded = models.load_model(str(path))
+    assert len(parses) == 1 and not state_dicts_bitwise_equal(loaded, plain_model)
+    parses.clear()
+    assert models.load_tokenizer(str(path)).get_vocab() == plain_tok.get_vocab() and len(parses) == 1

@@ -83,3 +83,41 @@ def write_corpus(path: Path, docs: int = 40) -> Path:
             idx = torch.randint(len(words), (60,), generator=g).tolist()
             f.write(json.dumps({"text": f"Document {i}. " + " ".join(words[j] for j in idx)}) + "\n")
     return path
+
+
+def write_gguf(path: Path, layers: int = 2, d: int = 16, ff: int = 32, heads: int = 2, vocab: int = 40) -> Path:
+    """A tiny random fp32 LLaMA as a GGUF file (gguf's own writer), with a 40-token BPE tokenizer: what
+    ``from_pretrained(..., gguf_file=...)`` reads, in a fraction of a second."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(d)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "ab"] + [f"x{i}" for i in range(vocab - 3)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (vocab, d), "output_norm": (d,), "output": (vocab, d)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.{n}": s for n, s in (
+            ("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)), ("attn_output", (d, d)),
+            ("ffn_gate", (ff, d)), ("ffn_up", (ff, d)), ("ffn_down", (d, ff)), ("attn_norm", (d,)),
+            ("ffn_norm", (d,)))})
+    for name, shape in shapes.items():
+        w.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
