@@ -71,6 +71,19 @@ def triton_interpreter():
     server.close()
 
 
+@pytest.fixture(scope="session")
+def plain_transformers():
+    """Code run in a process that has imported torch and transformers and never cast_llm (what a user without
+    cast-llm has): ``plain_transformers.run(code)`` forks it from one warm server per pytest worker."""
+    from warm_interpreter import WarmInterpreter
+
+    server = WarmInterpreter({}, preload=["torch", "transformers", "transformers.models.llama.modeling_llama",
+                                          "transformers.models.gpt2.modeling_gpt2",
+                                          "transformers.models.opt.modeling_opt"])
+    yield server
+    server.close()
+
+
 def pytest_configure(config):
     # model-loading progress bars would drown the one-line errors the CLI tests look for
     from transformers.utils import logging as hf_logging
@@ -79,7 +92,7 @@ def pytest_configure(config):
 
 
 # ---------------------------------------------------------------------------------------------- markers
-_SPAWNING_FIXTURES = {"triton_interpreter"}  # fixtures of this file whose tests run code in another process
+_SPAWNING_FIXTURES = {"triton_interpreter", "plain_transformers"}  # fixtures of this file whose tests run code in another process
 
 
 def _spawning_tests(path) -> set[str]:

@@ -63,7 +63,7 @@ def _is_24(w: torch.Tensor, transposed: bool) -> bool:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
-def test_train_exports_exact_24_model_that_plain_transformers_loads(workdir, tmp_path, arch):
+def test_train_exports_exact_24_model_that_plain_transformers_loads(workdir, plain_transformers, tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
@@ -79,12 +79,12 @@ def test_train_exports_exact_24_model_that_plain_transformers_loads(workdir, tmp
         assert _is_24(w, transposed=arch == "gpt2"), fqn
         assert (w == 0).float().mean() == 0.5, fqn
     assert not any("scale" in k or "base_layer" in k for k in state), "scales must be folded away"
-    # plain transformers, in a fresh interpreter that never imports cast_llm
+    # plain transformers, in a process that never imports cast_llm
     code = (f"import sys, torch; from transformers import AutoModelForCausalLM; "
             f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}); "
             f"assert 'cast_llm' not in sys.modules; "
             f"print(float(m(torch.arange(8)[None]).logits.abs().mean()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = plain_transformers.run(code, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())
     for split in ("heldout", "wikitext2"):
@@ -381,7 +381,8 @@ def fsdp_ref(workdir, tmp_path_factory):
     return types.SimpleNamespace(out=out, tokens=tokens, stdout=r.stdout)
 
 
-def test_fsdp2_two_cpu_processes_match_single_process_and_export_exact_24(workdir, fsdp_ref, tmp_path):
+def test_fsdp2_two_cpu_processes_match_single_process_and_export_exact_24(workdir, fsdp_ref, plain_transformers,
+                                                                          tmp_path):
     """--fsdp on 2 gloo CPU processes (student + teacher sharded, weight scaling, KD, AdamS on shards) with
     micro-batch 1 × 2 accumulations each == one unsharded process with micro-batch 2 × 2, and the export is the
     same exact 2:4 HF model. Tolerance as for DDP: the two runs differ only in float summation order (the
@@ -405,7 +406,7 @@ def test_fsdp2_two_cpu_processes_match_single_process_and_export_exact_24(workdi
     code = (f"import sys, torch; from transformers import AutoModelForCausalLM; "
             f"m = AutoModelForCausalLM.from_pretrained({str(sharded)!r}); assert 'cast_llm' not in sys.modules; "
             f"print(float(m(torch.arange(8)[None]).logits.abs().mean()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = plain_transformers.run(code, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     la = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x) for x in (sharded / "metrics.jsonl").read_text().splitlines()]
