@@ -326,6 +326,7 @@ def test_the_package_root_holds_only_core_modules():
     root = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(root) <= 8, root
     assert all(name in LAYERS[0] for name in root), [n for n in root if n not in LAYERS[0]]
+    graph = import_graph()
     for name in root:
-        needs = {".".join(t.split(".")[:2]) for t in import_graph()[f"{PACKAGE}.{name}"]} - {PACKAGE}
+        needs = {".".join(t.split(".")[:2]) for t in graph[f"{PACKAGE}.{name}"]} - {PACKAGE}
         assert all(_layer(t) == 0 for t in needs), (name, needs)
