@@ -84,6 +84,21 @@ def plain_transformers():
     server.close()
 
 
+@pytest.fixture(scope="session")
+def warm_cli():
+    """The command line in a process of its own, as ``python -c "from cast_llm.cli import main; ..."`` runs it
+    (one intra-op thread): ``warm_cli.start(code, unbuffered=True)`` forks it, Popen-like, from one warm
+    server per pytest worker that has imported the training and fine-tuning stacks. For the tests that signal
+    or kill a running command."""
+    from warm_interpreter import WarmInterpreter
+
+    server = WarmInterpreter({"OMP_NUM_THREADS": "1"}, preload=[
+        "torch", "transformers", "transformers.models.llama.modeling_llama", "cast_llm.cli", "cast_llm.cli.train",
+        "cast_llm.cli.finetune", "cast_llm.train.trainer", "cast_llm.finetune.job"])
+    yield server
+    server.close()
+
+
 def pytest_configure(config):
     # model-loading progress bars would drown the one-line errors the CLI tests look for
     from transformers.utils import logging as hf_logging
@@ -92,7 +107,7 @@ def pytest_configure(config):
 
 
 # ---------------------------------------------------------------------------------------------- markers
-_SPAWNING_FIXTURES = {"triton_interpreter", "plain_transformers"}  # fixtures of this file whose tests run code in another process
+_SPAWNING_FIXTURES = {"triton_interpreter", "plain_transformers", "warm_cli"}  # fixtures of this file whose tests run code in another process
 
 
 def _spawning_tests(path) -> set[str]:

@@ -54,11 +54,10 @@ def _same_run(ref: Path, cut: Path) -> None:
     assert strip(ref) == strip(cut)
 
 
-def _popen(args, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    code = "import sys; from cast_llm.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+def _popen(warm_cli, args):
+    """The command ``cast-llm ARGS`` in a process of its own (forked from conftest's warm_cli), unbuffered."""
+    code = f"import sys; from cast_llm.cli import main; sys.argv = ['-c', *{list(args)!r}]; sys.exit(main(sys.argv[1:]))"
+    return warm_cli.start(code, unbuffered=True)
 
 
 def _free_port() -> int:
@@ -76,7 +75,7 @@ def _checksums(folder: Path) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------------ preemption
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_checkpoints_and_resume_auto_alone_continues_bitwise(workdir, tmp_path, sig):
+def test_signal_checkpoints_and_resume_auto_alone_continues_bitwise(workdir, warm_cli, tmp_path, sig):
     """SIGINT/SIGTERM mid-run (random step; no --save-every) → a complete checkpoint, exit 75, the resume
     command printed; then `--output-dir X --resume auto` with NO other flag continues from the run's own
     config.yaml and ends bitwise equal to an uninterrupted run."""
@@ -84,7 +83,7 @@ def test_signal_checkpoints_and_resume_auto_alone_continues_bitwise(workdir, tmp
 
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(_args(workdir, ref, "--max-steps", "14")) == 0
-    p = _popen(_args(workdir, cut, "--max-steps", "14"))
+    p = _popen(warm_cli, _args(workdir, cut, "--max-steps", "14"))
     wait_for_step(cut, random.Random(sig).randint(2, 9), p)
     p.send_signal(sig)
     out, err = p.communicate(timeout=240)
@@ -142,9 +141,9 @@ def test_a_resume_on_a_busy_machine_computes_with_the_threads_the_run_chose(work
     _same_run(ref, cut)
 
 
-def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(workdir, tmp_path):
+def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(workdir, warm_cli, tmp_path):
     out = tmp_path / "run"
-    p = _popen(_args(workdir, out, "--max-steps", "80", "--save-every", "2"))
+    p = _popen(warm_cli, _args(workdir, out, "--max-steps", "80", "--save-every", "2"))
     deadline = time.time() + 240
     while not (out / "checkpoints").is_dir() or not any((out / "checkpoints").glob("step-*[0-9]")):
         assert p.poll() is None and time.time() < deadline
@@ -161,7 +160,7 @@ def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(workdir, tmp_
                  "--log-every", "100"]) in (0,)
 
 
-def test_finetune_sigterm_checkpoint_and_resume_is_bitwise(workdir, tmp_path):
+def test_finetune_sigterm_checkpoint_and_resume_is_bitwise(workdir, warm_cli, tmp_path):
     d = tmp_path / "data"
     d.mkdir()
     with (d / "instr.jsonl").open("w") as f:
@@ -181,7 +180,7 @@ def test_finetune_sigterm_checkpoint_and_resume_is_bitwise(workdir, tmp_path):
                         "--no-progress", "--no-baseline-eval", "--lr", "1e-3", "--no-per-layer-report"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(args(ref)) == 0
-    p = _popen(args(cut))
+    p = _popen(warm_cli, args(cut))
     wait_for_step(cut, 5, p)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=240)

@@ -117,19 +117,15 @@ def test_cast_decays_pruned_weights_and_keeps_the_model_close_to_dense(workdir, 
     assert res["sparse"] < res["magnitude"]
 
 
-def _run_cli(args, **kw):
-    code = "import sys; from cast_llm.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, **kw)
-
-
-def test_kill_9_and_resume_is_bitwise_identical(workdir, tmp_path):
+def test_kill_9_and_resume_is_bitwise_identical(workdir, warm_cli, tmp_path):
     common = ["train", "--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"),
               "--wikitext-file", str(workdir / "eval.txt"), *BASE, "--max-steps", "12", "--save-every", "2",
               "--no-baseline-eval", "--keep-last", "3"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main([*common, "--output-dir", str(ref)]) == 0  # in this process: only the killed run needs its own
-    p = _run_cli(common + ["--output-dir", str(cut)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (f"import sys; from cast_llm.cli import main; "
+            f"sys.exit(main({[*common, '--output-dir', str(cut)]!r}))")
+    p = warm_cli.start(code)  # a process of its own (forked from a warm interpreter: conftest's warm_cli)
     deadline = time.time() + 240
     while not (cut / "checkpoints" / "step-00000006").is_dir():
         assert p.poll() is None, "the run ended before it could be killed"

@@ -61,3 +61,30 @@ def test_a_server_that_cannot_import_its_preload_says_why():
     finally:
         server.close()
     assert not os.path.exists(server._dir.name)
+
+
+def test_a_started_child_is_used_as_a_popen_is(warm, tmp_path):
+    """start(): poll while it runs, a signal it handles, its unbuffered output readable before it ends."""
+    import signal
+
+    flag = tmp_path / "ready"
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+            f"print('started', sys.argv[1:]); open({str(flag)!r}, 'w').close()\n"
+            "time.sleep(60)\n")
+    p = warm.start("import sys; sys.argv = ['-c', 'a']\n" + code, unbuffered=True)
+    deadline = time.monotonic() + 30
+    while not flag.exists():
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    assert p.poll() is None and "started ['a']" in p._out.read_text()  # written through, before the end
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 75 and out == "started ['a']\n" and err == ""
+    long = warm.start("import time; time.sleep(60)")
+    with pytest.raises(TimeoutError):
+        long.communicate(timeout=0.5)
+    with pytest.raises(RuntimeError, match="one child at a time"):
+        warm.start("pass")
+    long.kill()
+    assert long.wait(30) == -signal.SIGKILL and warm.run("print(2)").stdout == "2\n"

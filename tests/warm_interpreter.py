@@ -10,6 +10,7 @@ JSON line per request on stdout (the child's pid at once, then its exit status).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,23 +44,37 @@ class WarmInterpreter:
                                      text=True, bufsize=1)
         self._n = 0
         self._buf = b""
+        self._running: WarmProcess | None = None
 
     def run(self, code: str, timeout: float = 600) -> Result:
+        proc = self.start(code)
+        try:
+            out, err = proc.communicate(timeout)
+        except TimeoutError:
+            proc.kill()
+            out, err = proc.communicate(60)
+            return Result(-9, out, err + f"\nkilled after {timeout:.0f} s")
+        return Result(proc.returncode, out, err)
+
+    def start(self, code: str, env: dict[str, str] | None = None, unbuffered: bool = False) -> WarmProcess:
+        """The child running ``code`` (``sys.argv`` as the code sets it), at once, as ``subprocess.Popen`` would
+        return it: ``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``, ``returncode``.
+        ``env``: its whole environment (default: this process's, with the overrides); ``unbuffered``: its
+        stdout and stderr written through at once, as ``python -u`` writes them."""
+        if self._running is not None and self._running.poll() is None:
+            raise RuntimeError("the warm interpreter runs one child at a time")
         self._n += 1
         out, err = (Path(self._dir.name) / f"{self._n}.{k}" for k in ("out", "err"))
-        env = dict(os.environ, **self.overrides)
-        self.proc.stdin.write(json.dumps({"code": code, "out": str(out), "err": str(err), "env": env}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read(timeout)
-        if "error" in reply:  # the server itself failed (an import of preload): report it as the test's failure
-            return Result(1, "", reply["error"])
+        env = dict(os.environ, **self.overrides) if env is None else dict(env)
         try:
-            status = self._read(timeout)["status"]
-        except TimeoutError:
-            os.kill(reply["pid"], signal.SIGKILL)
-            self._read(60)
-            return Result(-9, _text(out), _text(err) + f"\nkilled after {timeout:.0f} s")
-        return Result(status, _text(out), _text(err))
+            self.proc.stdin.write(json.dumps({"code": code, "out": str(out), "err": str(err), "env": env,
+                                              "unbuffered": unbuffered}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the server has ended: the read below says why
+        reply = self._read(600)
+        self._running = WarmProcess(self, reply, out, err)
+        return self._running
 
     def _read(self, timeout: float) -> dict:
         """The server's next reply line. Read from the pipe's descriptor with a buffer of our own: a buffered file
@@ -82,6 +97,11 @@ class WarmInterpreter:
         return json.loads(line)
 
     def close(self) -> None:
+        running = self._running
+        if running is not None and running.poll() is None:  # the server waits for its child: end it first
+            running.kill()
+            with contextlib.suppress(TimeoutError):
+                running.wait(30)
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -91,13 +111,60 @@ class WarmInterpreter:
         self._dir.cleanup()
 
 
+class WarmProcess:
+    """One child of the warm interpreter, used as a ``subprocess.Popen`` is (see :meth:`WarmInterpreter.start`)."""
+
+    def __init__(self, server: WarmInterpreter, reply: dict, out: Path, err: Path):
+        self._server, self._out, self._err = server, out, err
+        self.pid = reply.get("pid")
+        self.returncode: int | None = None
+        self._error = reply.get("error")
+        if self._error is not None:  # the server itself failed (an import of preload): the child's failure
+            self.returncode = 1
+
+    def _status(self, timeout: float) -> None:
+        reply = self._server._read(timeout)  # TimeoutError while the child runs
+        if "error" in reply:  # the server died with the child
+            self._error, self.returncode = reply["error"], 1
+        else:
+            self.returncode = reply["status"]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self._status(0)
+            except TimeoutError:
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._status(600 if timeout is None else timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self._error is not None:
+            return "", self._error
+        return _text(self._out), _text(self._err)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.is_file() else ""
 
 
-def _child(code: str, out: str, err: str, env: dict[str, str]) -> None:
+def _child(code: str, out: str, err: str, env: dict[str, str], unbuffered: bool) -> None:
     """In the forked child: the request's code as ``python -c`` runs it, in the request's environment,
     stdout/stderr to the given files."""
+    import io
+
     os.environ.clear()
     os.environ.update(env)
     for fd, name in ((1, out), (2, err)):
@@ -105,7 +172,13 @@ def _child(code: str, out: str, err: str, env: dict[str, str]) -> None:
         os.dup2(f, fd)
         os.close(f)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - the child's stdin must not be the request pipe
-    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
+
+    def stream(fd: int, err: bool):
+        raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)  # noqa: SIM115
+        return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace" if err else "strict",
+                                line_buffering=err, write_through=unbuffered)
+
+    sys.stdout, sys.stderr = stream(1, False), stream(2, True)
     status = 0
     try:
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
@@ -138,7 +211,7 @@ def _serve(preload: list[str]) -> None:
         req = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(req["code"], req["out"], req["err"], req["env"])
+            _child(req["code"], req["out"], req["err"], req["env"], req.get("unbuffered", False))
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
