@@ -21,9 +21,10 @@ def warm():
 
 def test_a_child_sees_the_environment_of_the_call_and_its_output_comes_back(warm, monkeypatch):
     monkeypatch.setenv("WARM_PER_TEST", "a")
-    r = warm.run("import os, sys\nprint(os.environ['WARM_FIXED'], os.environ['WARM_PER_TEST'], sys.path[0] == '')\n"
+    r = warm.run("import os, sys\nprint(os.environ['WARM_FIXED'], os.environ['WARM_PER_TEST'], sys.path[0] == '',\n"
+                 "      sys.argv == ['-c'])\n"
                  "print('to stderr', file=sys.stderr)")
-    assert (r.returncode, r.stdout, r.stderr) == (0, "1 a True\n", "to stderr\n")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "1 a True True\n", "to stderr\n")
     monkeypatch.setenv("WARM_PER_TEST", "b")
     assert warm.run("import os; print(os.environ['WARM_PER_TEST'])").stdout == "b\n"
 

@@ -179,6 +179,7 @@ def _child(code: str, out: str, err: str, env: dict[str, str], unbuffered: bool)
                                 line_buffering=err, write_through=unbuffered)
 
     sys.stdout, sys.stderr = stream(1, False), stream(2, True)
+    sys.argv = ["-c"]  # as python -c has it (the code may set its own)
     status = 0
     try:
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
