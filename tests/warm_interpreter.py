@@ -1,9 +1,11 @@
-"""A warm interpreter for tests that need a fresh process with a different environment (TRITON_INTERPRET=1:
-Triton picks its interpreter when it decorates the kernels, at import): one server process per pytest worker
+"""A warm interpreter for tests that run code in a process of its own: one server process per pytest worker
 imports the heavy modules once, then forks a child for every piece of code a test sends. The child starts
 from the server's state (the modules imported, nothing run) as a fresh ``python -c`` would after the same
 imports, and what it changes dies with it, so tests stay independent. A new ``python -c`` per test paid the
-imports (torch, Triton, the package: ~2.5 s of CPU here) every time.
+imports (torch, transformers, Triton, the package: 2.5-5.5 s of CPU here) every time. Used for the code that
+must run under TRITON_INTERPRET=1 (Triton picks its interpreter when it decorates the kernels, at import), a
+process that never imports cast_llm, the benchmarks' --quick runs, and the commands a test signals or kills
+(:meth:`WarmInterpreter.start`, Popen-like). conftest.py holds the shared servers.
 
 Run as a script, this file is the server: it reads one JSON request per line on stdin, forks, and answers one
 JSON line per request on stdout (the child's pid at once, then its exit status)."""
