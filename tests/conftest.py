@@ -107,7 +107,8 @@ def pytest_configure(config):
 
 
 # ---------------------------------------------------------------------------------------------- markers
-_SPAWNING_FIXTURES = {"triton_interpreter", "plain_transformers", "warm_cli"}  # fixtures of this file whose tests run code in another process
+# the fixtures above whose tests run code in another process (a child of a warm interpreter)
+_SPAWNING_FIXTURES = {"triton_interpreter", "plain_transformers", "warm_cli"}
 
 
 def _spawning_tests(path) -> set[str]:
