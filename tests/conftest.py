@@ -85,11 +85,7 @@ def plain_transformers():
 
 
 @pytest.fixture(scope="session")
-def warm_cli():
-    """The command line in a process of its own, as ``python -c "from cast_llm.cli import main; ..."`` runs it
-    (one intra-op thread): ``warm_cli.start(code, unbuffered=True)`` forks it, Popen-like, from one warm
-    server per pytest worker that has imported the training and fine-tuning stacks. For the tests that signal
-    or kill a running command."""
+def _warm_cli_server():
     from warm_interpreter import WarmInterpreter
 
     server = WarmInterpreter({"OMP_NUM_THREADS": "1"}, preload=[
@@ -97,6 +93,17 @@ def warm_cli():
         "cast_llm.cli.finetune", "cast_llm.train.trainer", "cast_llm.finetune.job"])
     yield server
     server.close()
+
+
+@pytest.fixture
+def warm_cli(_warm_cli_server):
+    """The command line in a process of its own, as ``python -c "from cast_llm.cli import main; ..."`` runs it
+    (one intra-op thread): ``warm_cli.start(code, unbuffered=True)`` forks it, Popen-like, from one warm
+    server per pytest worker that has imported the training and fine-tuning stacks. For the tests that signal
+    or kill a running command; a child a failing test left running is killed after it, so the next test's
+    starts."""
+    yield _warm_cli_server
+    _warm_cli_server.reap()
 
 
 def pytest_configure(config):

@@ -98,12 +98,16 @@ class WarmInterpreter:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
-    def close(self) -> None:
+    def reap(self) -> None:
+        """Kill the child still running, if any (the server waits for it before it takes the next request)."""
         running = self._running
-        if running is not None and running.poll() is None:  # the server waits for its child: end it first
+        if running is not None and running.poll() is None:
             running.kill()
             with contextlib.suppress(TimeoutError):
                 running.wait(30)
+
+    def close(self) -> None:
+        self.reap()
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
