@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import types
@@ -19,6 +18,7 @@ import types
 import pytest
 import tiny
 import torch
+from run_helpers import free_port
 from safetensors.torch import load_file
 
 from cast_llm.errors import CastError
@@ -55,16 +55,10 @@ def workdir(tmp_path_factory):
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(workdir, out, nproc: int, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), "-m", "cast_llm.cli", "train", "--model", str(workdir / "llama"), "--data",
+           str(free_port()), "-m", "cast_llm.cli", "train", "--model", str(workdir / "llama"), "--data",
            str(workdir / "corpus.jsonl"), "--wikitext-file", str(workdir / "eval.txt"), *ARGS,
            "--output-dir", str(out), *extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tiny
 import torch
-from run_helpers import wait_for_step
+from run_helpers import start_cli, wait_for_step
 from safetensors.torch import load_file
 
 from cast_llm.cli import main
@@ -54,20 +54,6 @@ def _same_run(ref: Path, cut: Path) -> None:
     assert strip(ref) == strip(cut)
 
 
-def _popen(warm_cli, args):
-    """The command ``cast-llm ARGS`` in a process of its own (forked from conftest's warm_cli), unbuffered."""
-    code = f"import sys; from cast_llm.cli import main; sys.argv = ['-c', *{list(args)!r}]; sys.exit(main(sys.argv[1:]))"
-    return warm_cli.start(code, unbuffered=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _checksums(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -83,7 +69,7 @@ def test_signal_checkpoints_and_resume_auto_alone_continues_bitwise(workdir, war
 
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(_args(workdir, ref, "--max-steps", "14")) == 0
-    p = _popen(warm_cli, _args(workdir, cut, "--max-steps", "14"))
+    p = start_cli(warm_cli, _args(workdir, cut, "--max-steps", "14"), unbuffered=True)
     wait_for_step(cut, random.Random(sig).randint(2, 9), p)
     p.send_signal(sig)
     out, err = p.communicate(timeout=240)
@@ -143,7 +129,7 @@ def test_a_resume_on_a_busy_machine_computes_with_the_threads_the_run_chose(work
 
 def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(workdir, warm_cli, tmp_path):
     out = tmp_path / "run"
-    p = _popen(warm_cli, _args(workdir, out, "--max-steps", "80", "--save-every", "2"))
+    p = start_cli(warm_cli, _args(workdir, out, "--max-steps", "80", "--save-every", "2"), unbuffered=True)
     deadline = time.time() + 240
     while not (out / "checkpoints").is_dir() or not any((out / "checkpoints").glob("step-*[0-9]")):
         assert p.poll() is None and time.time() < deadline
@@ -180,7 +166,7 @@ def test_finetune_sigterm_checkpoint_and_resume_is_bitwise(workdir, warm_cli, tm
                         "--no-progress", "--no-baseline-eval", "--lr", "1e-3", "--no-per-layer-report"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main(args(ref)) == 0
-    p = _popen(warm_cli, args(cut))
+    p = start_cli(warm_cli, args(cut), unbuffered=True)
     wait_for_step(cut, 5, p)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=240)

@@ -16,7 +16,7 @@ import pytest
 import tiny
 import torch
 import yaml
-from run_helpers import children_running, wait_for_step
+from run_helpers import children_running, free_port, start_cli, wait_for_step
 from safetensors.torch import load_file
 
 from cast_llm.cli import main
@@ -123,9 +123,7 @@ def test_kill_9_and_resume_is_bitwise_identical(workdir, warm_cli, tmp_path):
               "--no-baseline-eval", "--keep-last", "3"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main([*common, "--output-dir", str(ref)]) == 0  # in this process: only the killed run needs its own
-    code = (f"import sys; from cast_llm.cli import main; "
-            f"sys.exit(main({[*common, '--output-dir', str(cut)]!r}))")
-    p = warm_cli.start(code)  # a process of its own (forked from a warm interpreter: conftest's warm_cli)
+    p = start_cli(warm_cli, [*common, "--output-dir", str(cut)])  # a process of its own
     deadline = time.time() + 240
     while not (cut / "checkpoints" / "step-00000006").is_dir():
         assert p.poll() is None, "the run ended before it could be killed"
@@ -249,14 +247,6 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(workdir, tmp_path, capsys
     assert good, "the checkpoints written before the NaN must survive"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # one uninterrupted 2-process DDP run, launched once for the two tests below: 10 steps of micro-batch 1 on each
 # rank, started the way the docs say — `accelerate launch --multi_gpu --num_processes 2 … --device cpu`
 # (accelerate 1.x's `--cpu` switch starts several CPU processes only through MPI; `--multi_gpu` starts them with
@@ -275,7 +265,7 @@ def ddp_ref(workdir, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                str(_free_port()), "-m", "cast_llm.cli"]
+                str(free_port()), "-m", "cast_llm.cli"]
     r = subprocess.run([*launcher, "train", *_data_args(workdir), *DDP_ARGS, "--batch-size", "1", "--output-dir",
                         str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -305,7 +295,7 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step_and_resumes_bitw
 
     def launch(out, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), "-m", "cast_llm.cli", "train", *_data_args(workdir), *DDP_ARGS, "--batch-size",
+               str(free_port()), "-m", "cast_llm.cli", "train", *_data_args(workdir), *DDP_ARGS, "--batch-size",
                "1", "--output-dir", str(out), *extra]
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -333,7 +323,7 @@ FSDP_COMMON = ["--seq-len", "32", "--log-every", "2", "--val-sequences", "2", "-
 def _torchrun(args, nproc=2, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), *args]
+           str(free_port()), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, **kw)
 
 
@@ -558,7 +548,7 @@ def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp
             "--save-every", "2", "--output-dir", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), *args], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                          str(free_port()), *args], env=env, start_new_session=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (out / "checkpoints" / "step-00000002").is_dir() and p.poll() is None:
@@ -600,7 +590,7 @@ def test_fsdp2_a_nan_on_one_rank_stops_every_rank_with_one_line(workdir, tmp_pat
     and no model is written."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CAST_TEST_NAN_RANK": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "tests" / "rank_fault_worker.py"), "train", *_data_args(workdir), *FSDP_COMMON, "--max-steps",
            "4", "--batch-size", "1", "--fsdp", "--output-dir", str(out)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

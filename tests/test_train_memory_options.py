@@ -15,6 +15,7 @@ import sys
 import pytest
 import tiny
 import torch
+from run_helpers import free_port
 from safetensors.torch import load_file
 
 import cast_llm.train.trainer as trainer
@@ -132,14 +133,6 @@ def test_packed_masks_are_refused_outside_adams(workdir, tmp_path, capsys):
     assert "--packed-masks is AdamS's mask storage" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # ~30 s: two torchrun processes
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
 def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path):
@@ -149,7 +142,7 @@ def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path):
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
     assert _train(workdir, single, *opts) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), "-m", "cast_llm.cli", "train", *_args(workdir, batch=1), "--fsdp", *opts,
+           str(free_port()), "-m", "cast_llm.cli", "train", *_args(workdir, batch=1), "--fsdp", *opts,
            "--output-dir", str(sharded)]
     r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

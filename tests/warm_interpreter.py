@@ -58,16 +58,15 @@ class WarmInterpreter:
             return Result(-9, out, err + f"\nkilled after {timeout:.0f} s")
         return Result(proc.returncode, out, err)
 
-    def start(self, code: str, env: dict[str, str] | None = None, unbuffered: bool = False) -> WarmProcess:
+    def start(self, code: str, unbuffered: bool = False) -> WarmProcess:
         """The child running ``code`` (``sys.argv`` as the code sets it), at once, as ``subprocess.Popen`` would
         return it: ``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``, ``returncode``.
-        ``env``: its whole environment (default: this process's, with the overrides); ``unbuffered``: its
-        stdout and stderr written through at once, as ``python -u`` writes them."""
+        ``unbuffered``: its stdout and stderr written through at once, as ``python -u`` writes them."""
         if self._running is not None and self._running.poll() is None:
             raise RuntimeError("the warm interpreter runs one child at a time")
         self._n += 1
         out, err = (Path(self._dir.name) / f"{self._n}.{k}" for k in ("out", "err"))
-        env = dict(os.environ, **self.overrides) if env is None else dict(env)
+        env = dict(os.environ, **self.overrides)
         try:
             self.proc.stdin.write(json.dumps({"code": code, "out": str(out), "err": str(err), "env": env,
                                               "unbuffered": unbuffered}) + "\n")
@@ -189,10 +188,12 @@ def _child(code: str, out: str, err: str, env: dict[str, str], unbuffered: bool)
     status = 0
     try:
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
+    except SystemExit as e:  # sys.exit(n) exits with n, sys.exit("message") prints it and exits with 1
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            status = 1
     except BaseException:
         traceback.print_exc()
         status = 1
