@@ -911,7 +911,8 @@ class Comparison:
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
                 r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "results", "from")
-                                if k in t} if t else {"chosen": "not retuned", "setting": {"lr": r.get("lr")}})
+                                if k in t} if t else {"grid": None, "chosen": "not retuned", "metric": None,
+                                                   "setting": {"lr": r.get("lr")}})
         docs.mkdir(parents=True, exist_ok=True)
         meta = {"tier": self.opts.tier, "model": self.tier["model"], "data": self.tier["data"],
                 "budget": self.budget, "settings": self.tier, "total_wall_s": round(time.perf_counter() - t0, 1),

@@ -56,6 +56,11 @@ def test_compare_quick_tier_writes_table_and_chart(tmp_path):
     assert cast["seeds"][0]["seed"] == 0 and cast["heldout"] == cast["seeds"][0]["heldout"] > 1
     assert cast["initial_flip_rate"] is not None and cast["changed_groups"] is not None  # masks moved, or not
     assert by["naive"]["initial_flip_rate"] == 0.0  # a fixed mask never moves
+    # every trained row says how its setting was chosen: the grid, the choice, the metric (or "not retuned")
+    for r in data["rows"]:
+        if r["kind"] == "train":
+            assert {"grid", "chosen", "metric"} <= set(r["tuning"]), r["name"]
+            assert (r["tuning"]["chosen"] == "not retuned") == (r["tuning"]["grid"] is None), r["name"]
     # a fresh checkout has no runs folder: the recorded runs are reused, nothing is trained again
     import shutil
 
