@@ -193,15 +193,20 @@ def paired(a: dict, b: dict, split: str) -> dict | None:
 
 
 def paired_line(r: dict, base: dict, split: str) -> str:
-    p = paired(r, base, split)
+    """Row ``r`` against ``base`` on ``split``, said in words: the interval and verdict, or one seed's
+    difference said as such, or that they share no seed."""
+    p = seed_difference(r, base, split)
+    name = SPLIT_NAMES[split]
     if p is None:
-        return f"{SPLIT_NAMES[split]}: fewer than 2 common seeds, not paired"
-    return (f"{SPLIT_NAMES[split]} {p['mean_diff']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] "
+        return f"{name}: no common seed"
+    if p["n"] == 1:
+        return f"{name} {p['mean_diff']:+.2f} ({100 * p['mean_rel']:+.1f} %, seed {p['seeds'][0]} only: no interval)"
+    return (f"{name} {p['mean_diff']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] "
             f"({100 * p['mean_rel']:+.1f} %, {p['n']} seeds): **{p['verdict']}**")
 
 
-def against_paper_exact(r: dict, base: dict, split: str) -> dict | None:
-    """Row ``r`` against paper-exact CAST on ``split``: ``paired`` where they share two or more seeds; with one
+def seed_difference(r: dict, base: dict, split: str) -> dict | None:
+    """Row ``r`` against row ``base`` on ``split``: ``paired`` where they share two or more seeds; with one
     common seed that seed's difference (``n`` 1, no interval, no verdict); None with none."""
     p = paired(r, base, split)
     if p is not None:
@@ -231,18 +236,7 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
         out += [f"Paper-exact CAST's own seeds span {min(spread):.2f}–{max(spread):.2f} on test (×"
                 f"{max(spread) / min(spread):.2f}): one seed's difference inside that spread is not evidence.", ""]
     for r in present:
-        cells = []
-        for split in ("test", "wikitext2"):
-            p = against_paper_exact(r, base, split)
-            name = SPLIT_NAMES[split]
-            if p is None:
-                cells.append(f"{name}: no common seed")
-            elif p["n"] == 1:
-                cells.append(f"{name} {p['mean_diff']:+.2f} ({100 * p['mean_rel']:+.1f} %, seed {p['seeds'][0]} "
-                             "only: no interval)")
-            else:
-                cells.append(f"{name} {p['mean_diff']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] "
-                             f"({100 * p['mean_rel']:+.1f} %, {p['n']} seeds): **{p['verdict']}**")
+        cells = [paired_line(r, base, split) for split in ("test", "wikitext2")]
         out.append(f"- {r['label']}: " + "; ".join(cells) + f"; masks moved (i_T / groups changed): {movement(r)}")
     return out
 
@@ -287,7 +281,7 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
                 row["paired"] = {"against": FIXED_MASK_KD, **pairs}
         exact = by.get(PAPER_EXACT)
         if exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok":
-            pairs = {split: against_paper_exact(r, exact, split) for split in ("test", "wikitext2")}
+            pairs = {split: seed_difference(r, exact, split) for split in ("test", "wikitext2")}
             if any(pairs.values()):
                 row["paired_paper_exact"] = {"against": PAPER_EXACT, **pairs}
         for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",

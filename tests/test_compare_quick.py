@@ -138,7 +138,7 @@ def test_table6_rows_are_held_against_paper_exact_seed_by_seed(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import compare_methods
-        from compare_report import against_paper_exact, table6_lines, write_json
+        from compare_report import paired_lines, seed_difference, table6_lines, write_json
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     keys = [e.key for e in compare_methods.ABLATIONS]
@@ -154,16 +154,21 @@ def test_table6_rows_are_held_against_paper_exact_seed_by_seed(tmp_path):
     no_kd = row("cast-no-kd", {0: (120.0, 500.0)}, "CAST w/o KD")
     adams = row("naive-kd-adams", {0: (90.0, 380.0), 1: (120.0, 400.0)}, "Naive + KD + AdamS")
     other = row("naive-kd-sgpt", {0: (27.0, 70.0)}, "SparseGPT + KD")  # not a Table 6 row
-    one = against_paper_exact(no_kd, cast, "test")
+    one = seed_difference(no_kd, cast, "test")
     assert one["n"] == 1 and one["mean_diff"] == 20.0 and one["ci95"] is None and one["verdict"] is None
-    two = against_paper_exact(adams, cast, "test")
+    two = seed_difference(adams, cast, "test")
     assert two["n"] == 2 and two["mean_diff"] == -15.0 and two["verdict"] == "level"
-    assert against_paper_exact(no_kd, row("cast", {5: (1.0, 1.0)}, "x"), "test") is None
+    assert seed_difference(no_kd, row("cast", {5: (1.0, 1.0)}, "x"), "test") is None
     lines = table6_lines([cast, no_kd, adams, other], keys)
     assert lines[0].startswith("Paper-exact CAST's own seeds span 70.00–140.00 on test (×2.00)")
     assert "- CAST w/o KD: test +20.00 (+20.0 %, seed 0 only: no interval); WikiText-2 +100.00" in lines[2]
     assert "2 seeds): **level**" in lines[3] and not any("SparseGPT + KD" in x for x in lines)
     assert table6_lines([no_kd, adams], keys) == []  # no paper-exact row: nothing to hold them against
+    # against SparseGPT + KD the same words: one common seed is that seed's difference, none is said so
+    vs_kd = paired_lines([cast, other, row("cast-best", {7: (1.0, 1.0)}, "CAST (default)")])
+    assert vs_kd[0].startswith("- CAST (paper-exact): test +73.00 (+270.4 %, seed 0 only: no interval); "
+                               "WikiText-2 +330.00 (+471.4 %, seed 0 only: no interval)"), vs_kd
+    assert vs_kd[1].startswith("- CAST (default): test: no common seed; WikiText-2: no common seed"), vs_kd
     doc = json.loads(write_json([cast, no_kd, other], {"table6": keys}, tmp_path / "t.json").read_text())
     by = {r["name"]: r for r in doc["rows"]}
     assert by["cast-no-kd"]["paired_paper_exact"]["test"]["mean_diff"] == 20.0
