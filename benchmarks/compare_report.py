@@ -524,7 +524,7 @@ def write_chart(rows: list[dict], meta: dict, path: Path) -> Path | None:
     labels = [r["label"] for r in ok]
     colors = [COLORS["cast"] if r["key"].startswith("cast") else COLORS[r["kind"]] for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(ok) + 1.8), sharey=True)
-    for ax, (split, name) in zip(axes, (("heldout", "held-out"), ("wikitext2", "WikiText-2"))):
+    for ax, (split, name) in zip(axes, (("heldout", "test"), ("wikitext2", "WikiText-2"))):
         vals = [r[split] for r in ok]
         y = range(len(ok))
         ax.barh(list(y), vals, color=colors)
