@@ -50,6 +50,8 @@ def register_runs_folder(path: str | Path, default: str) -> None:
     resolved = str(Path(path).resolve())
     if resolved != str(REPO / default):
         RUN_FOLDERS[resolved] = default
+    else:  # already where it stands: named from the repository root (not as an earlier call registered it)
+        RUN_FOLDERS.pop(resolved, None)
 
 
 def portable(text: str) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_methods import Comparison, Entry, budget_name, parse_args  # noqa: E402
+from compare_methods import Comparison, Entry, _without_output_dir, budget_name, parse_args  # noqa: E402
 from compare_report import _compute, _num, paired, portable, register_runs_folder  # noqa: E402
 
 ONESHOT = {"magnitude": "Magnitude (Eq. 6)", "wanda": "Wanda", "sparsegpt": "SparseGPT"}
@@ -37,12 +37,13 @@ START = "magnitude"  # and a learned one also against the mask paper-exact CAST 
 
 
 def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dict[str, dict]:
-    """``{name: {"file", "label", "source", "sha256", "groups_vs_sparsegpt"}}`` of every mask, written once."""
+    """``{name: {"file", "label", "source", "sha256", "digest", "groups_vs_sparsegpt", "groups_vs_magnitude"}}``
+    of every mask, its file written once (``sha256``: the file's; ``digest``: the masks' own, :func:`masks_digest`)."""
     import torch
 
     from cast_llm.io import sha256_file
     from cast_llm.models import load_model
-    from cast_llm.sparsity.mask_io import load_masks, save_masks
+    from cast_llm.sparsity.mask_io import load_masks, masks_digest, save_masks
     from cast_llm.targets import find_targets
     from cast_llm.train.methods.masks import masks_from
 
@@ -66,7 +67,10 @@ def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dic
         file = folder / f"{key}.safetensors"
         if not file.is_file():
             save_masks(file, masks_from(model_dir, targets, 2, 4), n=2, m=4, source=how)
-        out[key] = {"file": str(file), "label": label, "source": portable(how), "sha256": sha256_file(file)}
+        out[key] = {"file": str(file), "label": label, "source": portable(how), "sha256": sha256_file(file),
+                    "digest": masks_digest(load_masks(file)[0])}
+        if key not in ONESHOT:  # a learned mask: the exported model it is read from (the report's rerun line)
+            out[key]["model"] = portable(str(model_dir))
     base = load_masks(out[BASE]["file"])[0]
     for info in out.values():  # how far each mask is from SparseGPT's: the share of 2:4 groups that differ
         masks = load_masks(info["file"])[0]
@@ -92,6 +96,74 @@ def _key(name: str) -> str:
     return "learned-" + "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
+def mask_entry(key: str, info: dict) -> Entry:
+    """The row that retrains under mask ``key``: the one recipe, this mask's file."""
+    return Entry(f"mask-{key}", f"{info['label']} mask", "train",
+                 ["--method", "naive", "--kd", "--mask-file", info["file"]], kd=True, weight_update="AdamW",
+                 mask=f"fixed ({info['label']})", seeded=True)
+
+
+def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tuple[dict, list[str]]:
+    """The masks and runs recorded in ``path`` (the committed ``mask-swap-*.json``) put where this runs folder
+    has none, as :meth:`Comparison.reuse_recorded` does for the comparison tables: the runs folder is a cache,
+    the JSON the record. A recorded seed is taken only when today's settings would run exactly its command on
+    the same split, and, for a mask built here too, only when the mask is the recorded one: the same digest
+    (:func:`masks_digest`), or for a record that predates digests, the same shares of groups that differ from
+    SparseGPT's and magnitude's masks. A learned mask whose run is not here is listed from the record (its file
+    cannot be rebuilt: such a row cannot run a new seed). Returns the masks and what was taken."""
+    if not path.is_file():
+        return masks, []
+    masks = dict(masks)
+    taken = []
+    for row in json.loads(path.read_text()).get("rows", []):
+        key = row["name"]
+        recorded = {"file": str(cmp.runs / "masks" / f"{key}.safetensors"), "label": row["label"].removesuffix(" mask"),
+                    "source": row["mask"], "sha256": row.get("mask_sha256"), "digest": row.get("mask_digest"),
+                    "groups_vs_sparsegpt": row["groups_vs_sparsegpt"],
+                    "groups_vs_magnitude": row.get("groups_vs_magnitude"), "recorded_in": portable(str(path))}
+        if row.get("model") or row["mask"].startswith("the exported model "):
+            recorded["model"] = row.get("model") or row["mask"].removeprefix("the exported model ")
+        here = masks.get(key)
+        if here is None:
+            masks[key] = here = recorded
+        elif not same_mask(here, recorded):
+            print(f"mask {key}: the mask built here is not the one {portable(str(path))} records (digest "
+                  f"{str(here.get('digest'))[:12]} vs {str(recorded['digest'])[:12]}, groups ≠ SparseGPT's "
+                  f"{here.get('groups_vs_sparsegpt')} vs {recorded['groups_vs_sparsegpt']}): its recorded runs are "
+                  "not reused", flush=True)
+            continue
+        e = mask_entry(key, here)
+        for run in row.get("seeds", []):
+            out = cmp.runs / e.key / f"seed-{run['seed']}"
+            want = _without_output_dir("cast-llm " + shlex.join(cmp.entry_train_argv(e, out, run["seed"],
+                                                                                      dict(recipe))[0]))
+            if (out / "compare_row.json").is_file() or run.get("status") != "ok" or (
+                    _without_output_dir(run.get("command", "")) != want):
+                continue
+            if run.get("split_sha256") is None or run["split_sha256"] != cmp.current_split():
+                continue  # scored on other text
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "compare_row.json").write_text(json.dumps({
+                "key": e.key, "label": e.label, "kind": e.kind, "kd": e.kd, "weight_update": e.weight_update,
+                "mask": e.mask, "seed": run["seed"], "heldout": run["test_ppl"], "wikitext2": run["wikitext2_ppl"],
+                "validation": run.get("validation_ppl"), "lr": recipe.get("lr"),
+                **{k: run.get(k) for k in ("split_sha256", "threads", "wall_s", "machine", "code", "status",
+                                           "command")},
+                "recorded_in": run.get("recorded_in") or portable(str(path))}, indent=2))
+            taken.append(f"{key} seed {run['seed']}")
+    order = [r["name"] for r in json.loads(path.read_text()).get("rows", [])]  # the record's rows first, as they were
+    return {k: masks[k] for k in sorted(masks, key=lambda k: order.index(k) if k in order else len(order))}, taken
+
+
+def same_mask(a: dict, b: dict) -> bool:
+    """Whether two listings name the same masks: by digest where both have one; else (a record from before
+    digests) by the shares of 2:4 groups that differ from SparseGPT's and from magnitude's masks, which the
+    same masks give exactly."""
+    if a.get("digest") and b.get("digest"):
+        return a["digest"] == b["digest"]
+    return all(a.get(k) is not None and a.get(k) == b.get(k) for k in ("groups_vs_sparsegpt", "groups_vs_magnitude"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", help="train under these masks only (comma-separated keys: magnitude, wanda, sparsegpt, "
                     "learned-…); the others are still listed from earlier calls. Default: every mask")
     ap.add_argument("--report-only", action="store_true", help="run nothing: rewrite the report from finished runs")
+    ap.add_argument("--fresh", action="store_true",
+                    help="reuse nothing the committed JSON records (by default a run it records is not run again)")
     opts = ap.parse_args(argv)
     t0 = time.perf_counter()
     cmp_argv = ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--runs-dir", opts.runs_dir,
@@ -129,34 +203,41 @@ def main(argv=None) -> int:
 
     listed = cmp.runs / "masks.json"
     known = json.loads(listed.read_text()) if listed.is_file() else {}
+    record = Path(opts.docs_dir) / f"mask-swap-{cmp.model_name}-{budget_name(cmp.budget)}.json"
     if opts.report_only:
-        if not known:
-            raise SystemExit(f"--report-only: no {listed} (run the benchmark first)")
         masks = known
     else:  # masks built by earlier calls (e.g. a learned one) stay listed
         built = build_masks(cmp, learned, opts.mask_seed)  # (read the list again: another call may have added one)
         masks = {**(json.loads(listed.read_text()) if listed.is_file() else {}), **built}
-        atomic_write_text(listed, json.dumps(masks, indent=2))
+    if not opts.fresh:  # the committed JSON is the record: a fresh checkout's table keeps its rows
+        masks, taken = reuse_recorded(cmp, record, masks, recipe)
+        if taken:
+            print(f"reused {len(taken)} recorded run(s) of {portable(str(record))}: {', '.join(taken)}", flush=True)
+    if not masks:
+        raise SystemExit(f"--report-only: no {listed} and no {record} (run the benchmark first)")
+    atomic_write_text(listed, json.dumps(masks, indent=2))
     chosen = set(opts.masks.split(",")) if opts.masks else set(masks)
     if chosen - set(masks):
         raise SystemExit(f"--masks: unknown mask(s) {', '.join(sorted(chosen - set(masks)))}; "
                          f"known: {', '.join(masks)}")
     rows = []
     for key, info in masks.items():
-        e = Entry(f"mask-{key}", f"{info['label']} mask", "train",
-                  ["--method", "naive", "--kd", "--mask-file", info["file"]], kd=True, weight_update="AdamW",
-                  mask=f"fixed ({info['label']})", seeded=True)
+        e = mask_entry(key, info)
         runs = []
         for seed in cmp.seeds:
             out = cmp.runs / e.key / f"seed-{seed}"
             if (opts.report_only or key not in chosen) and not (out / "compare_row.json").is_file():
                 continue
+            if not Path(info["file"]).is_file() and not (out / "compare_row.json").is_file():
+                raise SystemExit(f"mask {key}: its file {info['file']} is not on this machine (a row recorded "
+                                 f"elsewhere) and seed {seed} is not recorded; give its run again with --learned")
             if not (out / "compare_row.json").is_file():  # (a finished run is reused, not announced)
                 print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} seed {seed} ...", flush=True)
             runs.append(cmp._run_one(e, out, seed, dict(recipe)))
         if runs:
             row = cmp.aggregate(runs)
-            row.update(key=key, label=e.label, mask=info["source"], mask_sha256=info["sha256"],
+            row.update(key=key, label=e.label, mask=info["source"], mask_sha256=info.get("sha256"),
+                       mask_digest=info.get("digest"), model=info.get("model"),
                        groups_vs_sparsegpt=info["groups_vs_sparsegpt"],
                        groups_vs_magnitude=info.get("groups_vs_magnitude"))
             rows.append(row)
@@ -174,9 +255,11 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         seeds = [{"seed": x["seed"], "test_ppl": x.get("test", x.get("heldout")), "wikitext2_ppl": x.get("wikitext2"),
                   "validation_ppl": x.get("validation"), "split_sha256": x.get("split_sha256"),
                   "threads": x.get("threads"), "wall_s": x.get("wall_s"), "machine": x.get("machine"),
-                  "code": x.get("code"), "status": x.get("status"), "command": portable(x.get("command", ""))}
+                  "code": x.get("code"), "status": x.get("status"), "command": portable(x.get("command", "")),
+                  **({"recorded_in": x["recorded_in"]} if x.get("recorded_in") else {})}
                  for x in r.get("seeds") or [r]]
-        row = {"name": r["key"], "label": r["label"], "mask": portable(r["mask"]), "mask_sha256": r["mask_sha256"],
+        row = {"name": r["key"], "label": r["label"], "mask": portable(r["mask"]), "mask_digest": r.get("mask_digest"),
+               "mask_sha256": r.get("mask_sha256"), **({"model": r["model"]} if r.get("model") else {}),
                "groups_vs_sparsegpt": r["groups_vs_sparsegpt"], "groups_vs_magnitude": r.get("groups_vs_magnitude"),
                "test_ppl": r.get("heldout"),
                "wikitext2_ppl": r.get("wikitext2"), "seeds": seeds}
@@ -187,9 +270,11 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
             row["paired_vs_start"] = {"against": START, **{s: paired({**r, "key": r["key"]}, {**start, "key": START},
                                                                      s) for s in ("test", "wikitext2")}}
         out_rows.append(row)
-    regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp)) + ["python benchmarks/mask_swap.py " + shlex.join(
-        ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
-         portable(opts.recipe_from)] + [x for name_path in opts.learned for x in ("--learned", portable(name_path))])])
+    learned = [f"{r['label'].removesuffix(' mask')}={portable(r['model'])}" for r in rows if r.get("model")]
+    regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp), learned) + [
+        "python benchmarks/mask_swap.py " + shlex.join(
+            ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
+             portable(opts.recipe_from)] + [x for name_path in learned for x in ("--learned", name_path)])])
     doc = {"generated": datetime.date.today().isoformat(), "regenerate": regenerate, "model": cmp.tier["model"],
            "budget": cmp.budget, "recipe": {"method": "naive retraining + KD (fixed mask), dense weights ⊙ mask",
                                             **recipe, "eta": cmp.tier["eta"], "from": portable(opts.recipe_from)},
@@ -202,13 +287,19 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
              f"naive retraining + KD (η {cmp.tier['eta']:g}), lr {recipe.get('lr'):g} (SparseGPT + KD's choice on "
              "the validation split), the same data, seeds and evaluation (test split and WikiText-2, as the "
              "comparison tables). Masks differ from SparseGPT's in the share of 2:4 groups given; the masks are "
-             "files (SHA-256 in the JSON).", "",
+             "files (the masks' own digest, and their file's SHA-256, in the JSON).", "",
              "| Mask | Groups ≠ SparseGPT's | Groups ≠ magnitude's | Test ppl | WikiText-2 ppl | vs SparseGPT's mask "
              "(test) | vs SparseGPT's mask (WikiText-2) | Wall time |", "|---|---:|---:|---:|---:|---|---|---:|"]
+    earlier = set()
     for r, j in zip(rows, out_rows):
-        lines.append(f"| {r['label']} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
+        src = {x.get("recorded_in") for x in r.get("seeds") or [r]} - {None}
+        earlier |= src
+        lines.append(f"| {r['label']}{' †' if src else ''} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
                      f"{_num(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
                      f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} | {_compute(r)} |")
+    if earlier:
+        lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
+                  + "; ".join(f"`{x}`" for x in sorted(earlier)) + " (`--fresh` runs it again)."]
     starts = [(r, j) for r, j in zip(rows, out_rows) if "paired_vs_start" in j]
     if starts:
         lines += ["", "A learned mask against the magnitude mask its run started from (paper-exact CAST's first mask, "
@@ -217,7 +308,7 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
                       f"{_pair({'paired': j['paired_vs_start']}, 'wikitext2')}" for r, j in starts) + "."]
     lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
               "interval; **better** / **worse** only where it excludes 0, else **level**.", "",
-              "Masks: " + "; ".join(f"{r['label']}: `{portable(r['mask'])}` (`{r['mask_sha256'][:12]}`)" for r in rows),
+              "Masks: " + "; ".join(f"{r['label']}: `{portable(r['mask'])}` ({_mask_id(r)})" for r in rows),
               "", "Wall time: one run's, mean over the seeds (retraining and its evaluations; the one-shot masks' "
               "pruning is not in it), its thread count and the most cores other jobs kept busy meanwhile (0 = an "
               f"idle machine); every run's own in the JSON. This invocation: {wall:.0f} s."]
@@ -266,7 +357,14 @@ def comparison_run(path: str) -> tuple[Path, str, str, str] | None:
     return None
 
 
-def prerequisites(opts, tuning: dict) -> list[str]:
+def _mask_id(r: dict) -> str:
+    """The masks' digest where known; a row recorded before digests has its file's SHA-256 only."""
+    if r.get("mask_digest"):
+        return f"digest `{r['mask_digest'][:12]}`"
+    return f"file SHA-256 `{str(r.get('mask_sha256'))[:12]}`"
+
+
+def prerequisites(opts, tuning: dict, learned: list[str]) -> list[str]:
     """The commands that make what this benchmark reads, so that the report's one line reruns it from scratch:
     SparseGPT + KD's lr grid (its choice is the recipe) and, for a learned mask exported by a comparison run
     (``…/<model>-<budget>/<row>/seed-<s>/model``), that run."""
@@ -275,7 +373,7 @@ def prerequisites(opts, tuning: dict) -> list[str]:
     if grid:
         cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {opts.tokens} --tune {grid} "
                     "--tune-only naive-kd-sgpt --seeds 0 --only naive-kd-sgpt")
-    for name_path in opts.learned:
+    for name_path in learned:
         if (run := comparison_run(name_path.split("=", 1)[1])) is not None:
             _, budget, row, seed = run
             cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only {row} "

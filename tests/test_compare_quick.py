@@ -269,7 +269,7 @@ def test_a_resumed_row_reports_the_runs_clock_over_its_segments():
     assert _compute(resumed).startswith("6043 s") and "resumed" in _compute(resumed)
 
 
-def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
+def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path, capsys):
     """benchmarks/mask_swap.py on the quick tier: SparseGPT + KD tuned first (its lr is the recipe), then every
     mask (magnitude, Wanda, SparseGPT, a run's learned one) as a file, each retrained under exactly itself."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -321,6 +321,27 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path):
     pair = by["wanda"]["paired"]["test"]
     assert pair["n"] == 2 and pair["verdict"] in ("better", "worse", "level")
     assert f"**{pair['verdict']}**" in (docs / "mask-swap-tiny-llama-256.md").read_text()
+
+    # a new machine (no runs folder): the committed JSON is the record. The one-shot masks are built again and,
+    # being the recorded ones (same digest), keep their recorded seeds; the learned mask, whose run is not
+    # given, is listed from the record. Nothing is retrained, and the table says where its rows came from.
+    shutil.rmtree(tmp_path / "m")
+    assert mask_swap.main(common + ["--masks", "sparsegpt"]) == 0
+    again = json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())
+    assert [r["name"] for r in again["rows"]] == [r["name"] for r in data["rows"]]
+    assert [[x["test_ppl"] for x in r["seeds"]] for r in again["rows"]] == [[x["test_ppl"] for x in r["seeds"]]
+                                                                             for r in data["rows"]]
+    assert all(x["recorded_in"].endswith("mask-swap-tiny-llama-256.json") for r in again["rows"] for x in r["seeds"])
+    assert not list((tmp_path / "m").glob("tiny-llama-256/mask-*/seed-*/model"))  # nothing retrained
+    assert again["regenerate"] == data["regenerate"]  # the learned mask's run is still in the rerun line
+    assert "† run by an earlier invocation" in (docs / "mask-swap-tiny-llama-256.md").read_text()
+    # a record whose mask is not the one built here keeps none of its seeds
+    again["rows"][1]["mask_digest"] = "0" * 64
+    (docs / "mask-swap-tiny-llama-256.json").write_text(json.dumps(again))
+    shutil.rmtree(tmp_path / "m")
+    assert mask_swap.main(common + ["--masks", "sparsegpt"]) == 0
+    assert "wanda: the mask built here is not the one" in capsys.readouterr().out
+    assert "wanda" not in {r["name"] for r in json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())["rows"]}
 
 
 def torch_equal(a, b) -> bool:

@@ -199,3 +199,23 @@ def test_mask_of_zeros_reads_an_nm_weight_and_refuses_a_dense_one():
     assert torch.equal(mask_of_zeros(w.t().contiguous(), True, 2, 4), mask.t())
     with pytest.raises(CastError, match="more than 2 non-zero"):
         mask_of_zeros(torch.ones(1, 8), False, 2, 4)
+
+
+def test_masks_digest_names_the_masks_not_the_file(tmp_path):
+    """One digest for the same masks however their file was written (another ``source`` in the metadata, or
+    the metadata in another order, as another process writes it); one moved group, or another target name,
+    gives another digest."""
+    from cast_llm.io import sha256_file
+    from cast_llm.sparsity.mask_io import load_masks, masks_digest, save_masks
+
+    masks = {"a.proj": nm_mask(torch.randn(8, 16), 2, 4), "b.proj": nm_mask(torch.randn(4, 8), 2, 4)}
+    save_masks(tmp_path / "x.safetensors", masks, n=2, m=4, source="run x")
+    save_masks(tmp_path / "y.safetensors", masks, n=2, m=4, source="run y")
+    assert sha256_file(tmp_path / "x.safetensors") != sha256_file(tmp_path / "y.safetensors")
+    assert masks_digest(load_masks(tmp_path / "x.safetensors")[0]) == masks_digest(masks) \
+        == masks_digest(load_masks(tmp_path / "y.safetensors")[0])
+    moved = dict(masks)
+    moved["b.proj"] = masks["b.proj"].clone()
+    moved["b.proj"][0, :4] = ~moved["b.proj"][0, :4]  # the group's other two weights kept: still 2:4
+    assert masks_digest(moved) != masks_digest(masks)
+    assert masks_digest({"c.proj": masks["a.proj"], "b.proj": masks["b.proj"]}) != masks_digest(masks)

@@ -17,7 +17,7 @@ from torch import Tensor
 from cast_llm.errors import CastError
 from cast_llm.sparsity.mask import magnitude_mask
 
-__all__ = ["MASKS_MARKER", "mask_of_zeros", "save_masks", "load_masks"]
+__all__ = ["MASKS_MARKER", "mask_of_zeros", "masks_digest", "save_masks", "load_masks"]
 
 MASKS_MARKER = "cast-llm masks"
 
@@ -43,6 +43,20 @@ def save_masks(path: str | Path, masks: dict[str, Tensor], *, n: int, m: int, so
     blob = save({k: v.to(torch.bool).contiguous().cpu() for k, v in sorted(masks.items())},
                 metadata={"written_by": MASKS_MARKER, "n": str(n), "m": str(m), "source": source})
     return atomic_write_bytes(path, blob)
+
+
+def masks_digest(masks: dict[str, Tensor]) -> str:
+    """SHA-256 of the masks themselves (each target's name, shape and kept entries, in name order): the same
+    masks give the same digest whichever process wrote their file. A file's own SHA-256 is not that: safetensors
+    writes the metadata in a per-process order, so the same masks saved twice differ in their bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(masks):
+        t = masks[name].to(torch.bool).contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_masks(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
