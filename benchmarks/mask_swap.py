@@ -110,7 +110,9 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
     the same split, and, for a mask built here too, only when the mask is the recorded one: the same digest
     (:func:`masks_digest`), or for a record that predates digests, the same shares of groups that differ from
     SparseGPT's and magnitude's masks. A learned mask whose run is not here is listed from the record (its file
-    cannot be rebuilt: such a row cannot run a new seed). Returns the masks and what was taken."""
+    cannot be rebuilt: such a row cannot run a new seed). A mask found not to be the recorded one has the seeds an
+    earlier call took from the record set aside (``compare_row.set-aside.json``). Returns the masks and what was
+    taken."""
     if not path.is_file():
         return masks, []
     masks = dict(masks)
@@ -131,6 +133,9 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
                   f"{str(here.get('digest'))[:12]} vs {str(recorded['digest'])[:12]}, groups ≠ SparseGPT's "
                   f"{here.get('groups_vs_sparsegpt')} vs {recorded['groups_vs_sparsegpt']}): its recorded runs are "
                   "not reused", flush=True)
+            for done in cmp.runs.glob(f"mask-{key}/seed-*/compare_row.json"):  # placed by an earlier call: set aside
+                if json.loads(done.read_text()).get("recorded_in") == portable(str(path)):
+                    done.rename(done.with_name("compare_row.set-aside.json"))
             continue
         e = mask_entry(key, here)
         for run in row.get("seeds", []):

@@ -335,11 +335,12 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path, 
     assert not list((tmp_path / "m").glob("tiny-llama-256/mask-*/seed-*/model"))  # nothing retrained
     assert again["regenerate"] == data["regenerate"]  # the learned mask's run is still in the rerun line
     assert "† run by an earlier invocation" in (docs / "mask-swap-tiny-llama-256.md").read_text()
-    # a record whose mask is not the one built here keeps none of its seeds
+    # a record whose mask is not the one built here keeps none of its seeds (those an earlier call took are set aside)
     again["rows"][1]["mask_digest"] = "0" * 64
     (docs / "mask-swap-tiny-llama-256.json").write_text(json.dumps(again))
-    shutil.rmtree(tmp_path / "m")
+    capsys.readouterr()
     assert mask_swap.main(common + ["--masks", "sparsegpt"]) == 0
+    assert len(list((tmp_path / "m").glob("tiny-llama-256/mask-wanda/seed-*/compare_row.set-aside.json"))) == 2
     assert "wanda: the mask built here is not the one" in capsys.readouterr().out
     assert "wanda" not in {r["name"] for r in json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())["rows"]}
 
