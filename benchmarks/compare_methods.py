@@ -464,7 +464,8 @@ class Comparison:
         row = dict(runs[0])
         row["seeds"] = runs
         if len(ok) < len(runs):
-            row.update(status="failed", error="; ".join(r.get("error", "") for r in runs if r.get("status") != "ok"))
+            row.update(status="stopped" if all(r.get("status") in ("ok", "stopped") for r in runs) else "failed",
+                       error="; ".join(r.get("error", "") for r in runs if r.get("status") != "ok"))
             return row
         for split in ("heldout", "wikitext2"):
             vals = [r[split] for r in ok]
@@ -506,8 +507,8 @@ class Comparison:
             row["lr"] = hp["lr"]
             row["hyperparameters"] = hp
             row["command"] = "cast-llm " + shlex.join(argv)
-            if self._run_cli(argv, out / "log.txt") != 0:
-                return self._failed(row, out)
+            if (rc := self._run_cli(argv, out / "log.txt")) != 0:
+                return self._failed(row, out, rc)
             res = json.loads(RunDir(out / "model").results.read_text())
             ppl = {split: res["perplexity"].get(split, {}).get("sparse") for split in ("heldout", "validation",
                                                                                       "wikitext2")}
@@ -852,11 +853,18 @@ class Comparison:
                       f"{other} cores{'' if other is None or other <= IDLE_CORES else ' — busy: not kept'}",
                       flush=True)
 
-    def _failed(self, row: dict, out: Path) -> dict:
+    def _failed(self, row: dict, out: Path, rc: int | None = None) -> dict:
+        """The row of a run that did not finish: ``stopped`` where training was stopped by a signal after writing
+        its checkpoint (exit code ``EXIT_PREEMPTED``: the same command resumes it), else ``failed``."""
+        from cast_llm.train.preemption import EXIT_PREEMPTED
+
         log = out / "log.txt"
         tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["(in-process run failed)"]
-        row.update(status="failed", error=tail[0][-300:] if tail else "", heldout=None, wikitext2=None)
-        print(f"  {row['key']} FAILED: {row['error']}", flush=True)
+        stopped = rc == EXIT_PREEMPTED
+        row.update(status="stopped" if stopped else "failed", error=tail[0][-300:] if tail else "", heldout=None,
+                   wikitext2=None)
+        print(f"  {row['key']} {'STOPPED (resumable: the same command resumes it)' if stopped else 'FAILED'}: "
+              f"{row['error']}", flush=True)
         return row
 
     def run(self) -> tuple[Path, Path]:

@@ -436,7 +436,8 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         head = (f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
                 f"| {_num(r.get('lr'), '{:g}')} | {tokens} ")
         if r.get("status") != "ok":
-            lines.append(head + "| failed | failed | — | — | — | — |")
+            word = "stopped" if r.get("status") == "stopped" else "failed"
+            lines.append(head + f"| {word} | {word} | — | — | — | — |")
             continue
         src = {x.get("recovered_from") or x.get("recorded_in") for x in (r.get("seeds") or [r])} - {None}
         mark = ""
@@ -499,7 +500,9 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   f"{RERUN_REL:.0e} on both figures.", ""] + reruns
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
-        lines += ["", "## Failed runs", ""] + [f"- {r['label']}: {r.get('error', '')}" for r in failed]
+        lines += ["", "## Runs that did not finish", ""] + [
+            f"- {r['label']} ({'stopped, resumable' if r.get('status') == 'stopped' else 'failed'}): "
+            f"{r.get('error', '')}" for r in failed]
     lines += ["", "## Commands", "", "Every row, as run (from the repository root):", ""]
     lines += [f"- {r['label']}: `{portable(r.get('command', ''))}`" for r in rows]
     # hand-written discussion below the marker survives a regeneration (e.g. --only adding rows)

@@ -205,6 +205,34 @@ def test_fresh_redoes_only_the_rows_it_runs(tmp_path):
     assert rows["naive"]["heldout"] == 30.0 and rows["cast"]["heldout"] == 40.5 and len(rows["cast"]["seeds"]) == 2
 
 
+def test_a_row_stopped_by_a_signal_is_reported_resumable_not_failed(tmp_path, capsys):
+    """A training run that exits with EXIT_PREEMPTED (stopped by SIGTERM after its checkpoint) is a ``stopped``
+    row, said to be resumable; any other non-zero exit is ``failed``. Neither is kept as finished."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from cast_llm.train.preemption import EXIT_PREEMPTED
+
+    cmp = compare_methods.Comparison(compare_methods.parse_args(
+        ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--only", "naive", "--runs-dir", str(tmp_path / "runs"),
+         "--docs-dir", str(tmp_path / "docs")]))
+    entry = next(e for e in compare_methods.ALL_ENTRIES if e.key == "naive")
+    for rc, status in ((EXIT_PREEMPTED, "stopped"), (1, "failed")):
+        def fake(argv, log, rc=rc):
+            log.write_text("training...\nstopped at step 3 of 282 (SIGTERM); checkpoint step-00000003\n")
+            return rc
+
+        cmp._run_cli = fake
+        out = tmp_path / status
+        row = cmp._run_one(entry, out, 0)
+        assert row["status"] == status and "step 3 of 282" in row["error"]
+        assert not (out / "compare_row.json").is_file()
+        printed = capsys.readouterr().out
+        assert ("STOPPED (resumable" in printed) == (status == "stopped") and ("FAILED" in printed) == (rc == 1)
+
+
 def test_report_only_runs_nothing_and_keeps_every_finished_row(tmp_path):
     """``--report-only`` rewrites the table from the finished rows; no row runs, not even one --seeds names."""
     sys.path.insert(0, str(REPO / "benchmarks"))
