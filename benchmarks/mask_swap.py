@@ -307,8 +307,8 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
                   + "; ".join(f"`{x}`" for x in sorted(earlier)) + " (`--fresh` runs it again)."]
     starts = [(r, j) for r, j in zip(rows, out_rows) if "paired_vs_start" in j]
     if starts:
-        lines += ["", "A learned mask against the magnitude mask its run started from (paper-exact CAST's first mask, "
-                  "Eq. 6), seed by seed: " + "; ".join(
+        lines += ["", "A learned mask against the magnitude mask its run started from (Eq. 6 on the dense weights: the "
+                  "first mask of paper-exact CAST and of SR-STE), seed by seed: " + "; ".join(
                       f"{r['label']}: test {_pair({'paired': j['paired_vs_start']}, 'test')}, WikiText-2 "
                       f"{_pair({'paired': j['paired_vs_start']}, 'wikitext2')}" for r, j in starts) + "."]
     lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
@@ -353,12 +353,15 @@ def recipe_tuning(cmp: Comparison) -> dict:
     return cmp.tuning_from.get("naive-kd-sgpt") or {}
 
 
-def comparison_run(path: str) -> tuple[Path, str, str, str] | None:
+def comparison_run(path: str) -> tuple[Path, str, str, str | None] | None:
     """(runs folder, budget, row, seed) of a model exported by a comparison run
-    (``<runs>/<model>-<budget>/<row>/seed-<s>/model``); None for any other folder."""
+    (``<runs>/<model>-<budget>/<row>/seed-<s>/model``, or ``<runs>/<model>-<budget>/<row>/model`` for a row run
+    once, seed None); None for any other folder."""
     parts = Path(path).parts
     if len(parts) >= 5 and parts[-1] == "model" and parts[-2].startswith("seed-") and "-" in parts[-4]:
         return Path(*parts[:-4]), parts[-4].rsplit("-", 1)[1], parts[-3], parts[-2].removeprefix("seed-")
+    if len(parts) >= 4 and parts[-1] == "model" and "-" in parts[-3] and parts[-3].split("-")[-1][:1].isdigit():
+        return Path(*parts[:-3]), parts[-3].rsplit("-", 1)[1], parts[-2], None
     return None
 
 
@@ -381,8 +384,8 @@ def prerequisites(opts, tuning: dict, learned: list[str]) -> list[str]:
     for name_path in learned:
         if (run := comparison_run(name_path.split("=", 1)[1])) is not None:
             _, budget, row, seed = run
-            cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only {row} "
-                        f"--seeds {seed}")
+            cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only {row}"
+                        + (f" --seeds {seed}" if seed is not None else ""))
     return cmds
 
 

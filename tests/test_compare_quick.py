@@ -373,6 +373,24 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path, 
     assert "wanda" not in {r["name"] for r in json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())["rows"]}
 
 
+def test_mask_swap_names_the_comparison_run_a_learned_mask_comes_from():
+    """A learned mask's exported model, seeded or a row run once (SR-STE), is traced to the comparison run that
+    made it, so the report's rerun line runs it first; any other folder is not."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import mask_swap
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert mask_swap.comparison_run("runs/compare/smollm2-135m-384k/cast/seed-0/model") == (
+        Path("runs/compare"), "384k", "cast", "0")
+    assert mask_swap.comparison_run("/x/runs/compare/smollm2-135m-384k/srste/model") == (
+        Path("/x/runs/compare"), "384k", "srste", None)
+    assert mask_swap.comparison_run("exports/my-model/model") is None
+    opts = type("O", (), {"tier": "cpu", "tokens": "48k"})()
+    assert mask_swap.prerequisites(opts, {}, ["SR-STE=runs/compare/smollm2-135m-384k/srste/model"]) == [
+        "python benchmarks/compare_methods.py --tier cpu --tokens 384k --only srste"]
+
+
 def torch_equal(a, b) -> bool:
     import torch
 
