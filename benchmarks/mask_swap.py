@@ -274,6 +274,10 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         if start is not None and r["key"].startswith("learned-"):  # did the learning improve the mask it began from?
             row["paired_vs_start"] = {"against": START, **{s: paired({**r, "key": r["key"]}, {**start, "key": START},
                                                                      s) for s in ("test", "wikitext2")}}
+        others = [o for o in rows[:rows.index(r)] if o["key"].startswith("learned-")]  # learned masks, each pair once
+        if r["key"].startswith("learned-") and others:
+            row["paired_vs_learned"] = [{"against": o["key"], **{s: paired({**r, "key": r["key"]}, o, s)
+                                                                 for s in ("test", "wikitext2")}} for o in others]
         out_rows.append(row)
     learned = [f"{r['label'].removesuffix(' mask')}={portable(r['model'])}" for r in rows if r.get("model")]
     regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp), learned) + [
@@ -311,6 +315,12 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
                   "first mask of paper-exact CAST and of SR-STE), seed by seed: " + "; ".join(
                       f"{r['label']}: test {_pair({'paired': j['paired_vs_start']}, 'test')}, WikiText-2 "
                       f"{_pair({'paired': j['paired_vs_start']}, 'wikitext2')}" for r, j in starts) + "."]
+    duels = [(r, p) for r, j in zip(rows, out_rows) for p in j.get("paired_vs_learned", [])]
+    if duels:
+        labels = {r["key"]: r["label"] for r in rows}
+        lines += ["", "Learned masks against each other, seed by seed: " + "; ".join(
+            f"{r['label']} − {labels[p['against']]}: test {_pair({'paired': p}, 'test')}, WikiText-2 "
+            f"{_pair({'paired': p}, 'wikitext2')}" for r, p in duels) + "."]
     lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
               "interval; **better** / **worse** only where it excludes 0, else **level**.", "",
               "Masks: " + "; ".join(f"{r['label']}: `{portable(r['mask'])}` ({_mask_id(r)})" for r in rows),

@@ -345,7 +345,7 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path, 
     assert by["sparsegpt"]["groups_vs_sparsegpt"] == 0 and by["magnitude"]["groups_vs_magnitude"] == 0
     start = by["learned-paper-exact-cast"]["paired_vs_start"]  # the learned mask against the mask it began from
     assert start["against"] == "magnitude" and start["test"]["n"] == 2
-    assert "paired_vs_start" not in by["wanda"]
+    assert "paired_vs_start" not in by["wanda"] and "paired_vs_learned" not in by["learned-paper-exact-cast"]
     pair = by["wanda"]["paired"]["test"]
     assert pair["n"] == 2 and pair["verdict"] in ("better", "worse", "level")
     assert f"**{pair['verdict']}**" in (docs / "mask-swap-tiny-llama-256.md").read_text()
