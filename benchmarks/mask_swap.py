@@ -63,33 +63,31 @@ def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dic
                 raise SystemExit(f"pruning with {name} failed: see {folder / f'{name}.log'}")
     for name, path in learned.items():
         sources[_key(name)] = (Path(path), f"the exported model {portable(str(path))}", name)
+    loaded = {}  # each mask file read once: its digest and its distances to SparseGPT's and magnitude's masks
     for key, (model_dir, how, label) in sources.items():
         file = folder / f"{key}.safetensors"
         if not file.is_file():
             save_masks(file, masks_from(model_dir, targets, 2, 4), n=2, m=4, source=how)
+        loaded[key] = load_masks(file)[0]
         out[key] = {"file": str(file), "label": label, "source": portable(how), "sha256": sha256_file(file),
-                    "digest": masks_digest(load_masks(file)[0])}
+                    "digest": masks_digest(loaded[key])}
         if key not in ONESHOT:  # a learned mask: the exported model it is read from (the report's rerun line)
             out[key]["model"] = portable(str(model_dir))
-    base = load_masks(out[BASE]["file"])[0]
-    for info in out.values():  # how far each mask is from SparseGPT's: the share of 2:4 groups that differ
-        masks = load_masks(info["file"])[0]
-        changed = total = 0
-        for t in targets:
-            a, b = masks[t.fqn], base[t.fqn]
-            a, b = (a.t(), b.t()) if t.transposed else (a, b)
-            differ = (a.reshape(-1, 4) != b.reshape(-1, 4)).any(dim=1)
-            changed += int(differ.sum())
-            total += differ.numel()
-        info["groups_vs_sparsegpt"] = changed / total
-    magnitude = load_masks(out["magnitude"]["file"])[0]  # paper-exact CAST starts from it: how far a mask moved
-    for info in out.values():
-        masks = load_masks(info["file"])[0]
-        differ = [((masks[t.fqn].t() if t.transposed else masks[t.fqn]).reshape(-1, 4)
-                   != (magnitude[t.fqn].t() if t.transposed else magnitude[t.fqn]).reshape(-1, 4)).any(dim=1)
-                  for t in targets]
-        info["groups_vs_magnitude"] = float(sum(int(d.sum()) for d in differ) / sum(d.numel() for d in differ))
+    for key, info in out.items():  # magnitude's: where paper-exact CAST and SR-STE start, so how far a mask moved
+        info["groups_vs_sparsegpt"] = groups_differ(loaded[key], loaded[BASE], targets)
+        info["groups_vs_magnitude"] = groups_differ(loaded[key], loaded[START], targets)
     return out
+
+
+def groups_differ(a: dict, b: dict, targets) -> float:
+    """The share of 2:4 groups (over every target) whose kept pair differs between masks ``a`` and ``b``."""
+    changed = total = 0
+    for t in targets:
+        x, y = (a[t.fqn].t(), b[t.fqn].t()) if t.transposed else (a[t.fqn], b[t.fqn])
+        differ = (x.reshape(-1, 4) != y.reshape(-1, 4)).any(dim=1)
+        changed += int(differ.sum())
+        total += differ.numel()
+    return changed / total
 
 
 def _key(name: str) -> str:
@@ -117,24 +115,26 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
         return masks, []
     masks = dict(masks)
     taken = []
-    for row in json.loads(path.read_text()).get("rows", []):
+    where = portable(str(path))
+    recorded_rows = json.loads(path.read_text()).get("rows", [])
+    for row in recorded_rows:
         key = row["name"]
         recorded = {"file": str(cmp.runs / "masks" / f"{key}.safetensors"), "label": row["label"].removesuffix(" mask"),
                     "source": row["mask"], "sha256": row.get("mask_sha256"), "digest": row.get("mask_digest"),
                     "groups_vs_sparsegpt": row["groups_vs_sparsegpt"],
-                    "groups_vs_magnitude": row.get("groups_vs_magnitude"), "recorded_in": portable(str(path))}
+                    "groups_vs_magnitude": row.get("groups_vs_magnitude"), "recorded_in": where}
         if row.get("model") or row["mask"].startswith("the exported model "):
             recorded["model"] = row.get("model") or row["mask"].removeprefix("the exported model ")
         here = masks.get(key)
         if here is None:
             masks[key] = here = recorded
         elif not same_mask(here, recorded):
-            print(f"mask {key}: the mask built here is not the one {portable(str(path))} records (digest "
+            print(f"mask {key}: the mask built here is not the one {where} records (digest "
                   f"{str(here.get('digest'))[:12]} vs {str(recorded['digest'])[:12]}, groups ≠ SparseGPT's "
                   f"{here.get('groups_vs_sparsegpt')} vs {recorded['groups_vs_sparsegpt']}): its recorded runs are "
                   "not reused", flush=True)
             for done in cmp.runs.glob(f"mask-{key}/seed-*/compare_row.json"):  # placed by an earlier call: set aside
-                if json.loads(done.read_text()).get("recorded_in") == portable(str(path)):
+                if json.loads(done.read_text()).get("recorded_in") == where:
                     done.rename(done.with_name("compare_row.set-aside.json"))
             continue
         e = mask_entry(key, here)
@@ -154,9 +154,9 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
                 "validation": run.get("validation_ppl"), "lr": recipe.get("lr"),
                 **{k: run.get(k) for k in ("split_sha256", "threads", "wall_s", "machine", "code", "status",
                                            "command")},
-                "recorded_in": run.get("recorded_in") or portable(str(path))}, indent=2))
+                "recorded_in": run.get("recorded_in") or where}, indent=2))
             taken.append(f"{key} seed {run['seed']}")
-    order = [r["name"] for r in json.loads(path.read_text()).get("rows", [])]  # the record's rows first, as they were
+    order = [r["name"] for r in recorded_rows]  # the record's rows first, as they were
     return {k: masks[k] for k in sorted(masks, key=lambda k: order.index(k) if k in order else len(order))}, taken
 
 
