@@ -123,3 +123,39 @@ def test_a_killed_process_s_staging_folder_is_removed_by_the_next_one(tmp_path):
         assert tmp.name.startswith(f".export-{_host()}-{os.getpid()}-")
     assert not stale.exists() and live.exists() and other_host.exists() and other_prefix.exists()
     assert not tmp.exists()
+
+
+def test_atomic_write_takes_its_mode_from_the_umask_and_follows_no_planted_link(tmp_path):
+    import os
+
+    from cast_llm.io import atomic_write_text
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "results.json"
+    for pid in range(os.getpid() - 2, os.getpid() + 3):  # the temporary names the old code used
+        (tmp_path / f".results.json.{pid}.tmp").symlink_to(victim)
+    old = os.umask(0o077)
+    try:
+        atomic_write_text(target, "{}")
+    finally:
+        os.umask(old)
+    assert victim.read_text() == "precious"
+    assert target.read_text() == "{}" and (target.stat().st_mode & 0o777) == 0o600
+    link = tmp_path / "linked.json"
+    link.symlink_to(victim)  # a link at the target itself: replaced, its target untouched
+    atomic_write_text(link, "new")
+    assert victim.read_text() == "precious" and not link.is_symlink() and link.read_text() == "new"
+
+
+@pytest.mark.parametrize("content, says", [(b"{", "not valid JSON"), (b"\xff\xfe{}", "not UTF-8"),
+                                           (b"[]", "JSON list, not an object"), (b"", "not valid JSON")])
+def test_read_json_object_says_what_is_wrong_in_one_line(tmp_path, content, says):
+    from cast_llm.errors import CastError
+    from cast_llm.io import read_json_object
+
+    p = tmp_path / "config.json"
+    p.write_bytes(content)
+    with pytest.raises(CastError) as e:
+        read_json_object(p, "the model's config")
+    assert says in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)

@@ -83,13 +83,16 @@ def test_existing_output_dir(workdir, tmp_path, capsys):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert prune(workdir, out, "--method", "magnitude") == 2
-    assert "not a cast-llm output" in one_line_error(capsys)
+    assert "--overwrite" in one_line_error(capsys)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # nothing written
     assert prune(workdir, out, "--method", "magnitude", "--overwrite") == 0
     capsys.readouterr()
-    # a previous cast-llm output may be replaced without --overwrite
-    assert prune(workdir, out, "--method", "wanda") == 0
+    # a previous cast-llm output is replaced only with --overwrite (one rule for every command), the notes stay
+    assert prune(workdir, out, "--method", "wanda") == 2
+    assert "holds a cast-llm output" in one_line_error(capsys)
+    assert prune(workdir, out, "--method", "wanda", "--overwrite") == 0
     assert json.loads((out / "config.json").read_text())["sparsity"]["method"] == "wanda"
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_bad_inputs_give_one_line_errors(workdir, tmp_path, capsys):

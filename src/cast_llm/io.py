@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,9 +28,10 @@ from typing import Any, BinaryIO
 
 __all__ = ["RunDir", "FILE_MODE", "cache_dir", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes",
            "atomic_write_text", "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into",
-           "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json"]
+           "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json", "read_json_object", "umask_mode",
+           "is_plain_name", "remove_entry", "resolved", "overlap"]
 
-FILE_MODE = 0o644  # what a user expects of a model or log file (mkstemp would give 0600)
+FILE_MODE = 0o644  # the mode of a file under the usual umask 022 (files get 0o666 & ~umask: umask_mode)
 
 
 def cache_dir() -> Path:
@@ -67,24 +69,37 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def umask_mode(base: int = 0o666) -> int:
+    """The mode a new file gets from ``open()`` under this process's umask (``base & ~umask``): what a user
+    expects of a model or log file, where ``mkstemp`` alone would give 0600."""
+    try:  # Linux: read it without changing it (os.umask is process-wide and racy between threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return base & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any], *, mode: int = FILE_MODE) -> Path:
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any], *, mode: int | None = None) -> Path:
     """Create or replace ``path`` with what ``write(f)`` writes to a binary file object; all or nothing.
 
-    On any error (a full disk, ``write`` raising) the temporary file is removed and ``path`` is left as it
-    was; the error propagates.
+    The temporary file comes from ``mkstemp`` beside ``path`` (a fresh name opened with ``O_EXCL``: a link
+    planted under a predictable name is never followed), its mode from the umask unless ``mode`` says
+    otherwise; the rename replaces a link at ``path`` itself, never its target. On any error (a full disk,
+    ``write`` raising) the temporary file is removed and ``path`` is left as it was; the error propagates.
     """
     path = Path(path)
-    tmp = _tmp_name(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), umask_mode() if mode is None else mode)
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -109,8 +124,84 @@ def read_json(path: str | Path, default: Any = None) -> Any:
     """A JSON file's content, or ``default`` when it is missing or unreadable."""
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # (a UnicodeDecodeError is a ValueError)
         return {} if default is None else default
+
+
+MAX_JSON_BYTES = 256 << 20  # no JSON file the tool reads comes near this; a larger one is not ours
+
+
+def read_json_object(path: str | Path, what: str, *, fix: str = "") -> dict[str, Any]:
+    """The JSON object in the file ``path``, or a one-line :class:`~cast_llm.errors.CastError` naming the file,
+    ``what`` it should be (``"the model's config"``) and what is wrong: missing, not a regular file, larger
+    than :data:`MAX_JSON_BYTES`, not UTF-8, not JSON, or JSON that is not an object. ``fix`` is appended
+    (``"; pass another --model"``)."""
+    from cast_llm.errors import CastError
+
+    p = Path(path)
+    fix = f"; {fix}" if fix else ""
+    try:
+        st = p.stat()
+        if not p.is_file():
+            raise CastError(f"{p} ({what}) is not a regular file{fix}")
+        if st.st_size > MAX_JSON_BYTES:
+            raise CastError(f"{p} ({what}) is {st.st_size:,} bytes, too large for a JSON file{fix}")
+        obj = json.loads(p.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CastError(f"{p} ({what}) not found{fix}") from None
+    except OSError as e:
+        raise CastError(f"{p} ({what}) cannot be read: {e.strerror or e}{fix}") from None
+    except UnicodeDecodeError as e:
+        raise CastError(f"{p} ({what}) is not UTF-8 text (byte {e.start}){fix}") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        where = f": {e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise CastError(f"{p} ({what}) is not valid JSON{where}{fix}") from None
+    if not isinstance(obj, dict):
+        raise CastError(f"{p} ({what}) holds a JSON {type(obj).__name__}, not an object{fix}")
+    return obj
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` (read from a marker file) names an entry directly inside a folder: a non-empty string
+    with no separator, not ``.`` or ``..``, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and os.sep not in name and (os.altsep is None or os.altsep not in name))
+
+
+def remove_entry(folder: str | Path, name: str) -> bool:
+    """Remove the entry ``name`` (a plain name, :func:`is_plain_name`) of ``folder`` without following a link:
+    a link is unlinked (its target untouched), a real folder removed with what it holds (``rmtree`` does not
+    follow links inside), a file unlinked. False when there was nothing."""
+    if not is_plain_name(name):
+        raise ValueError(f"not a plain name: {name!r}")
+    p = Path(folder) / name
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+    return True
+
+
+def resolved(path: str | Path) -> Path:
+    """``path`` absolute with every link resolved (what it really names, existing or not)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def overlap(a: str | Path, b: str | Path) -> str | None:
+    """How the paths ``a`` and ``b`` overlap once resolved: ``"is"`` (the same), ``"is inside"`` (``a`` within
+    ``b``), ``"contains"`` (``b`` within ``a``); None when apart."""
+    ra, rb = resolved(a), resolved(b)
+    if ra == rb:
+        return "is"
+    if rb in ra.parents:
+        return "is inside"
+    if ra in rb.parents:
+        return "contains"
+    return None
 
 
 @contextlib.contextmanager
@@ -203,7 +294,7 @@ def remove_stale_staging(folder: str | Path, prefix: str) -> list[Path]:
 
 
 def move_into(src: str | Path, dst: str | Path, *, last: str | None = None) -> list[str]:
-    """Move every file of ``src`` into ``dst`` (each move an atomic rename, mode :data:`FILE_MODE`); returns
+    """Move every file of ``src`` into ``dst`` (each move an atomic rename, mode from the umask); returns
     their names.
 
     ``last`` names a completion marker: any older copy in ``dst`` is removed first and the new one is moved
@@ -217,8 +308,8 @@ def move_into(src: str | Path, dst: str | Path, *, last: str | None = None) -> l
     moved = []
     for f in files + ([src / last] if last is not None else []):
         if f.exists():
-            if f.is_file():
-                os.chmod(f, FILE_MODE)
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, umask_mode())
             os.replace(f, dst / f.name)
             moved.append(f.name)
     fsync_path(dst)

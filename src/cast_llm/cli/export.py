@@ -29,7 +29,8 @@ class ExportConfig:
     format: str = option("hf", "hf (safetensors with exact zeros), compressed (kept values + 2-bit positions), "
                          "compressed-tensors (vLLM's legacy sparse-24-bitmask)", choices=FORMATS)
     output_dir: str | None = option(None, "folder to write (required)")
-    overwrite: bool = option(False, "replace an existing checkpoint folder at --output-dir")
+    overwrite: bool = option(False, "replace the cast-llm output at --output-dir (only the files its marker lists, "
+                             "once the new one is complete)")
     dtype: str = option("auto", "dtype of the written weights: auto (as stored in MODEL), fp32, fp16, bf16",
                         choices=("auto", "fp32", "fp16", "bf16"))
     n: int = option(2, "N of the N:M pattern the model must have (compressed-tensors: 2:4 only)")
@@ -112,20 +113,22 @@ def run(args: argparse.Namespace) -> int:
     from cast_llm.deploy.compressed import on_disk_bytes
     from cast_llm.models import load_model, load_tokenizer
 
-    out = prepare_output_dir(cfg.output_dir, cfg.overwrite)
+    target = prepare_output_dir(cfg.output_dir, cfg.overwrite, inputs={"MODEL": cfg.model})
+    out = target.path
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, dtype=_load_dtype(cfg.dtype))
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    export_model(model, tokenizer, cfg, out)
-    sizes = on_disk_bytes(out)
-    dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    print(f"wrote {cfg.format} checkpoint to {out}: {sizes['total'] / 2**20:,.2f} MiB of weights "
-          f"({sizes['total'] / dense:.4f} x the {dense / 2**20:,.2f} MiB of dense {str(dtype).removeprefix('torch.')} "
-          "parameters)")
-    if cfg.verify:
-        bad = _state_equal(model, reload(cfg, out, dtype))
-        if bad:
-            raise CastError(f"verification failed: {len(bad)} tensor(s) differ after reading {out} back, "
-                            f"e.g. {bad[:3]}")
-        print("verified: the written checkpoint loads back identical to the model (every tensor torch.equal)")
+    with target.staged() as staged:  # the old --output-dir is replaced only once this one is written and verified
+        export_model(model, tokenizer, cfg, staged)
+        sizes = on_disk_bytes(staged)
+        dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        print(f"wrote {cfg.format} checkpoint to {out}: {sizes['total'] / 2**20:,.2f} MiB of weights "
+              f"({sizes['total'] / dense:.4f} x the {dense / 2**20:,.2f} MiB of dense "
+              f"{str(dtype).removeprefix('torch.')} parameters)")
+        if cfg.verify:
+            bad = _state_equal(model, reload(cfg, staged, dtype))
+            if bad:
+                raise CastError(f"verification failed: {len(bad)} tensor(s) differ after reading the export back, "
+                                f"e.g. {bad[:3]}; {out} was left as it was")
+            print("verified: the written checkpoint loads back identical to the model (every tensor torch.equal)")
     return 0

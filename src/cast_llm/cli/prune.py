@@ -45,7 +45,8 @@ class PruneConfig:
     seed: int = option(0, "seed for the split of the data and the choice of calibration sequences", section=CALIB)
     device: str = option("auto", "where the blocks run: auto (cuda if available), cpu, cuda, cuda:N", section=RUN)
     output_dir: str | None = option(None, "folder for the pruned checkpoint (required)", section=RUN)
-    overwrite: bool = option(False, "write into an existing non-empty folder that is not a cast-llm output",
+    overwrite: bool = option(False, "replace the cast-llm output in --output-dir (only the files it lists), or "
+                             "write beside the files of another non-empty folder (none of them is replaced)",
                              section=RUN)
     skip_incompatible: bool = option(False, "leave layers whose input width is not a multiple of m dense",
                                      section=PATTERN)
@@ -78,19 +79,6 @@ def register(subparsers) -> None:
                        description="Prune a dense model to N:M in one shot and write a verified sparse checkpoint.")
 
 
-def check_output_dir(path: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty folder unless it is a previous cast-llm output or ``overwrite``."""
-    from cast_llm.deploy.export import CHECKPOINT_MARKER
-
-    if path.exists() and not path.is_dir():
-        raise CastError(f"--output-dir {path} exists and is not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / CHECKPOINT_MARKER).is_file() and not overwrite:
-        raise CastError(
-            f"--output-dir {path} exists, is not empty and is not a cast-llm output "
-            f"(no {CHECKPOINT_MARKER}); choose another folder or pass --overwrite"
-        )
-
-
 def _perplexity(model, ids, seq_len, device, max_windows, desc):
     from cast_llm.eval.ppl import perplexity
 
@@ -104,8 +92,12 @@ def _perplexity(model, ids, seq_len, device, max_windows, desc):
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_options(PruneConfig, args)
-    out = Path(cfg.output_dir)
-    check_output_dir(out, cfg.overwrite)
+    from cast_llm.deploy.checkpoint import prepare_output_dir
+
+    target = prepare_output_dir(cfg.output_dir, cfg.overwrite, inputs={
+        "--model": cfg.model, "--data": cfg.data if cfg.method != "magnitude" else None,
+        "--eval-text-file": cfg.eval_text_file})
+    out = target.path
 
     from cast_llm.deploy.export import format_sparsity_report, save_sparse_checkpoint, sparsity_report
     from cast_llm.models import check_seq_len, load_model, load_tokenizer, resolve_device
@@ -126,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_seq_len(model, cfg.seq_len, cfg.model)
         data = prepare(cfg.data, tokenizer, cfg.seq_len, train_sequences=cfg.calib_samples,
-                       calib_samples=cfg.calib_samples, min_train_sequences=cfg.calib_samples, progress=True, say=print)
+                       calib_samples=cfg.calib_samples, min_train_sequences=cfg.calib_samples, progress=True, say=print,
+                       too_small="(--calib-samples); add text or lower --calib-samples / --seq-len")
         calib = calibration_samples(data, cfg.calib_samples, seed=cfg.seed)
 
     eval_ids, eval_len, ppl = None, cfg.eval_seq_len or cfg.seq_len, {}
@@ -157,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if ppl:
         meta["oneshot"]["perplexity"] = {k: v.to_dict() for k, v in ppl.items()}
         meta["oneshot"]["perplexity"]["text_file"] = str(cfg.eval_text_file)
-    save_sparse_checkpoint(model, tokenizer, out, n=cfg.n, m=cfg.m, method=cfg.method, targets=targets,
-                           metadata=meta)
+    with target.staged() as staged:  # the old --output-dir is replaced only once the new one is complete
+        save_sparse_checkpoint(model, tokenizer, staged, n=cfg.n, m=cfg.m, method=cfg.method, targets=targets,
+                               metadata=meta)
     print(format_sparsity_report(sparsity_report(model, n=cfg.n, m=cfg.m, targets=targets), n=cfg.n, m=cfg.m))
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all)")
     return 0

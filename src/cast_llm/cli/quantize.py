@@ -50,7 +50,8 @@ class QuantizeConfig:
                          section=CALIB)
     seed: int = option(0, "seed of the data split, the calibration samples and the search subset", section=CALIB)
     output_dir: str | None = option(None, "folder to write (required): packed weights + fake-quant/", section=OUTPUT)
-    overwrite: bool = option(False, "replace an existing checkpoint folder at --output-dir", section=OUTPUT)
+    overwrite: bool = option(False, "replace the cast-llm output at --output-dir (only the files its marker "
+                             "lists, once the new one is complete)", section=OUTPUT)
     eval_windows: int = option(0, "if > 0: WikiText-2 perplexity before and after, on the first this many windows",
                                section=EVAL)
     eval_seq_len: int = option(512, "perplexity window length for --eval-windows", section=EVAL)
@@ -93,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from cast_llm.quant import quantize_model_
     from cast_llm.quant.pack import save_quantized
 
-    out = prepare_output_dir(cfg.output_dir, cfg.overwrite)
+    target = prepare_output_dir(cfg.output_dir, cfg.overwrite,
+                                inputs={"MODEL": cfg.model, "--data": cfg.data if cfg.method == "awq" else None})
+    out = target.path
     device = resolve_device(cfg.device)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
@@ -108,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_seq_len(model, cfg.seq_len, cfg.model)
         data = prepare(cfg.data, tokenizer, cfg.seq_len, train_sequences=cfg.calib_samples,
-                       calib_samples=cfg.calib_samples, min_train_sequences=cfg.calib_samples, progress=True, say=print)
+                       calib_samples=cfg.calib_samples, min_train_sequences=cfg.calib_samples, progress=True, say=print,
+                       too_small="(--calib-samples); add text or lower --calib-samples / --seq-len")
         calib = calibration_samples(data, cfg.calib_samples, seed=cfg.seed)
     result = quantize_model_(model, method=cfg.method, bits=cfg.bits, group_size=cfg.group_size, calib_ids=calib,
                              n=cfg.n, m=cfg.m, grid=cfg.grid, search_tokens=cfg.search_tokens,
@@ -126,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if ppl_after is not None:
         metadata["wikitext2"] = {"before": ppl_before.to_dict(), "after": ppl_after.to_dict()}
     model.to("cpu").to(parse_dtype(cfg.dtype))
-    save_quantized(model, result, tokenizer, out, n=cfg.n, m=cfg.m, metadata=metadata)
+    with target.staged() as staged:  # the old --output-dir is replaced only once the new one is complete
+        save_quantized(model, result, tokenizer, staged, n=cfg.n, m=cfg.m, metadata=metadata)
     index = json.loads((out / "quant_index.json").read_text())
     print(f"wrote {out} (packed targets: {index['bytes']['targets_packed'] / 2**20:,.2f} MiB) and "
           f"{out / 'fake-quant'} in {time.perf_counter() - t0:,.0f} s")

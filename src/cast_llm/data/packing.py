@@ -76,12 +76,15 @@ def prepare(
     rebuild: bool = False,
     progress: bool = False,
     say: Callable[[str], None] | None = None,
+    too_small: str = "for one batch; add text or lower --seq-len / --batch-size",
 ) -> TokenData:
     """Tokenise (once, cached), split and pack a ``--data`` source.
 
     ``train_sequences`` / ``val_sequences`` / ``test_sequences``: windows wanted (``None`` / 0: all the
     source holds — it is then read to its end); ``calib_samples``: the source is read far enough for
-    :func:`calibration_samples` to draw them from a pool that does not depend on the budget."""
+    :func:`calibration_samples` to draw them from a pool that does not depend on the budget. ``too_small``
+    ends the error of a source with fewer than ``min_train_sequences`` windows: what they are for and the
+    calling command's own flags that fix it."""
     say = say or (lambda s: None)
     cache = TokenCache(spec, tokenizer, val_fraction=val_fraction, test_fraction=test_fraction,
                        max_documents=max_documents, root=cache_root)
@@ -128,8 +131,8 @@ def prepare(
     if train.count < min_train_sequences:
         raise CastError(
             f"data '{spec}' is too small: {train.count} training sequences of {seq_len} tokens "
-            f"(from {index['documents']['train']} documents), need at least {min_train_sequences} for one batch; "
-            "add text or lower --seq-len / --batch-size")
+            f"(from {index['documents']['train']} documents), need at least {min_train_sequences} "
+            f"{too_small}")
     return TokenData(train=train, val=val, test=test, source=spec, split=kind, split_note=note,
                      split_sha256=split_digest(kind, val, test), documents=sum(index["documents"].values()),
                      pool=pool, cache_dir=str(cache.dir))

@@ -1,6 +1,7 @@
 """Shared plumbing for the deployment formats: output folders, state dicts, rebuilding a model.
 
-* :func:`prepare_output_dir` — refuse to clobber a folder unless asked, and then only a checkpoint folder;
+* :class:`OutputDir` (:func:`prepare_output_dir`) — the output folder of a command: never one of its inputs,
+  replaced only with ``--overwrite``, only the files cast-llm listed there, and only once the new one is complete;
 * :func:`read_format_index` — the JSON index of one of our formats, checked for format and version;
 * :func:`staged_output` — write into a temporary folder beside the target, move in when complete, the
   ``cast_llm.json`` completion marker last (the same protocol as :func:`cast_llm.deploy.export.save_sparse_checkpoint`);
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +26,7 @@ import torch
 from cast_llm import __version__
 from cast_llm.deploy.export import CHECKPOINT_MARKER
 from cast_llm.errors import CastError
-from cast_llm.io import move_into, staging_dir
+from cast_llm.io import fsync_path, move_into, staging_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -41,20 +43,122 @@ def parse_dtype(name: str) -> torch.dtype:
         raise CastError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
 
 
-def prepare_output_dir(path: str | Path, overwrite: bool) -> Path:
-    """Check that ``path`` may be written. With ``overwrite``, an existing *checkpoint* folder (one holding
-    ``cast_llm.json`` or ``config.json``) is removed first so no file of an older format lingers."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise CastError(f"--output-dir {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise CastError(f"--output-dir {out} is not empty; pass --overwrite to replace it")
-        if not ((out / CHECKPOINT_MARKER).is_file() or (out / "config.json").is_file()):
-            raise CastError(f"refusing to overwrite {out}: it is not a checkpoint folder (no {CHECKPOINT_MARKER} "
-                            "or config.json); choose another --output-dir")
-        shutil.rmtree(out)
-    return out
+class OutputDir:
+    """The ``--output-dir`` of a command that writes one model folder (export, quantize, prune), checked before
+    anything is read or computed, and replaced only once the new result is complete.
+
+    * an output that is, lies inside, or contains one of the command's inputs is refused (the model, the
+      calibration data, a text file: ``inputs`` maps each flag to its path);
+    * a non-empty folder needs ``--overwrite``. A folder cast-llm wrote (its ``cast_llm.json`` lists its
+      files) then has exactly those files replaced; any other entry is left alone. A folder cast-llm did not
+      write keeps every file: the new one is written beside them, and refused when any name it writes is
+      taken (naming them);
+    * :meth:`staged` yields a new folder beside the output; once the block succeeded the old listed files are
+      moved aside, the new ones moved in (the marker last), and only then the old ones deleted. A failure
+      anywhere before leaves the output as it was.
+    """
+
+    def __init__(self, path: str | Path, overwrite: bool, *, inputs: dict[str, str | None] | None = None,
+                 flag: str = "--output-dir"):
+        from cast_llm.io import overlap
+
+        self.path, self.overwrite, self.flag = Path(path), overwrite, flag
+        for name, given in (inputs or {}).items():
+            if not given or not Path(given).expanduser().exists():
+                continue  # a hub id, an alias, a data set name: not a path here
+            how = overlap(self.path, given)
+            if how is not None:
+                where = {"is": "is", "is inside": "is inside", "contains": "contains"}[how]
+                raise CastError(f"{flag} {self.path} {where} {name} {given}: writing there could destroy "
+                                f"{'it' if how != 'contains' else 'what it holds'}; choose another {flag}")
+        if _lexists(self.path) and not self.path.is_dir():
+            raise CastError(f"{flag} {self.path} exists and is not a folder; choose another {flag}")
+        self.previous = self._listed() if self.path.is_dir() else None
+        entries = self._entries()
+        if entries and not overwrite:
+            what = "holds a cast-llm output" if self.previous is not None else "is not empty"
+            raise CastError(f"{flag} {self.path} {what}; pass --overwrite to replace "
+                            f"{'it' if self.previous is not None else 'nothing in it and write beside its files'}, "
+                            f"or choose another {flag}")
+
+    def _entries(self) -> list[str]:
+        from cast_llm.io import RunDir
+
+        if not self.path.is_dir():
+            return []
+        return sorted(p.name for p in self.path.iterdir() if p.name != RunDir.LOCK)
+
+    def _listed(self) -> list[str] | None:
+        """The names the folder's own marker lists as written by cast-llm (None: no marker, not ours)."""
+        from cast_llm.io import is_plain_name, read_json_object
+
+        marker = self.path / CHECKPOINT_MARKER
+        if not _lexists(marker):
+            return None
+        if marker.is_symlink():
+            raise CastError(f"{marker} is a link, not a marker cast-llm wrote; choose another {self.flag}")
+        files = read_json_object(marker, "the folder's cast-llm marker",
+                                 fix=f"remove the folder yourself or choose another {self.flag}").get("files")
+        if files is None:
+            raise CastError(f"{marker} does not list the files of the folder (an older cast-llm wrote it): "
+                            f"remove them yourself or choose another {self.flag}")
+        bad = [f for f in files if not is_plain_name(f)] if isinstance(files, list) else [files]
+        if bad:
+            raise CastError(f"{marker} lists {bad[0]!r}, which is not a plain name of a file in the folder: "
+                            f"this marker was not written by cast-llm; choose another {self.flag}")
+        return sorted(set(files) | {CHECKPOINT_MARKER})
+
+    @contextmanager
+    def staged(self) -> Iterator[Path]:
+        """A new empty folder beside the output to write the whole result into; published when the block
+        ends without an error, discarded otherwise."""
+        with staging_dir(self.path, prefix=".stage-") as tmp:
+            yield tmp
+            self.publish(tmp)
+
+    def publish(self, tmp: Path) -> None:
+        from cast_llm.io import remove_entry, umask_mode
+
+        marker = tmp / CHECKPOINT_MARKER
+        if not marker.is_file():
+            raise RuntimeError(f"staged output has no {CHECKPOINT_MARKER}: not moving it into place")
+        new = sorted(p.name for p in tmp.iterdir())
+        info = json.loads(marker.read_text())
+        info["files"] = new  # exactly what is published: the next --overwrite replaces these and nothing else
+        marker.write_text(json.dumps(info, indent=2))
+        previous = self._listed() if self.path.is_dir() else None  # as it is now, not at the start
+        if previous is not None and not self.overwrite:
+            raise CastError(f"{self.flag} {self.path} was written by another cast-llm process meanwhile; "
+                            "pass --overwrite to replace it")
+        mine = set(previous or [])
+        taken = [n for n in new if n not in mine and _lexists(self.path / n)]
+        if taken:
+            raise CastError(f"{self.flag} {self.path} holds {', '.join(taken[:5])}{' …' if len(taken) > 5 else ''}, "
+                            f"which cast-llm did not write and would replace; move {'it' if len(taken) == 1 else 'them'} "
+                            f"or choose another {self.flag}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        with staging_dir(self.path, prefix=".stage-") as old:
+            for name in previous or []:  # the previous result, moved aside (renames: nothing is copied)
+                if _lexists(self.path / name):
+                    os.replace(self.path / name, old / name)
+            for name in [n for n in new if n != CHECKPOINT_MARKER] + [CHECKPOINT_MARKER]:
+                src = tmp / name
+                if src.is_dir():
+                    os.chmod(src, umask_mode(0o777))  # (mkdtemp made it 0700)
+                os.replace(src, self.path / name)
+            fsync_path(self.path)
+            for name in previous or []:  # only now: delete the old result
+                remove_entry(old, name)
+
+
+def _lexists(p: Path) -> bool:
+    """Whether ``p`` exists as an entry (a dangling link included)."""
+    return os.path.lexists(p)
+
+
+def prepare_output_dir(path: str | Path, overwrite: bool, *, inputs: dict[str, str | None] | None = None) -> OutputDir:
+    """Check that ``path`` may be written (:class:`OutputDir`); write into ``.staged()`` of the result."""
+    return OutputDir(path, overwrite, inputs=inputs)
 
 
 @contextmanager
@@ -91,7 +195,9 @@ def read_format_index(folder: str | Path, index_file: str, fmt: str, version: in
 
 
 def write_marker(folder: Path, kind: str, **info: Any) -> None:
-    payload = {"kind": kind, "cast_llm_version": __version__, **info}
+    """The completion marker, written last: it lists the folder's files (what a later ``--overwrite`` replaces)."""
+    files = sorted({p.name for p in Path(folder).iterdir()} | {CHECKPOINT_MARKER})
+    payload = {"kind": kind, "cast_llm_version": __version__, **info, "files": files}
     (folder / CHECKPOINT_MARKER).write_text(json.dumps(payload, indent=2))
 
 

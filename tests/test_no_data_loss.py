@@ -1,0 +1,141 @@
+"""Nothing lost (issue 49): a command that writes a model folder (export, quantize, prune) never writes over
+one of its inputs, replaces only the files its own marker lists and only once the new result is complete,
+and never replaces a file it did not write. Every refusal is exit 2 and one line, and every file is
+byte-identical afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import tiny
+from deploy_helpers import cli, one_line_error, save_hf, sparse_model
+
+
+def snapshot(folder) -> dict[str, str]:
+    """Every entry under ``folder`` (links not followed) with its content hash or link target."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, folder)
+            if os.path.islink(p):
+                out[rel] = "-> " + os.readlink(p)
+            elif os.path.isfile(p):
+                out[rel] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sparse_dir(tmp_path_factory):
+    return save_hf(sparse_model("llama"), tmp_path_factory.mktemp("nl") / "sparse")
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "containing"])
+def test_export_refuses_an_output_that_overlaps_the_model(tmp_path, sparse_dir, capsys, where):
+    before = snapshot(sparse_dir.parent)
+    out = {"same": sparse_dir, "inside": sparse_dir / "sub", "containing": sparse_dir.parent}[where]
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out, "--overwrite") == 2
+    line = one_line_error(capsys)
+    assert "MODEL" in line and "--output-dir" in line and str(sparse_dir) in line, line
+    assert snapshot(sparse_dir.parent) == before
+
+
+def test_overwrite_replaces_only_the_listed_files_once_the_new_one_is_complete(tmp_path, sparse_dir, capsys):
+    out = tmp_path / "o"
+    assert cli("export", sparse_dir, "--format", "hf", "--output-dir", out, "--no-verify") == 0
+    (out / "notes.txt").write_text("mine")
+    listed = json.loads((out / "cast_llm.json").read_text())["files"]
+    assert "model.safetensors" in listed and "notes.txt" not in listed
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out, "--overwrite") == 0
+    assert not (out / "model.safetensors").exists()  # the old format's weights went: the marker listed them
+    assert (out / "notes.txt").read_text() == "mine"  # the user's file stayed
+    assert (out / "compressed.safetensors").is_file()
+    assert sorted(json.loads((out / "cast_llm.json").read_text())["files"]) == sorted(
+        p.name for p in out.iterdir() if p.name != "notes.txt")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".stage-")]
+
+
+def test_a_failed_export_leaves_the_previous_one_intact(tmp_path, sparse_dir, capsys, monkeypatch):
+    import cast_llm.cli.export as export_cli
+
+    out = tmp_path / "o"
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out) == 0
+    before = snapshot(out)
+    monkeypatch.setattr(export_cli, "_state_equal", lambda a, b: ["lm_head.weight"])  # verification fails
+    assert cli("export", sparse_dir, "--format", "hf", "--output-dir", out, "--overwrite") == 2
+    assert "verification failed" in one_line_error(capsys)
+    assert snapshot(out) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".stage-")]
+
+
+def test_a_folder_cast_llm_did_not_write_keeps_every_file(tmp_path, sparse_dir, capsys):
+    downloaded = save_hf(tiny.model("llama"), tmp_path / "Llama")  # a model the user downloaded (no marker)
+    before = snapshot(downloaded)
+    assert cli("export", sparse_dir, "--format", "hf", "--output-dir", downloaded, "--overwrite",
+               "--no-verify") == 2
+    line = one_line_error(capsys)
+    assert "config.json" in line and "model.safetensors" in line and "did not write" in line, line
+    assert snapshot(downloaded) == before
+    mine = tmp_path / "mine"  # a non-empty folder whose names do not collide: written beside, nothing replaced
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", mine) == 2
+    assert "--overwrite" in one_line_error(capsys)
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", mine, "--overwrite") == 0
+    assert (mine / "notes.txt").read_text() == "mine" and (mine / "cast_llm.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["../victim", "/tmp/x", ".", ""])
+def test_a_marker_listing_a_name_outside_the_folder_is_refused(tmp_path, sparse_dir, capsys, name):
+    out = tmp_path / "o"
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out) == 0
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    marker = json.loads((out / "cast_llm.json").read_text())
+    marker["files"].append(name)
+    (out / "cast_llm.json").write_text(json.dumps(marker))
+    before = snapshot(tmp_path)
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out, "--overwrite") == 2
+    assert "not a plain name" in one_line_error(capsys)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_planted_link_in_the_output_is_replaced_not_followed(tmp_path, sparse_dir, capsys):
+    out = tmp_path / "o"
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out) == 0
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (out / "config.json").unlink()
+    (out / "config.json").symlink_to(victim)  # a listed name, now a link to a file elsewhere
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out, "--overwrite") == 0
+    assert victim.read_text() == "precious" and not (out / "config.json").is_symlink()
+
+
+def test_prune_refuses_its_model_as_output(tmp_path, capsys):
+    model = tiny.save_model(tmp_path / "dense", "llama")
+    tiny.write_corpus(tmp_path / "corpus.jsonl")
+    before = snapshot(tmp_path)
+    for out in (model, tmp_path):  # the model's folder; a folder holding the model and the data
+        assert cli("prune", "--method", "magnitude", "--model", model, "--output-dir", out, "--overwrite",
+                   "--device", "cpu") == 2
+        assert "--model" in one_line_error(capsys)
+    assert cli("prune", "--method", "wanda", "--model", model, "--data", tmp_path / "corpus.jsonl",
+               "--output-dir", tmp_path / "corpus.jsonl", "--device", "cpu") == 2
+    assert "--data" in one_line_error(capsys)
+    assert snapshot(tmp_path) == before
+
+
+def test_quantize_refuses_its_model_as_output_and_names_its_own_flag(tmp_path, sparse_dir, capsys):
+    before = snapshot(sparse_dir)
+    assert cli("quantize", sparse_dir, "--method", "rtn", "--output-dir", sparse_dir, "--overwrite") == 2
+    assert "MODEL" in one_line_error(capsys)
+    assert snapshot(sparse_dir) == before
+    (tmp_path / "one.txt").write_text(tiny.CORPUS)  # one short document: far fewer than 128 calibration windows
+    assert cli("quantize", sparse_dir, "--method", "awq", "--data", tmp_path / "one.txt", "--seq-len", "32",
+               "--device", "cpu", "--output-dir", tmp_path / "q") == 2
+    line = one_line_error(capsys)
+    assert "--calib-samples" in line and "--batch-size" not in line, line
+    assert not (tmp_path / "q").exists()
