@@ -76,7 +76,7 @@ TIERS: dict[str, dict] = {
                 device="cpu", precision="fp32", adams={},
                 row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}, "naive-kd-sgpt": {"lr": 1e-4},
                         "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
-                        "cast-best-no-kd": {"lr": 1e-4}, "cast-best-no-decay": {"lr": 1e-4, "l1_decay": 0.0}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
+                        "cast-best-no-kd": {"lr": 1e-4}, "cast-best-no-repair": {"lr": 1e-4}, "cast-best-no-decay": {"lr": 1e-4, "l1_decay": 0.0}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
                         "cast-mix100": {"lr": 1e-4}, "cast-regrow10": {"lr": 1e-4},
                         "cast-regrow30": {"lr": 1e-4}, "ast-lr1e-4": {"lr": 1e-4}, "ast-lr1e-3": {"lr": 1e-3}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
@@ -183,6 +183,11 @@ DEFAULT_ABLATIONS = [
     Entry("cast-best-no-scaling", "CAST default w/o weight scaling", "train",
           ["--method", "cast", *CAST_BEST, "--no-scaling"], kd=True, adams=True, weight_update="AdamS",
           mask="Eq. 6 every T1 (SparseGPT start)", seeded=True),
+    # the default without its masked repair: AdamS on the dense forward to the end, then the hard final prune
+    Entry("cast-best-no-repair", "CAST default w/o the masked repair (hard prune at the end)", "train",
+          ["--method", "cast", "--warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0",
+           "--final-prune", "hard"], kd=True, adams=True, weight_update="AdamS", mask="Eq. 6 every T1 (SparseGPT start)",
+          seeded=True),
     Entry("cast-best-no-kd", "CAST default w/o KD", "train", ["--method", "cast", *CAST_BEST, "--no-kd"],
           adams=True, weight_update="AdamS", mask="Eq. 6 every T1 (SparseGPT start)", seeded=True),
     # the default's own optimizer and dense forward, with AdamS's decay (λ = 0) and mask updates taken out
@@ -288,12 +293,9 @@ class Comparison:
             if k not in self.tier:
                 raise SystemExit(f"--set {kv}: no tier setting {k!r} (settings: {', '.join(self.tier)})")
             self.tier[k] = type(self.tier[k])(v) if self.tier[k] is not None else v
-        self.grid = None
+        self.grid = None  # (setting, its values or None, multiples of the forecast λ or None)
         if opts.tune:
-            name, _, values = opts.tune.partition("=")
-            if name != "lr" or not values:
-                raise SystemExit("--tune takes lr=V1,V2,... (the grid of learning rates)")
-            self.grid = (name, [float(x) for x in values.split(",")])
+            self.grid = parse_tune(opts.tune)
         self.tune_only = set(opts.tune_only.split(",")) if opts.tune_only else None
         self.tuning_from: dict[str, dict] = {}  # row → the tuning record another budget chose (--tuning-from)
         if opts.tier == "quick":
@@ -442,9 +444,10 @@ class Comparison:
 
     def run_entry(self, e: Entry, seeds: list[int] | None = None) -> dict:
         """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
-        if (self.grid and e.kind == "train" and (not self.tune_only or e.key in self.tune_only)
-                and self.grid_changed(e.key)):
-            self.tune(e)
+        if self.grid and e.kind == "train" and (not self.tune_only or e.key in self.tune_only):
+            values, forecast = self.grid_values(e)
+            if self.grid_changed(e.key, values):
+                self.tune(e, values, forecast)
         if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
         return self.aggregate([self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in seeds or self.seeds])
@@ -555,14 +558,66 @@ class Comparison:
             return json.loads(local.read_text())
         return self.tuning_from.get(key, {})
 
-    def grid_changed(self, key: str) -> bool:
-        """Whether ``--tune``'s grid is not the one row ``key`` was tuned over (or it was not tuned): a wider grid
-        (its choice was the old grid's edge) re-chooses, running only the new points."""
+    def tuning_record(self, key: str) -> dict | None:
+        """Row ``key``'s tuning record of this runs folder with its stages (``stages``: one per tuned setting, in
+        the order they were tuned; a record of one lr grid, written before stages existed, is its one stage)."""
         local = self.runs / key / "tuning.json"
         if not local.is_file():
-            return True
-        name, values = self.grid
-        return (json.loads(local.read_text()).get("grid") or {}).get(name) != [f"{v:g}" for v in values]
+            return None
+        return with_stages(json.loads(local.read_text()))
+
+    def grid_changed(self, key: str, values: list[float] | None = None) -> bool:
+        """Whether ``--tune``'s grid is not the one row ``key`` was tuned over for that setting (or it was not
+        tuned): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points."""
+        values = self.grid[1] if values is None else values
+        rec = self.tuning_record(key)
+        stage = next((x for x in (rec or {}).get("stages", []) if x["name"] == self.grid[0]), None)
+        return stage is None or stage["values"] != [f"{v:g}" for v in values]
+
+    def grid_values(self, e: Entry) -> tuple[list[float], dict | None]:
+        """The values ``--tune`` runs for row ``e``: the grid given, or (``l1_decay=forecast:F1,F2,...``) the
+        multiples of the λ that the trainer's decay forecast says finishes the decay at this budget (the row's
+        other settings as they stand), with that forecast."""
+        name, values, multiples = self.grid
+        if values is not None:
+            return values, None
+        fc = self.decay_forecast(e)
+        # centred on the λ that finishes the decay; where none does (a short run: S_T has a ceiling below the
+        # target whatever λ), on the λ past which a larger one hardly raises S_T (90 % of the way to the ceiling)
+        lam = fc.get("l1_decay_to_finish")
+        fc["centre"] = "finishes the decay" if lam is not None else "knee (no λ finishes the decay at this lr)"
+        lam = lam if lam is not None else fc.get("l1_decay_knee")
+        if lam is None:
+            raise SystemExit(f"--tune {name}=forecast:...: the decay forecast of {e.key} gives no λ; give the "
+                             "grid's values")
+        fc["centre_l1_decay"] = lam
+        return [float(f"{lam * m:.2g}") for m in multiples], fc
+
+    def decay_forecast(self, e: Entry) -> dict:
+        """The decay forecast the trainer makes before row ``e``'s first update (seed 0, its settings without
+        the tuned λ, i.e. the tier's), kept in ``<runs>/<row>/forecast.json`` for the same command."""
+        seed = self.seeds[0]
+        hp = {"l1_decay": self.tier["l1_decay"]}  # the search starts from the tier's λ, whatever was chosen
+        argv, hp = self.entry_train_argv(e, self.runs / e.key / "forecast", seed, hp)
+        command = _without_output_dir("cast-llm " + shlex.join(argv))
+        cache = self.runs / e.key / "forecast.json"
+        if cache.is_file() and (rec := json.loads(cache.read_text())).get("command") == command:
+            return rec
+        from cast_llm.cli import build_parser
+        from cast_llm.cli.train import build_config
+
+        print(f"          decay forecast of {e.key} at this budget (lr {hp['lr']:g}, λ {hp['l1_decay']:g}) ...",
+              flush=True)
+        t0 = time.perf_counter()
+        rec = {**start_forecast(build_config(build_parser().parse_args(argv))), "command": command,
+               "wall_s": round(time.perf_counter() - t0, 1)}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache, rec)
+        print(f"          forecast S_T {rec['sparse_weight_ratio']:.3f} at λ {hp['l1_decay']:g}; λ that finishes "
+              f"the decay (S_T ≥ {rec['target']}): {rec['l1_decay_to_finish']}; past λ {rec['l1_decay_knee']:.3g} "
+              f"(S_T {rec['sparse_weight_ratio_at_knee']:.3f}) a larger λ hardly helps (ceiling "
+              f"{rec['sparse_weight_ratio_ceiling']:.3f} at ×1000)", flush=True)
+        return rec
 
     def _set_aside_other_choices(self, key: str, name: str, best: str) -> None:
         """Seed runs of row ``key`` made at an earlier choice than ``best`` (finished or partial): renamed
@@ -582,36 +637,76 @@ class Comparison:
                 print(f"          {key} {d.name}: ran at {name}={float(value):g}, not the new choice {best}: "
                       f"set aside as {d.name}.superseded-{name}-{float(value):g}", flush=True)
 
-    def tune(self, e: Entry) -> dict:
-        """Run ``--tune``'s grid for training row ``e`` at the first seed, choose the setting with the lowest
-        validation perplexity, record it in ``tuning.json``, and make the grid run at the chosen setting the
-        row's run of that seed."""
+    def tune(self, e: Entry, values: list[float] | None = None, forecast: dict | None = None) -> dict:
+        """Run ``--tune``'s grid for training row ``e`` at the first seed, the row's other settings as they stand
+        (those earlier stages chose: a coordinate search, one setting at a time), choose the value with the lowest
+        validation perplexity, record it as that setting's stage in ``tuning.json``, and make the grid run at
+        the chosen settings the row's run of that seed."""
+        if values is None:
+            values, forecast = self.grid_values(e)
         seed = self.seeds[0]
-        name, values = self.grid
+        name = self.grid[0]
+        rec = self.tuning_record(e.key) or {"stages": []}
+        old = [x["name"] for x in rec["stages"]]
+        stages = [x for x in rec["stages"] if x["name"] != name]
+        at = old.index(name) if name in old else len(stages)
+        names = sorted({x["name"] for x in stages} | {name})
+        hp = self.entry_train_argv(e, self.runs / e.key, seed)[1]  # the settings as they stand (earlier choices)
+        fixed = {k: hp[k] for k in TUNABLE if k != name}
         results = {}
         for v in values:
-            print(f"          grid {e.key} {name}={v:g} (seed {seed}) ...", flush=True)
-            r = self._run_one(e, self.runs / e.key / "grid" / f"{name}-{v:g}" / f"seed-{seed}", seed, {name: v})
+            point = {**{k: hp[k] for k in names}, name: v}
+            out = self._grid_dir(e.key, point, names, stages, seed)
+            print(f"          grid {e.key} {name}={v:g} ({', '.join(f'{k} {x:g}' for k, x in fixed.items())}; seed "
+                  f"{seed}) ...", flush=True)
+            r = self._run_one(e, out, seed, point)
             results[f"{v:g}"] = {"validation": r.get("validation"), "test": r.get("test"),
-                                 "wikitext2": r.get("wikitext2"), "status": r.get("status")}
+                                 "wikitext2": r.get("wikitext2"), "status": r.get("status"),
+                                 "setting": {k: (r.get("hyperparameters") or point).get(k) for k in TUNABLE},
+                                 "dir": str(out.relative_to(self.runs / e.key))}
+            for k in ("sparse_weight_ratio", "prune_validation_before", "prune_validation_after"):
+                if r.get(k) is not None:
+                    results[f"{v:g}"][k] = r[k]
         ok = {k: r["validation"] for k, r in results.items() if r["status"] == "ok" and r["validation"] is not None}
         if not ok:
             raise SystemExit(f"--tune {e.key}: no grid run finished; see {self.runs / e.key / 'grid'}")
         best = min(ok, key=ok.get)
-        record = {"grid": {name: [f"{v:g}" for v in values]}, "chosen": {name: best},
-                  "chosen_setting": {name: float(best)}, "metric": f"validation perplexity, seed {seed}",
-                  "results": results}
+        stage = {"name": name, "values": [f"{v:g}" for v in values], "fixed": fixed, "results": results,
+                 "chosen": best}
+        if forecast is not None:
+            stage["grid_from"] = {"forecast": {k: forecast.get(k) for k in (
+                "centre", "centre_l1_decay", "l1_decay_to_finish", "l1_decay_knee", "sparse_weight_ratio_at_knee",
+                "sparse_weight_ratio_ceiling", "sparse_weight_ratio", "target", "lr", "l1_decay", "total_steps")},
+                "multiples": self.grid[2]}
+        stages.insert(at, stage)
+        record = stages_record(stages, seed)
         (self.runs / e.key / "tuning.json").write_text(json.dumps(record, indent=2))
-        self._set_aside_other_choices(e.key, name, best)
-        src = self.runs / e.key / "grid" / f"{name}-{best}" / f"seed-{seed}" / "compare_row.json"
+        for x in stages:  # seed runs at another value of any tuned setting are set aside
+            self._set_aside_other_choices(e.key, x["name"], x["chosen"])
+        src = self.runs / e.key / results[best]["dir"] / "compare_row.json"
         dst = self.runs / e.key / f"seed-{seed}"
         if not (dst / "compare_row.json").is_file():
             dst.mkdir(parents=True, exist_ok=True)
             row = json.loads(src.read_text())
-            row["from_grid"] = f"{name}={best}"
+            row["from_grid"] = ",".join(f"{x['name']}={x['chosen']}" for x in stages)
+            row["grid_dir"] = results[best]["dir"]
             (dst / "compare_row.json").write_text(json.dumps(row, indent=2))
         print(f"          {e.key}: chose {name}={best} (validation {ok[best]:.2f}; grid {ok})", flush=True)
         return record
+
+    def _grid_dir(self, key: str, point: dict, names: list[str], stages: list[dict], seed: int) -> Path:
+        """Where a grid point of row ``key`` runs: ``grid/<setting>-<value>/seed-N`` while one setting is tuned
+        (as records of one lr grid have it); with several, an earlier stage's run at exactly these settings (the
+        same run: reused), else ``grid/<s1>-<v1>_<s2>-<v2>/seed-N``."""
+        if len(names) == 1:
+            return self.runs / key / "grid" / f"{names[0]}-{point[names[0]]:g}" / f"seed-{seed}"
+        want = {k: f"{float(point[k]):g}" for k in names}
+        for x in stages:
+            for r in x["results"].values():
+                got = {k: f"{float(v):g}" for k, v in (r.get("setting") or {}).items() if k in want and v is not None}
+                if got == want and r.get("dir") and (self.runs / key / r["dir"] / "compare_row.json").is_file():
+                    return self.runs / key / r["dir"]
+        return self.runs / key / "grid" / "_".join(f"{k}-{float(point[k]):g}" for k in names) / f"seed-{seed}"
 
     def expected_command(self, e: Entry, seed: int | None) -> str | None:
         """The command row ``e`` (seed ``seed``) runs with today's settings, without its output folder (the
@@ -675,7 +770,9 @@ class Comparison:
         if e.kind == "dense":
             return str(self.tier["model"])
         places = [run / "model"]
-        if row.get("from_grid"):
+        if row.get("grid_dir"):
+            places.append(self.runs / e.key / row["grid_dir"] / "model")
+        elif row.get("from_grid"):
             name, _, value = row["from_grid"].partition("=")
             places.append(self.runs / e.key / "grid" / f"{name}-{value}" / run.name / "model")
         return next((str(p) for p in places if (p / "config.json").is_file()), None)
@@ -918,7 +1015,8 @@ class Comparison:
         for r in rows:  # how each training row's setting was chosen (on the validation split), or that it was not
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
-                r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "results", "from")
+                r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "search", "stages",
+                                                  "results", "from")
                                 if k in t} if t else {"grid": None, "chosen": "not retuned", "metric": None,
                                                    "setting": {"lr": r.get("lr")}})
         docs.mkdir(parents=True, exist_ok=True)
@@ -940,6 +1038,105 @@ class Comparison:
 FIRST_WINDOWS_FILE = "first_windows.json"  # a run's model scored on the first N WikiText-2 windows (--first-windows)
 IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
+
+
+TUNABLE = ("lr", "l1_decay")  # the settings --tune chooses on the validation split
+
+
+def parse_tune(spec: str) -> tuple[str, list[float] | None, list[float] | None]:
+    """``--tune``'s ``lr=V1,V2,...`` / ``l1_decay=V1,V2,...`` (a grid), or ``l1_decay=forecast:F1,F2,...``
+    (multiples of the λ the decay forecast says finishes the decay at this budget): (setting, values, multiples)."""
+    name, _, values = spec.partition("=")
+    if name not in TUNABLE or not values:
+        raise SystemExit("--tune takes lr=V1,V2,... or l1_decay=V1,V2,... (a grid), or l1_decay=forecast:F1,F2,... "
+                         "(multiples of the λ that the decay forecast says finishes the decay at this budget)")
+    if values.startswith("forecast:"):
+        if name != "l1_decay":
+            raise SystemExit("--tune: only l1_decay takes forecast:F1,F2,... (the forecast gives a λ)")
+        return name, None, [float(x) for x in values.removeprefix("forecast:").split(",")]
+    return name, [float(x) for x in values.split(",")], None
+
+
+def with_stages(record: dict) -> dict:
+    """A tuning record with its ``stages`` (one per setting tuned, in order); a record of one grid written before
+    stages existed becomes its one stage (tuned with nothing else fixed by an earlier stage)."""
+    if "stages" in record or not record.get("grid"):
+        return {**record, "stages": list(record.get("stages") or [])}
+    name, values = next(iter(record["grid"].items()))
+    return {**record, "stages": [{"name": name, "values": list(values), "fixed": None,
+                                  "results": record.get("results") or {},
+                                  "chosen": (record.get("chosen") or {}).get(name)}]}
+
+
+def stages_record(stages: list[dict], seed: int) -> dict:
+    """The tuning record (``tuning.json``, a row's ``tuning``) of a search over ``stages``: the grid and choice of
+    every setting, and (several settings) how the search went — one setting at a time, the others fixed."""
+    metric = f"validation perplexity, seed {seed}"
+    record = {"grid": {x["name"]: x["values"] for x in stages}, "chosen": {x["name"]: x["chosen"] for x in stages},
+              "chosen_setting": {x["name"]: float(x["chosen"]) for x in stages}, "metric": metric,
+              "stages": stages}
+    if len(stages) == 1:
+        record["results"] = stages[0]["results"]
+    else:
+        record["search"] = "coordinate, one setting at a time: " + "; then ".join(
+            f"{x['name']} over {', '.join(x['values'])}"
+            + (f" at {', '.join(f'{k} {v:g}' for k, v in x['fixed'].items() if k != x['name'])}"
+               if x.get("fixed") else "") for x in stages)
+        record["results"] = {f"{x['name']}={v}": r for x in stages for v, r in x["results"].items()}
+    return record
+
+
+def start_forecast(cfg) -> dict:
+    """The decay forecast the trainer makes before a run's first update (``CastMethod.before_update``:
+    :func:`cast_llm.optim.forecast.forecast_decay` on the whole lr schedule, the first batch's gradient setting
+    the noise), made here without the run: the run's config, data, first batch, loss and clipping, the method's
+    own model preparation and optimizer. With the λ that finishes the decay at this budget
+    (:func:`cast_llm.optim.forecast.l1_decay_to_finish`); ~1 minute for SmolLM2-135M at one thread."""
+    import copy
+
+    import torch
+
+    from cast_llm.data import prepare, steps_for_tokens
+    from cast_llm.data.batches import BatchSampler
+    from cast_llm.models import load_model, load_tokenizer
+    from cast_llm.optim.forecast import l1_decay_knee, l1_decay_to_finish
+    from cast_llm.train.methods import get_method
+    from cast_llm.train.trainer import lm_loss
+
+    tok = load_tokenizer(cfg.model)
+    per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    total = cfg.max_steps or steps_for_tokens(cfg.tokens, per_step)
+    data = prepare(cfg.data, tok, cfg.seq_len, train_sequences=total * per_step // cfg.seq_len,
+                   val_sequences=cfg.val_sequences, test_sequences=cfg.test_sequences, val_fraction=cfg.val_fraction,
+                   test_fraction=cfg.test_fraction, calib_samples=cfg.calib_samples,
+                   min_train_sequences=cfg.batch_size, max_documents=cfg.max_documents, cache_root=cfg.data_cache)
+    method = get_method(cfg.method, mask_learner=cfg.mask_learner)
+    model = load_model(cfg.model, dtype=torch.float32)
+    teacher = copy.deepcopy(model).eval().requires_grad_(False) if method.uses_kd(cfg) else None
+    torch.manual_seed(cfg.seed)
+    method.prepare_model(model, cfg, data=data, device=torch.device("cpu"))
+    opt = method.build_optimizer(model, cfg, total)
+    if not hasattr(method, "_forecast") or not method.forecasts:
+        raise SystemExit(f"start_forecast: --method {cfg.method} makes no decay forecast (AdamS's proportional decay)")
+    sampler = BatchSampler(data.train.shape[0], cfg.batch_size, seed=cfg.seed)
+    model.train()
+    for micro in range(cfg.grad_accum):
+        batch = data.train[sampler.index_list(micro)]
+        t_logits = None
+        if teacher is not None:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=batch, use_cache=False).logits
+        loss = lm_loss(model(input_ids=batch, use_cache=False).logits, t_logits, batch, cfg)[0]
+        (loss / cfg.grad_accum).backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    fc = method._forecast(opt, suggest=True)
+    lam = l1_decay_to_finish(opt, method._lrs, target=cfg.forecast_target)
+    knee, knee_ratio, ceiling = l1_decay_knee(opt, method._lrs)
+    return {"sparse_weight_ratio": fc.sparse_weight_ratio, "target": fc.target, "l1_decay_to_finish": lam,
+            "l1_decay_knee": knee, "sparse_weight_ratio_at_knee": knee_ratio, "sparse_weight_ratio_ceiling": ceiling,
+            "suggestions": dict(fc.suggestions), "lr": cfg.lr, "l1_decay": cfg.l1_decay, "total_steps": total,
+            "made": "before the first update, as the trainer (benchmarks/compare_methods.py start_forecast)"}
 
 
 def rerun_difference(rerun: dict, row: dict) -> dict[str, float]:
@@ -1022,8 +1219,19 @@ def run_statistics(run: Path, results: dict) -> dict:
         last = [r["sparse_weight_ratio"] for r in records if r.get("sparse_weight_ratio") is not None]
         swr = last[-1] if last else None
     speeds = sorted(r["tokens_per_s"] for r in records if r.get("tokens_per_s"))
-    return {"sparse_weight_ratio": swr, "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
-            **mask_movement(run)}
+    out = {"sparse_weight_ratio": swr, "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+           **mask_movement(run)}
+    # the final prune's cost: the validation perplexity of the dense-forward model just before it and of the
+    # pruned model just after (a run with a masked repair prunes where the repair begins), and the trainer's
+    # decay forecast before the first update (S_T, and the λ it says would finish the decay)
+    if pruned.get("validation_ppl_before") is not None or pruned.get("validation_ppl_after") is not None:
+        out.update(prune_step=pruned.get("step"), prune_validation_before=pruned.get("validation_ppl_before"),
+                   prune_validation_after=pruned.get("validation_ppl_after"))
+    fc = results.get("decay", {}).get("forecast_at_start") or {}
+    if fc:
+        out.update(forecast_s_t=fc.get("sparse_weight_ratio"),
+                   forecast_l1_decay=(fc.get("suggestions") or {}).get("l1_decay"))
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -1050,8 +1258,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                "chart from the rows that already finished")
     p.add_argument("--threads", type=int, help="CPU threads per run (default: torch's); 1 is fastest for the "
                                                "quick tier and on a crowded machine")
-    p.add_argument("--tune", help="lr=V1,V2,V3: tune each training row named by --only on this grid at the first "
-                                  "seed (choice: lowest validation perplexity), then run its seeds at the choice")
+    p.add_argument("--tune", help="lr=V1,V2,V3 or l1_decay=V1,V2,V3: tune each training row named by --only on this "
+                                  "grid at the first seed (choice: lowest validation perplexity), then run its seeds "
+                                  "at the choice; l1_decay=forecast:F1,F2,F3: λ at these multiples of the λ the "
+                                  "trainer's decay forecast says finishes the decay at this budget (where none "
+                                  "does, of the λ past which a larger one hardly raises S_T). A second --tune "
+                                  "invocation on another setting tunes it at the first one's choice (a coordinate "
+                                  "search, recorded as stages)")
     p.add_argument("--tune-only", help="comma-separated rows that --tune tunes (default: every training row run)")
     p.add_argument("--tuning-from", help="a compare-*.json, or the runs folder of another budget, whose rows' "
                                          "tuning choices this invocation reuses (192k takes 48k's)")
@@ -1107,10 +1320,16 @@ def tuning_prerequisites(rows: list[dict], base: list[str]) -> list[list[str]]:
             m = re.search(r"(?:^|[-/])(\d+(?:\.\d+)?[kKmMgG]?)(?:\.json)?$", tuning["from"])
             if m is None:
                 continue  # a source not named by its budget: --tuning-from alone says where the choice came from
-            name, values = next(iter(tuning["grid"].items()))
-            grids.setdefault((m.group(1), f"{name}={','.join(map(str, values))}"), []).append(r["key"])
+            for grid in stage_grids(tuning):
+                grids.setdefault((m.group(1), grid), []).append(r["key"])
     return [keep + ["--tokens", budget, "--tune", grid, "--tune-only", ",".join(keys), "--seeds", "0",
                     "--only", ",".join(keys)] for (budget, grid), keys in grids.items()]
+
+
+def stage_grids(tuning: dict) -> list[str]:
+    """``--tune`` arguments that make a row's tuning record, one per stage in the order it ran (each grid as
+    recorded: a grid centred on the decay forecast is given by the values it ran)."""
+    return [f"{x['name']}={','.join(map(str, x['values']))}" for x in with_stages(tuning)["stages"]]
 
 
 def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
@@ -1137,14 +1356,16 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
     seeds = sorted({x["seed"] for r in rows for x in r.get("seeds", []) if x.get("seed") is not None})
     # the tuning the rows went through: a grid run here (--tune), or another budget's choice (--tuning-from)
     grids: dict[str, list[str]] = {}
+    stage_of: dict[str, int] = {}  # a later stage's grid runs after every earlier stage's (its rows' choices first)
     for r in rows:
         tuning = r.get("tuning") or {}
         if tuning.get("grid") and not tuning.get("from"):
-            name, values = next(iter(tuning["grid"].items()))
-            grids.setdefault(f"{name}={','.join(map(str, values))}", []).append(r["key"])
+            for i, grid in enumerate(stage_grids(tuning)):
+                grids.setdefault(grid, []).append(r["key"])
+                stage_of[grid] = max(stage_of.get(grid, 0), i)
     out = tuning_prerequisites(rows, base) + [
         base + ["--tune", grid, "--tune-only", ",".join(keys), "--seeds", "0", "--only", ",".join(keys)]
-        for grid, keys in grids.items()]
+        for grid, keys in sorted(grids.items(), key=lambda kv: stage_of[kv[0]])]
     sources = [x for src in sorted({r["tuning"]["from"] for r in rows if (r.get("tuning") or {}).get("from")})
                for x in ("--tuning-from", src)]
     walls = [r["key"] for r in rows if r.get("idle_wall")]  # then the wall times measured on an idle machine

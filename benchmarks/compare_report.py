@@ -319,11 +319,39 @@ def tuning_lines(rows: list[dict]) -> list[str]:
         if t.get("chosen") == "not retuned":
             out.append(f"- {r['label']}: not retuned (lr {_num(r.get('lr'), '{:g}')})")
             continue
-        name, choice = next(iter(t["chosen"].items()))
-        res = t.get("results") or {}
-        grid = ", ".join(f"{name} {v}: {_num(res.get(v, {}).get('validation'))}" for v in t["grid"][name])
         src = f" (chosen at {portable(t['from'])})" if t.get("from") else ""
-        out.append(f"- {r['label']}: {name} **{choice}**{src} — validation ppl {grid} ({t.get('metric', '')})")
+        stages = t.get("stages")
+        if not stages:  # a record of one grid (written before stages existed)
+            name, choice = next(iter(t["chosen"].items()))
+            res = t.get("results") or {}
+            grid = ", ".join(f"{name} {v}: {_num(res.get(v, {}).get('validation'))}" for v in t["grid"][name])
+            out.append(f"- {r['label']}: {name} **{choice}**{src} — validation ppl {grid} ({t.get('metric', '')})")
+            continue
+        # a search over several settings, one at a time: each stage with what it held fixed
+        chosen = ", ".join(f"{k} **{v}**" for k, v in t["chosen"].items())
+        out.append(f"- {r['label']}: {chosen}{src} ({t.get('metric', '')}; {t.get('search') or 'one stage'})")
+        for x in stages:
+            res = x.get("results") or {}
+            grid = ", ".join(f"{x['name']} {v}: {_num(res.get(v, {}).get('validation'))}" for v in x["values"])
+            fixed = ", ".join(f"{k} {v:g}" for k, v in (x.get("fixed") or {}).items())
+            fc = (x.get("grid_from") or {}).get("forecast")
+            centre = ""
+            if fc and fc.get("l1_decay_to_finish") is not None:
+                centre = (f"; the grid is {', '.join(f'{m:g}' for m in x['grid_from']['multiples'])} × the λ the decay "
+                          f"forecast says finishes the decay, {fc['l1_decay_to_finish']:.3g} (forecast S_T "
+                          f"{fc['sparse_weight_ratio']:.3f} at λ {fc['l1_decay']:g})")
+            elif fc and fc.get("l1_decay_knee") is not None:
+                centre = (f"; the decay forecast finds no λ that finishes the decay at this lr (S_T "
+                          f"{fc['sparse_weight_ratio']:.3f} at λ {fc['l1_decay']:g}, at most "
+                          f"{fc['sparse_weight_ratio_ceiling']:.3f} at ×1000): the grid is "
+                          f"{', '.join(f'{m:g}' for m in x['grid_from']['multiples'])} × the λ past which a larger one "
+                          f"hardly raises S_T, {fc['l1_decay_knee']:.3g} (S_T {fc['sparse_weight_ratio_at_knee']:.3f})")
+            pruned = ", ".join(
+                f"{v}: {_num(res[v]['prune_validation_before'])} → {_num(res[v]['prune_validation_after'])}"
+                for v in x["values"] if res.get(v, {}).get("prune_validation_before") is not None)
+            out.append(f"  - {x['name']} **{x['chosen']}**" + (f" at {fixed}" if fixed else "")
+                       + f" — validation ppl {grid}{centre}"
+                       + (f"; the final prune, validation ppl before → after: {pruned}" if pruned else ""))
     return out
 
 

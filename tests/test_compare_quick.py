@@ -683,3 +683,58 @@ def test_every_row_runs_a_command_cast_llm_train_accepts_and_the_ablations_are_t
     assert (cfg.use_warm_start, cfg.effective_repair_fraction, cfg.effective_final_prune, cfg.effective_init_mask,
             cfg.fixed_mask) == (False, 0.0, "hard", "sparsegpt", True)  # paper-exact but for the mask
     assert cmp.train_config(cmp.budget, by["cast-additive"].args, tmp_path / "y").decay_mode == "additive"
+
+
+def test_paper_exact_tunes_its_decay_around_the_forecast_then_its_lr_and_records_the_prune(tmp_path):
+    """``--tune l1_decay=forecast:...``: λ over multiples of the λ the trainer's decay forecast says finishes the
+    decay at this budget, then ``--tune lr=...`` at the chosen λ (a coordinate search, recorded as stages; the run
+    both stages share is run once); every paper-exact run records its validation perplexity just before and just
+    after the final prune."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    # (a few steps: no λ finishes the decay to the default 0.99 there, so the runs aim at a lower target)
+    base = ["--tier", "quick", "--only", "cast", "--tune-only", "cast", "--runs-dir", str(runs), "--docs-dir", str(docs),
+            "--tokens", "2048", "--train-args", "--forecast-target 0.9"]
+    assert compare_methods.main(base + ["--tune", "l1_decay=forecast:0.5,1,2"]) == 0
+    folder = runs / "tiny-llama-2.05k" / "cast"
+    fc = json.loads((folder / "forecast.json").read_text())
+    lam = fc["l1_decay_to_finish"]
+    assert lam is not None and fc["l1_decay"] == 1e-4 and fc["total_steps"] > 0
+    t = json.loads((folder / "tuning.json").read_text())
+    values = [float(f"{lam * m:.2g}") for m in (0.5, 1, 2)]
+    assert t["grid"] == {"l1_decay": [f"{v:g}" for v in values]} and t["stages"][0]["fixed"] == {"lr": 3e-3}
+    assert t["stages"][0]["grid_from"]["forecast"]["l1_decay_to_finish"] == lam
+    for v in t["grid"]["l1_decay"]:
+        row = json.loads((folder / "grid" / f"l1_decay-{v}" / "seed-0" / "compare_row.json").read_text())
+        assert row["hyperparameters"] == {"lr": 3e-3, "l1_decay": float(v)}
+        assert row["prune_validation_before"] > 1 and row["prune_validation_after"] > 1
+        assert row["prune_validation_after"] == pytest.approx(row["validation"], rel=1e-4)  # no repair: the export
+        assert row["forecast_s_t"] is not None  # the trainer's own forecast, beside the one the grid came from
+    best = t["chosen"]["l1_decay"]
+    # then lr at the chosen λ: the point at the current lr is the λ stage's run (not run again)
+    shared = folder / "grid" / f"l1_decay-{best}" / "seed-0" / "compare_row.json"
+    mtime = shared.stat().st_mtime
+    assert compare_methods.main(base + ["--tune", "lr=1e-3,3e-3"]) == 0
+    assert shared.stat().st_mtime == mtime
+    t = json.loads((folder / "tuning.json").read_text())
+    assert [x["name"] for x in t["stages"]] == ["l1_decay", "lr"] and set(t["chosen_setting"]) == {"l1_decay", "lr"}
+    assert t["stages"][1]["fixed"] == {"l1_decay": float(best)} and "coordinate" in t["search"]
+    assert t["stages"][1]["results"]["0.003"]["dir"] == f"grid/l1_decay-{best}/seed-0"
+    assert (folder / "grid" / f"l1_decay-{best}_lr-0.001" / "seed-0" / "compare_row.json").is_file()
+    seed0 = json.loads((folder / "seed-0" / "compare_row.json").read_text())
+    assert seed0["hyperparameters"] == t["chosen_setting"] and seed0["grid_dir"].startswith("grid/")
+    # the table's JSON: the row's tuning with both stages, its seeds with the prune's before/after
+    data = json.loads((docs / "compare-tiny-llama-2.05k.json").read_text())
+    cast = next(r for r in data["rows"] if r["name"] == "cast")
+    assert [x["name"] for x in cast["tuning"]["stages"]] == ["l1_decay", "lr"]
+    assert cast["seeds"][0]["prune_validation_before"] > 1
+    # rerun from scratch: the λ grid (as it ran), then the lr grid, then the seeds
+    steps = data["regenerate"].split(" && ")
+    assert f"--tune l1_decay={','.join(t['grid']['l1_decay'])} --tune-only cast" in steps[0]
+    assert "--tune lr=0.001,0.003 --tune-only cast" in steps[1]
+    text = (docs / "compare-tiny-llama-2.05k.md").read_text()
+    assert "× the λ" in text and "before → after" in text

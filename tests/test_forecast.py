@@ -66,6 +66,30 @@ def test_simulation_is_adams_pruned_update_exactly_for_given_gradients():
     torch.testing.assert_close(sim, w.detach()[0, 2:], rtol=1e-12, atol=1e-15)
 
 
+def test_the_lambda_searches_find_the_finishing_lambda_and_where_a_larger_one_stops_helping():
+    """l1_decay_to_finish: the suggestion's λ when the run's own λ does not finish, a smaller one when it does;
+    l1_decay_knee: on a run too short for any λ (AdamS moves a pruned weight at most ~lr per step), the λ past
+    which S_T hardly rises, below its ceiling."""
+    from cast_llm.optim.forecast import l1_decay_knee, l1_decay_to_finish
+
+    steps, lr, lam, sigma = 100, 5e-4, 1e-4, 1e-3
+    opt, w, lrs = _noise_run(steps, lr, lam, sigma, stop=0)
+    w.grad = torch.randn(w.shape, dtype=torch.float64) * sigma
+    fc = forecast_decay(opt, lrs, target=0.99)
+    found = l1_decay_to_finish(opt, lrs, target=0.99)
+    assert found == pytest.approx(fc.suggestions["l1_decay"], rel=0.1)
+    opt.param_groups[0]["l1_decay"] = 10 * found  # already finishes: the search goes down to about the same λ
+    assert l1_decay_to_finish(opt, lrs, target=0.99) == pytest.approx(found, rel=0.25)
+    short, slr = 10, [5e-4] * 10  # 10 steps of ≤ 5e-4 cannot bring |w| ~0.05 to 0
+    opt3, w3, _ = _noise_run(short, 5e-4, lam, sigma, stop=0)
+    w3.grad = torch.randn(w3.shape, dtype=torch.float64) * sigma
+    assert l1_decay_to_finish(opt3, slr) is None
+    knee, at_knee, ceiling = l1_decay_knee(opt3, slr)
+    low = forecast_decay(opt3, slr, suggest=False).sparse_weight_ratio
+    assert lam < knee < 1e3 * lam and low < at_knee <= ceiling < 0.99
+    assert at_knee - low >= 0.9 * (ceiling - low) - 1e-9
+
+
 def test_suggestions_finish_the_decay_when_followed():
     steps, lr, lam, sigma = 100, 5e-4, 1e-4, 1e-3
     opt, w, lrs = _noise_run(steps, lr, lam, sigma, stop=0)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["DecayForecast", "LayerDecay", "decay_state", "forecast_decay", "forecast_from_layers",
-           "simulate_pruned"]
+           "l1_decay_knee", "l1_decay_to_finish", "simulate_pruned"]
 
 # entry-steps per simulation: the sample shrinks for long runs so one forecast stays around a second; at most
 # _SAMPLE entries in all (the spread of one pruned weight's end is wide, the sum over many is not)
@@ -308,3 +308,53 @@ def forecast_decay(
     return forecast_from_layers(layers, lrs, step=step, total_steps=total, l1_decay=float(g0["l1_decay"]),
                                 betas=tuple(g0["betas"]), eps=float(g0["eps"]), target=target, suggest=suggest,
                                 seed=seed)
+
+
+def _l1_search(optimizer, lrs, *, target: float, seed: int):
+    """(λ of the optimizer, S_T forecast at λ × f) for the λ searches below: the state sampled once."""
+    groups = [g for g in optimizer.param_groups if g.get("sparse")]
+    if not groups:
+        raise ValueError("the optimizer has no sparse (N:M) param group")
+    g0 = groups[0]
+    total, lam = int(g0["total_steps"]), float(g0["l1_decay"])
+    if lam <= 0:
+        raise ValueError("the optimizer's λ is 0; give it a positive λ to search from")
+    steps = [float(optimizer.state[p]["step"]) for g in groups for p in g["params"]
+             if "step" in optimizer.state.get(p, {})]
+    step = int(max(steps)) if steps else 0
+    layers = decay_state(optimizer, remaining_steps=max(1, total - step), seed=seed)
+
+    def ratio(f: float) -> float:
+        return forecast_from_layers(layers, lrs, step=step, total_steps=total, l1_decay=lam * f,
+                                    betas=tuple(g0["betas"]), eps=float(g0["eps"]), target=target, suggest=False,
+                                    seed=seed).sparse_weight_ratio
+    return lam, ratio
+
+
+def l1_decay_knee(optimizer, lrs: Sequence[float] | torch.Tensor, *, share: float = 0.9, seed: int = 0,
+                  span: float = 1e3) -> tuple[float, float, float]:
+    """Where a larger λ stops helping: the smallest λ (to 10 %, from the optimizer's own) whose forecast S_T
+    has gone ``share`` of the way from S_T at the optimizer's λ to S_T at ×``span``. AdamS's step on a pruned
+    weight is at most ~γ_t however large λ is (its second moment grows with λ), so on a short run S_T has a
+    ceiling below 1 that no λ passes: this λ is then the one the decay can use. Returns (λ, S_T at it, the
+    ceiling: S_T at ×span)."""
+    lam, ratio = _l1_search(optimizer, lrs, target=0.99, seed=seed)
+    low, ceiling = ratio(1.0), ratio(span)
+    aim = low + share * (ceiling - low)
+    factor = _bisect(lambda f: ratio(f) >= aim, 1.0, span) or span
+    return lam * factor, ratio(factor), ceiling
+
+
+def l1_decay_to_finish(optimizer, lrs: Sequence[float] | torch.Tensor, *, target: float = 0.99, seed: int = 0,
+                       span: float = 1e3) -> float | None:
+    """The smallest λ (to 10 %) with which :func:`forecast_decay`'s S_T reaches ``target``, the rest of the run
+    as it is: searched below the optimizer's own λ when that already finishes, above it when not (×1/span …
+    ×span; the λ that :func:`forecast_decay`'s ``suggestions`` gives in the second case). None where even
+    ×span does not finish. What a budget's λ grid is centred on (benchmarks/compare_methods.py)."""
+    lam, ratio = _l1_search(optimizer, lrs, target=target, seed=seed)
+
+    def ok(f: float) -> bool:
+        return ratio(f) >= target
+
+    factor = _bisect(ok, 1.0 / span, 1.0) if ok(1.0) else _bisect(ok, 1.0, span)
+    return None if factor is None else lam * factor

@@ -155,6 +155,8 @@ class PretrainJob(Job):
                                     world_size=ctx.world)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.data.test, max_positions(skeleton), val=self.data.val,
                                    train_tokens=self.total_steps * self.tokens_per_step, say=say)
+        if hasattr(self.method, "prune_probe"):  # a method with a final prune of a dense-forward model (CAST)
+            self.method.prune_probe = lambda model, label: self._prune_probe(ctx, model, label)
         self.device = ctx.device
         say(f"model {cfg.model}: {sum(p.numel() for p in skeleton.parameters()) / 1e6:.1f}M parameters, "
             f"{len(targets)} {cfg.n}:{cfg.m} targets; data {cfg.data}: {self.data.train.shape[0]} train / "
@@ -208,6 +210,17 @@ class PretrainJob(Job):
                     model, mags, lambda m: self.evaluator.both(m, f"one-shot magnitude {cfg.n}:{cfg.m}"))
                 for split in ("heldout", "wikitext2"):
                     ppl[split]["magnitude"] = magnitude[split]
+        return ppl
+
+    def _prune_probe(self, ctx, model, label: str) -> float | None:
+        """The validation perplexity of the model as it stands (the method's final prune: just before and just
+        after it), on the main process in the training precision; None under FSDP2 (the model is sharded)."""
+        if self.cfg.fsdp or not ctx.is_main or self.evaluator.val.shape[0] == 0:
+            return None
+        with ctx.accelerator.autocast(), torch.no_grad():
+            ppl = self.evaluator.validation(model, label)
+        if ppl is not None:
+            self.say(f"{label}: validation ppl {ppl:.2f}")
         return ppl
 
     def on_device(self, ctx, model):

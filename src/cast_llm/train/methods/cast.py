@@ -83,6 +83,9 @@ class CastMethod(TrainingMethod):
         self.start_forecast: dict | None = None  # the decay forecast made before the first update
         self.regrow_steps = 0  # steps whose pruned-entry updates are scaled (--regrow-factor)
         self._before_step = None  # the sparse weights before the optimizer step (regrow phase only)
+        # ``probe(model, label) -> float | None``: the job's validation perplexity of the model as it stands,
+        # measured just before and just after the final prune (None: not measured; the job sets it)
+        self.prune_probe = None
 
     def prepare_model(self, model, cfg, *, data=None, device=None, start="compute"):
         self.cfg, self._device = cfg, device
@@ -206,13 +209,29 @@ class CastMethod(TrainingMethod):
         ratio = kept / total if total > 0 else 1.0
         removed = total - kept
         how = self.cfg.effective_final_prune
+        # the dense-forward model the run trained, on the validation split, then the pruned one: how much of
+        # the run's result the final cut costs (one validation pass each; the job's probe, None without one)
+        before = self._probe(model, "the dense-forward model, just before the final prune")
         if how == "compensated":
             by_fqn = {self._names[id(p)]: mk for p, mk in masks.items()}
             compensated_prune_(model, by_fqn, self._calib, n=self.cfg.n, m=self.cfg.m, device=self._device,
                                progress=self.cfg.progress)
         optimizer.prune_()  # θ_T ← θ_T ⊙ m_T (Algorithm 1, last line); exact zeros after a compensated prune too
+        after = self._probe(model, "the pruned model, just after the final prune")
         self.prune_report = {"step": step, "how": how, "sparse_weight_ratio": ratio,
-                             "removed_l1": removed, "removed_fraction": 1.0 - ratio}
+                             "removed_l1": removed, "removed_fraction": 1.0 - ratio,
+                             "validation_ppl_before": before, "validation_ppl_after": after}
+
+    def _probe(self, model, label: str) -> float | None:
+        if self.prune_probe is None:
+            return None
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return self.prune_probe(model, label)
+        finally:
+            model.train(was)
 
     def current_masks(self, model, optimizer) -> dict[str, torch.Tensor]:
         return {self._names[id(p)]: mask for p, mask in optimizer.masks().items()}
