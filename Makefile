@@ -5,7 +5,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cast-llm-installed
 # The main job writes here. `make run` continues its own run after a Ctrl-C (--resume auto: from the last
-# checkpoint) and starts a completed one afresh; it never touches files it did not write.
+# checkpoint) and starts a completed one afresh (--overwrite: without it --resume auto leaves a finished run
+# alone and says "already finished"); it never touches files it did not write.
 RUN_DIR ?= runs/smollm2-cpu
 
 .PHONY: run test test-fast install lint compile-src clean
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/cast-llm train --preset smollm2-cpu --output-dir $(RUN_DIR) --resume auto
+	$(VENV)/bin/cast-llm train --preset smollm2-cpu --output-dir $(RUN_DIR) --resume auto --overwrite
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -139,3 +139,124 @@ def test_quantize_refuses_its_model_as_output_and_names_its_own_flag(tmp_path, s
     line = one_line_error(capsys)
     assert "--calib-samples" in line and "--batch-size" not in line, line
     assert not (tmp_path / "q").exists()
+
+
+# ------------------------------------------------------------------------------------------ run folders
+TRAIN = ["--batch-size", "2", "--seq-len", "32", "--max-steps", "2", "--val-sequences", "1", "--wikitext-windows", "1",
+         "--no-progress", "--no-baseline-eval", "--device", "cpu", "--no-report"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runin")
+    tiny.save_model(d / "llama", "llama")
+    tiny.write_corpus(d / "corpus.jsonl")
+    (d / "eval.txt").write_text(" ".join([tiny.CORPUS] * 20))
+    return d
+
+
+def train_argv(inputs, out, *extra):
+    return ["train", "--model", inputs / "llama", "--data", inputs / "corpus.jsonl", "--wikitext-file",
+            inputs / "eval.txt", "--output-dir", out, *TRAIN, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished_run(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert cli(*train_argv(inputs, out)) == 0
+    return out
+
+
+def test_resume_auto_on_a_finished_run_changes_nothing_and_exits_0(inputs, finished_run, capsys):
+    before = snapshot(finished_run)
+    capsys.readouterr()
+    assert cli(*train_argv(inputs, finished_run, "--resume", "auto")) == 0
+    out = capsys.readouterr().out
+    assert "already finished: " in out and "ppl" in out and str(finished_run) in out, out
+    assert snapshot(finished_run) == before
+    assert cli("train", "--output-dir", finished_run, "--resume") == 0  # the bare --resume of a job script too
+    assert snapshot(finished_run) == before
+
+
+def test_resume_auto_with_overwrite_trains_a_finished_run_again(inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli(*train_argv(inputs, out, "--max-steps", "1")) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "metrics.jsonl").write_text("")  # trained again: the run writes it again
+    capsys.readouterr()
+    assert cli(*train_argv(inputs, out, "--max-steps", "1", "--resume", "auto", "--overwrite")) == 0
+    assert "starting it again from the beginning" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text().strip()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["../victim", "/tmp/victim-abs", ".."])
+def test_overwrite_refuses_a_run_marker_naming_anything_outside_the_folder(inputs, tmp_path, capsys, name):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "cast_run.json").write_text(json.dumps({"kind": "train", "written": ["metrics.jsonl", name]}))
+    (out / "metrics.jsonl").write_text("{}\n")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    before = snapshot(tmp_path)
+    assert cli(*train_argv(inputs, out, "--overwrite")) == 2
+    assert "not a plain name" in one_line_error(capsys)
+    assert snapshot(tmp_path) == before
+
+
+def test_train_overwrite_into_a_folder_it_did_not_write_names_the_files_it_would_replace(inputs, tmp_path, capsys):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "config.yaml").write_text("mine: 1\n")
+    (out / "tokenizer.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    assert cli(*train_argv(inputs, out, "--overwrite")) == 2
+    line = one_line_error(capsys)
+    assert "config.yaml" in line and "tokenizer.json" in line and "notes.txt" not in line, line
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("flag", ["--mask-file", "--wikitext-file", "--data"])
+def test_train_refuses_an_output_holding_one_of_its_inputs(inputs, tmp_path, capsys, flag):
+    out = tmp_path / "run"
+    out.mkdir()
+    planted = out / "input.txt"
+    planted.write_text(" ".join([tiny.CORPUS] * 20))
+    before = snapshot(out)
+    argv = [str(a) for a in train_argv(inputs, tmp_path / "run", "--overwrite")]
+    if flag in argv:
+        argv[argv.index(flag) + 1] = str(planted)
+    else:
+        argv += [flag, str(planted)]
+    assert cli(*argv) == 2
+    line = one_line_error(capsys)
+    assert flag in line and "--output-dir" in line, line
+    assert snapshot(out) == before
+
+
+def test_a_planted_lock_link_is_refused_and_a_report_probes_without_creating(tmp_path, capsys):
+    from cast_llm.errors import CastError
+    from cast_llm.train.rundir import LOCK_FILE, RunLock
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("precious")
+    run = tmp_path / "received"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(victim)
+    with pytest.raises(CastError, match="is a link"):
+        RunLock(run).acquire()
+    assert not RunLock.held(run)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert cli("report", run) == 0
+    assert victim.read_text() == "precious" and (run / LOCK_FILE).is_symlink()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert cli("report", plain) == 0
+    assert not (plain / LOCK_FILE).exists()  # a report creates no lock in a folder it only reads
+    fifo = tmp_path / "fifo-run"
+    fifo.mkdir()
+    os.mkfifo(fifo / LOCK_FILE)
+    with pytest.raises(CastError, match="not a regular file"):
+        RunLock(fifo).acquire()

@@ -16,7 +16,10 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from cast_llm.finetune.job import finetune
+    from cast_llm.train.rundir import say_if_finished
 
+    if say_if_finished(args):  # --resume on a finished run: nothing to do, nothing touched
+        return 0
     finetune(build_config(args))
     return 0
 

@@ -17,9 +17,12 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from cast_llm.io import atomic_write_json
+    from cast_llm.train.rundir import say_if_finished
     from cast_llm.train.summary import summary_table
     from cast_llm.train.trainer import train
 
+    if say_if_finished(args):  # --resume on a finished run: nothing to do, nothing touched
+        return 0
     cfg = build_config(args)
     results = train(cfg)
     if results.get("output_dir"):  # the main process, once the run is complete

@@ -212,12 +212,8 @@ class _Builder:
 
 def _unfinished_status(path: Path, last_step: int) -> str:
     """A run without final results: still running (its lock is held), or stopped (resumable or not)."""
-    lock = RunLock(path)
-    try:
-        lock.acquire()
-    except Exception:
+    if RunLock.held(path):  # probed: a report never creates, writes or follows anything in a run folder
         return f"running (step {last_step})"
-    lock.release()
     found = list_checkpoints(path)
     if found:
         return f"stopped at step {last_step}; `--resume` continues from {found[-1].name}"

@@ -61,7 +61,7 @@ from cast_llm.train.memory import PeakMemory
 from cast_llm.train.metrics_log import MetricsLog
 from cast_llm.train.phases import Phases
 from cast_llm.train.preemption import StopRequest
-from cast_llm.train.rundir import RunLock, prepare_run_dir, write_marker
+from cast_llm.train.rundir import RunLock, finished_result, kept_checkpoints, prepare_run_dir, write_marker
 from cast_llm.train.step import StepSetup, train_step
 from cast_llm.train.threads import setup_threads
 
@@ -245,8 +245,12 @@ def resume_command(job: Job) -> str:
 
 def _choose_checkpoint(cfg, out: Path, say) -> Path | None:
     """The checkpoint to resume: ``--resume`` (latest; an error without one), ``--resume auto`` (latest, or
-    a fresh start when there is none)."""
+    a fresh start when there is none); with ``--overwrite`` a finished run starts afresh (without it a finished
+    run never gets here: :func:`run`)."""
     if not cfg.resume:
+        return None
+    if cfg.overwrite and finished_result(out) is not None:  # --resume auto --overwrite: a finished run afresh
+        say(f"{out} holds a finished run; starting it again from the beginning (--overwrite)")
         return None
     found = list_checkpoints(out) if out.is_dir() else []
     if found:
@@ -261,9 +265,15 @@ def _choose_checkpoint(cfg, out: Path, say) -> Path | None:
 def run(job: Job, *, log=print) -> dict[str, Any]:
     """Run ``job`` to the end (or to a preemption: raises :class:`~cast_llm.train.preemption.Preempted`)."""
     cfg = job.cfg
+    out = Path(cfg.output_dir)
+    done = finished_result(out) if cfg.resume and not cfg.overwrite else None
+    if done is not None and not kept_checkpoints(out):  # a re-submitted job of a finished run: nothing touched
+        if os.environ.get("RANK", "0") == "0":
+            log(f"already finished: {done}; nothing to resume (`--resume auto --overwrite` trains it again from "
+                "the beginning)")
+        return {"already_finished": done}
     kernels.apply_flag(cfg.kernels)  # --kernels auto|reference (or CAST_LLM_KERNELS)
     job.check_inputs()  # one line, before the memory plan prints and before the run folder exists
-    out = Path(cfg.output_dir)
     # --threads 0 chooses once per run: a resume computes with the threads the run chose (its checkpoint's)
     recorded = latest_meta(out).get("threads") if cfg.resume else None
     recorded = recorded if isinstance(recorded, int) and recorded > 0 else None
@@ -283,7 +293,8 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     if is_main:
         checkpoint = _choose_checkpoint(cfg, out, say)
         folder = dict(resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume), model=cfg.model,
-                      kind=job.kind)
+                      kind=job.kind, inputs={f"--{k.replace('_', '-')}": getattr(cfg, k, None) for k in
+                                             ("model", "data", "eval_data", "mask_file", "wikitext_file")})
         prepare_run_dir(out, is_main=False, **folder)  # every refusal before anything is written
         lock.acquire()
         if lock.unsupported:

@@ -6,9 +6,12 @@ file and folder the run wrote), ``config.yaml``, ``metrics.jsonl``, ``results.js
 not write:
 
 * a folder that is the ``--model`` (or lies inside it) is refused, whatever the flags;
-* a non-empty folder that is not a cast-llm run is refused when it holds model weights, even with
-  ``--overwrite`` (other files are left alone: the run writes beside them);
-* ``--overwrite`` removes only the files and folders the marker lists as written by the previous run;
+* a folder that is, lies inside or contains one of the job's inputs (data, mask file, WikiText file) is refused;
+* a non-empty folder that is not a cast-llm run is refused when it holds model weights or any file the run
+  would write, even with ``--overwrite`` (other files are left alone: the run writes beside them);
+* ``--overwrite`` removes only the files and folders the marker lists as written by the previous run, each a
+  plain name of an entry of the folder (links unlinked, never followed);
+* ``--resume auto`` on a finished run changes nothing (:func:`finished_result`);
 * a lock (``.cast-llm.lock``, an ``flock``) refuses a second job on a folder in use; the operating
   system releases it when the holder dies, so a crashed run never leaves it stuck.
 """
@@ -18,16 +21,25 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from cast_llm.errors import CastError
-from cast_llm.io import RunDir, atomic_write_json, read_json
+from cast_llm.io import (
+    RunDir,
+    atomic_write_json,
+    is_plain_name,
+    overlap,
+    read_json,
+    read_json_object,
+    remove_entry,
+)
 
-__all__ = ["RUN_MARKER", "LOCK_FILE", "RunLock", "is_run_dir", "prepare_run_dir", "record_written", "written_files"]
+__all__ = ["RUN_MARKER", "LOCK_FILE", "RunLock", "is_run_dir", "prepare_run_dir", "record_written", "written_files",
+           "finished_result", "kept_checkpoints", "say_if_finished"]
 
 RUN_MARKER = RunDir.MARKER
 LOCK_FILE = RunDir.LOCK
@@ -52,10 +64,74 @@ def _holds_weights(path: Path) -> list[str]:
 
 
 def written_files(path: Path) -> list[str]:
-    """Names (relative to the run folder) of everything the run in ``path`` recorded as written by it."""
-    marker = read_json(Path(path) / RUN_MARKER)
-    export = read_json(Path(path) / RunDir.EXPORT_MARKER)  # the files of the model the run exported
-    return list(dict.fromkeys(list(RUN_FILES) + list(marker.get("written", [])) + list(export.get("files", []))))
+    """Names (entries of the run folder) of everything the run in ``path`` recorded as written by it; a
+    CastError when a marker lists anything but a plain name of an entry of the folder (``../x``, ``/home/u``:
+    a marker cast-llm did not write), before anything is removed."""
+    path = Path(path)
+    listed = list(RUN_FILES)
+    for name, key in ((RUN_MARKER, "written"), (RunDir.EXPORT_MARKER, "files")):  # the run's, its model's
+        if not os.path.lexists(path / name):
+            continue
+        if (path / name).is_symlink():
+            raise CastError(f"{path / name} is a link, not a marker cast-llm wrote; remove it yourself or choose "
+                            "another --output-dir")
+        names = read_json_object(path / name, "the run's marker", fix="choose another --output-dir").get(key, [])
+        bad = [n for n in names if not is_plain_name(n)] if isinstance(names, list) else [names]
+        if bad:
+            raise CastError(f"{path / name} lists {bad[0]!r}, which is not a plain name of a file in the folder: "
+                            "this marker was not written by cast-llm; nothing was removed: choose another "
+                            "--output-dir")
+        listed += names
+    return list(dict.fromkeys(listed))
+
+
+# what a run writes into its folder besides RUN_FILES: the exported model (a non-run folder holding any of these
+# is refused: they would be replaced); the weights themselves are WEIGHT_PATTERNS
+EXPORT_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                "chat_template.jinja", "README.md", RunDir.EXPORT_MARKER, RUN_MARKER)
+
+
+def say_if_finished(args) -> bool:
+    """For ``train`` / ``finetune``: with ``--resume`` (``auto`` or not) and without ``--overwrite`` on a folder
+    whose run finished, print "already finished: RESULT" and return True (the command then exits 0, before
+    any option is resolved: a re-submitted job script needs no budget flag to be told so)."""
+    out, resume = getattr(args, "output_dir", None), getattr(args, "resume", None)
+    done = finished_result(Path(out)) if out and resume and not getattr(args, "overwrite", False) else None
+    if done is None or kept_checkpoints(Path(out)):  # kept ones (--keep-checkpoints-after): resumed as before
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        print(f"already finished: {done}; nothing to resume (`--resume auto --overwrite` trains it again from "
+              "the beginning)")
+    return True
+
+
+def kept_checkpoints(path: Path) -> bool:
+    """Whether the run folder still holds a complete checkpoint (a finished run that kept them resumes from its
+    last one: its export and evaluation run again, nothing is trained and nothing deleted)."""
+    return any((Path(path) / RunDir.CHECKPOINTS).glob("step-*/meta.json"))
+
+
+def finished_result(path: Path) -> str | None:
+    """What the finished run in ``path`` produced, in a few words (None: not a run, or not finished). A run is
+    finished once its final ``results.json`` (which names the output folder) and its exported model are there."""
+    path = Path(path)
+    if not is_run_dir(path) or not (path / RunDir.EXPORT_MARKER).is_file():
+        return None
+    results = read_json(path / RunDir.RESULTS)
+    if not isinstance(results, dict) or not results.get("output_dir"):
+        return None
+    what = [str(results[k]) for k in ("method", "mode", "pattern") if isinstance(results.get(k), str)]
+    ppl = results.get("perplexity") if isinstance(results.get("perplexity"), dict) else {}
+    for split, label in (("heldout", "test"), ("wikitext2", "WikiText-2")):
+        entry = ppl.get(split) if isinstance(ppl.get(split), dict) else {}
+        value = entry.get("sparse")
+        value = value.get("perplexity") if isinstance(value, dict) else value  # a figure, or a PplResult's dict
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            what.append(f"{label} ppl {value:.2f}")
+    if isinstance(results.get("steps"), int):
+        what.append(f"{results['steps']} steps")
+    return f"{', '.join(what) or 'a finished run'}; the model is {path} ({RunDir.RESULTS})"
 
 
 def record_written(path: Path, names: list[str]) -> None:
@@ -78,24 +154,49 @@ class RunLock:
         self.fd: int | None = None
         self.unsupported: str | None = None  # why the filesystem could not lock (then the job runs unlocked)
 
+    def _open(self, flags: int) -> int:
+        """The lock file opened without following a link (``O_NOFOLLOW``), checked to be a regular file of
+        this user before anything is written to it; a CastError otherwise (naming the file)."""
+        try:
+            fd = os.open(self.path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CastError(f"{self.path} is a link: cast-llm never writes through a link planted in a run "
+                                "folder; remove it, or choose another --output-dir") from None
+            raise
+        st = os.fstat(fd)
+        why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"belongs to another user (uid {st.st_uid})" if hasattr(os, "getuid") and st.st_uid != os.getuid()
+               else None)
+        if why:
+            os.close(fd)
+            raise CastError(f"{self.path} {why}: it is not a lock cast-llm made; remove it, or choose another "
+                            "--output-dir")
+        return fd
+
     def acquire(self) -> RunLock:
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: no lock, but say so once
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open(os.O_RDWR | os.O_CREAT)  # no O_TRUNC: nothing is changed before the checks
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
                 # the filesystem cannot lock (Lustre mounted with noflock, NFSv3 without lockd): not "in use"
                 self.unsupported = f"{e.strerror or e} (errno {e.errno})"
                 return self
-            holder = read_json(self.path)
+            raw = os.pread(fd, 4096, 0)
+            os.close(fd)
+            try:
+                holder = json.loads(raw.decode("utf-8"))
+            except ValueError:
+                holder = None
             who = (f" (pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')})"
-                   if holder else "")
+                   if isinstance(holder, dict) else "")
             raise CastError(f"--output-dir {self.path.parent} is in use by another cast-llm job{who}; wait for it "
                             "to finish or choose another folder") from None
         os.ftruncate(fd, 0)
@@ -103,6 +204,29 @@ class RunLock:
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
         self.fd = fd
         return self
+
+    @staticmethod
+    def held(folder: Path) -> bool:
+        """Whether a live job holds the lock of ``folder``: probed without creating, writing or following
+        anything (a folder that is only read, e.g. by ``cast-llm report``, is left exactly as it was)."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return False
+        path = Path(folder) / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:  # none, a link, unreadable: no job of ours holds it
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        finally:
+            os.close(fd)  # (drops the shared lock, if taken)
+        return False
 
     def release(self) -> None:
         if self.fd is not None:
@@ -126,16 +250,22 @@ def _inside(a: Path, b: Path) -> bool:
 
 
 def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, is_main: bool, model: str | None = None,
-                    kind: str = "run") -> Path:
+                    kind: str = "run", inputs: dict[str, str | None] | None = None) -> Path:
     """Validate (and, on the main process, create or clear) a run folder. An existing folder is reused only
-    for a resume or with ``overwrite``, and never when it is the model's own folder or a non-run folder
-    holding model weights. Call it with the folder's :class:`RunLock` held."""
+    for a resume or with ``overwrite``, and never when it is, lies inside or contains one of the job's
+    ``inputs`` (``{flag: path}``: the model, the data, a mask file, …) or is a non-run folder holding model
+    weights or any file the run writes. Call it with the folder's :class:`RunLock` held."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CastError(f"--output-dir {out} exists and is a file")
+    if os.path.lexists(out) and not out.is_dir():
+        raise CastError(f"--output-dir {out} exists and is not a folder")
     if model is not None and Path(model).exists() and _inside(out, Path(model)):
         raise CastError(f"--output-dir {out} is the model's own folder (--model {model}) or inside it; writing there "
                         "would destroy the model: choose another folder")
+    for flag, given in (inputs or {}).items():
+        how = overlap(out, given) if given and Path(given).expanduser().exists() else None
+        if how is not None:
+            raise CastError(f"--output-dir {out} {how} {flag} {given}: the run would write over its own input; "
+                            "choose another --output-dir")
     entries = [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
     is_run = is_run_dir(out)
     if resume:
@@ -147,18 +277,21 @@ def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, is_main: bool, 
         if weights:
             raise CastError(f"--output-dir {out} is not a cast-llm run and holds model files ({', '.join(weights[:3])}); "
                             "cast-llm never replaces files it did not write: choose another folder")
+        taken = [] if is_run else sorted(p.name for p in entries if p.name in (*RUN_FILES, *EXPORT_NAMES))
+        if taken:
+            raise CastError(f"--output-dir {out} is not a cast-llm run and holds {', '.join(taken[:5])}, which the "
+                            "run would write over; cast-llm never replaces files it did not write: move "
+                            f"{'it' if len(taken) == 1 else 'them'} or choose another folder")
         if not overwrite:
             what = f"holds a cast-llm {kind}" if is_run else "is not empty (and not a cast-llm run)"
             fix = ("--overwrite to replace it, --resume to continue it" if is_run
                    else "--overwrite to write beside its files (none of them is touched)")
             raise CastError(f"--output-dir {out} already exists and {what}; pass {fix}, or choose another folder")
-        if is_main and is_run:  # remove only what the previous run recorded as its own
-            for name in written_files(out) + [RUN_MARKER, "cast_llm.json"]:
-                p = out / name
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                elif p.exists() or p.is_symlink():
-                    p.unlink()
+        if is_run:  # remove only what the previous run recorded as its own (checked on every process)
+            names = written_files(out) + [RUN_MARKER, RunDir.EXPORT_MARKER]
+            if is_main:
+                for name in dict.fromkeys(names):
+                    remove_entry(out, name)  # links unlinked, never followed
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
     return out
