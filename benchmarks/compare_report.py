@@ -355,6 +355,19 @@ def tuning_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def prune_lines(rows: list[dict]) -> list[str]:
+    """Per row with a recorded final prune: each seed's validation perplexity just before → just after it."""
+    out = []
+    for r in rows:
+        seeds = [x for x in (r.get("seeds") or [r]) if x.get("prune_validation_before") is not None]
+        if r.get("status") != "ok" or not seeds:
+            continue
+        cells = ", ".join(f"s{x.get('seed')} {_num(x['prune_validation_before'])} → {_num(x.get('prune_validation_after'))}"
+                          + (f" (step {x['prune_step']})" if x.get("prune_step") is not None else "") for x in seeds)
+        out.append(f"- {r.get('label', r['key'])}: {cells}")
+    return out
+
+
 def first_window_lines(rows: list[dict]) -> list[str]:
     """Per row scored on the first windows (``--first-windows``): the mean, every seed, and (training rows) the
     paired difference against SparseGPT + KD on those windows."""
@@ -495,6 +508,13 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     tuned = tuning_lines(rows)
     if tuned:
         lines += ["", "## Tuning (validation split only)", ""] + tuned
+    pruned = prune_lines(rows)
+    if pruned:
+        lines += ["", "## The final prune (validation split)", "",
+                  "Rows whose model trains with a dense forward and is pruned at the end (CAST: at the masked "
+                  "repair's start where it has one): the validation perplexity of the dense-forward model just "
+                  "before the prune → of the pruned model just after, per seed (the rows that mask in the forward "
+                  "prune nothing their forward used). Runs older than this record have none.", ""] + pruned
     checks = paired_lines(rows)
     if checks:
         lines += ["", "## Against SparseGPT + KD (fixed mask), seed by seed", "",

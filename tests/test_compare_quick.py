@@ -737,4 +737,4 @@ def test_paper_exact_tunes_its_decay_around_the_forecast_then_its_lr_and_records
     assert f"--tune l1_decay={','.join(t['grid']['l1_decay'])} --tune-only cast" in steps[0]
     assert "--tune lr=0.001,0.003 --tune-only cast" in steps[1]
     text = (docs / "compare-tiny-llama-2.05k.md").read_text()
-    assert "× the λ" in text and "before → after" in text
+    assert "× the λ" in text and "before → after" in text and "## The final prune (validation split)" in text
