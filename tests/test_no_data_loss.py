@@ -260,3 +260,92 @@ def test_a_planted_lock_link_is_refused_and_a_report_probes_without_creating(tmp
     os.mkfifo(fifo / LOCK_FILE)
     with pytest.raises(CastError, match="not a regular file"):
         RunLock(fifo).acquire()
+
+
+# ------------------------------------------------------------------------------------------ no code from a folder
+EVIL = "import pathlib; pathlib.Path(__file__).with_name('PWNED').write_text('ran')\nclass Attr: pass\n"
+
+
+def _folder_with(tmp_path, sparse_dir, name, edit):
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(sparse_dir, d)
+    (d / "evil.py").write_text(EVIL)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg, d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("case, says", [
+    ("auto_map", "custom code"),
+    ("tokenizer_auto_map", "custom code"),
+    ("ct_sparsity_format", "not a known format"),
+    ("ct_quant_format", "not a known format"),
+    ("top_sparsity_config", "not a known format"),
+    ("unknown_quant_method", "not a quantizer transformers knows"),
+])
+def test_a_folder_naming_code_is_refused_in_one_line_before_any_library_reads_it(tmp_path, sparse_dir, capsys,
+                                                                                    case, says):
+    import time
+
+    def edit(cfg, d):
+        if case == "auto_map":
+            cfg["auto_map"] = {"AutoModelForCausalLM": "evil.Attr"}
+        elif case == "tokenizer_auto_map":
+            tc = json.loads((d / "tokenizer_config.json").read_text())
+            tc["auto_map"] = {"AutoTokenizer": ["evil.Attr", None]}
+            (d / "tokenizer_config.json").write_text(json.dumps(tc))
+        elif case == "ct_sparsity_format":
+            cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                          "sparsity_config": {"format": "evil.py:Attr"}}
+        elif case == "ct_quant_format":
+            cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "evil.py:Attr"}
+        elif case == "top_sparsity_config":
+            cfg["sparsity_config"] = {"format": "evil.py:Attr"}
+        else:
+            cfg["quantization_config"] = {"quant_method": "evil.py:Attr"}
+
+    d = _folder_with(tmp_path, sparse_dir, case, edit)
+    before = snapshot(d)
+    t0 = time.perf_counter()
+    for argv in (["export", d, "--output-dir", tmp_path / "o"], ["eval", "ppl", "--model", d],
+                 ["plan", "--model", d, "--max-steps", "1"]):
+        assert cli(*argv) == 2
+        line = one_line_error(capsys)
+        assert says in line and str(d) in line, line
+    assert time.perf_counter() - t0 < 10
+    assert not (d / "PWNED").exists() and snapshot(d) == before and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("content, says", [(b"{", "not valid JSON"), (b"\xff\xfe\x00", "not UTF-8"),
+                                           (b"[]", "not an object")])
+def test_a_malformed_config_json_is_one_line(tmp_path, sparse_dir, capsys, content, says):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(sparse_dir, d)
+    (d / "config.json").write_bytes(content)
+    for argv in (["export", d, "--output-dir", tmp_path / "o"], ["quantize", d, "--method", "rtn", "--output-dir",
+                                                                  tmp_path / "q"]):
+        assert cli(*argv) == 2
+        line = one_line_error(capsys)
+        assert says in line and "config.json" in line, line
+
+
+def test_a_damaged_tokenizer_or_truncated_weights_file_is_one_line(tmp_path, sparse_dir, capsys):
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(sparse_dir, tok)
+    (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "nonsense"')
+    assert cli("export", tok, "--output-dir", tmp_path / "o") == 2
+    assert "tokenizer" in one_line_error(capsys)
+    cut = tmp_path / "cut"
+    shutil.copytree(sparse_dir, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert cli("export", cut, "--output-dir", tmp_path / "o") == 2
+    assert "could not load the model folder" in one_line_error(capsys)
+    assert not (tmp_path / "o").exists()

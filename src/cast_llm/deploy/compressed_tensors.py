@@ -43,6 +43,7 @@ from cast_llm.deploy.checkpoint import (
 )
 from cast_llm.deploy.export import CHECKPOINT_MARKER, verify_nm
 from cast_llm.errors import CastError
+from cast_llm.io import read_json
 from cast_llm.layers import is_linear_like
 from cast_llm.sparsity.mask import nm_mask
 from cast_llm.targets import find_targets
@@ -50,7 +51,12 @@ from cast_llm.targets import find_targets
 WEIGHTS_FILE = "model.safetensors"
 SPARSITY_FORMAT = "sparse-24-bitmask"
 COMPAT_VERSION = "0.14.0.1"  # the last compressed-tensors release with this compressor
-LIBRARY_HINT = "pip install 'compressed-tensors<0.15' --no-deps  (it pins transformers<5 but imports with 5.x)"
+# No install hint names compressed-tensors<0.15 any more: those releases resolve a `format` they do not know as
+# `file.py:attr` and run that file. cast-llm reads this layout with its own decoder (no library needed) and
+# refuses a config naming an unknown format before any library sees it (models.loading.check_model_folder).
+LIBRARY_HINT = ("served by vLLM < 0.19.1; read back with `cast-llm` itself (its own decoder, no library needed); "
+                "compressed-tensors < 0.15 runs code named in a config: install it only where every model folder "
+                "it reads is trusted")
 
 
 def compressed_tensors_version() -> str | None:
@@ -144,8 +150,10 @@ def is_compressed_tensors_checkpoint(path: str | Path) -> bool:
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return False
-    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-    return (qc.get("sparsity_config") or {}).get("format") == SPARSITY_FORMAT
+    config = read_json(cfg)  # a damaged config.json is not one of ours (the loader then names what is wrong)
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    sc = qc.get("sparsity_config") if isinstance(qc, dict) else None
+    return isinstance(sc, dict) and sc.get("format") == SPARSITY_FORMAT
 
 
 def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -125,6 +125,88 @@ def export_format(path: str | Path) -> str | None:
     return None
 
 
+# compressed-tensors resolves a `format` it does not know as `file.py:attr` and runs that file (0.14 does): only
+# these names (its CompressionFormat values) pass. transformers' own quantizers are named in QUANT_METHODS.
+COMPRESSED_TENSORS_FORMATS = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
+                              "naive-quantized", "pack-quantized", "marlin-24", "mixed-precision",
+                              "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+def pretrained_kwargs(**kwargs) -> dict:
+    """The keyword arguments of every ``from_pretrained`` of the package: ``kwargs`` with
+    ``trust_remote_code=False``, so that no code from a model folder or hub repository ever runs (transformers
+    then refuses such a model at once instead of asking "run custom code? [y/N]")."""
+    return {**kwargs, "trust_remote_code": False}
+
+
+def _quant_methods() -> set[str]:
+    try:
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - a transformers without quantizers: none is known
+        return set()
+    return set(AUTO_QUANTIZATION_CONFIG_MAPPING)
+
+
+def _formats(node, path: str = "quantization_config"):
+    """Every ``format`` entry under a config node: ``(where, value)``."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            where = f"{path}.{k}"
+            if k == "format":
+                yield where, v
+            else:
+                yield from _formats(v, where)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _formats(v, f"{path}[{i}]")
+
+
+def check_model_folder(folder: str | Path) -> dict:
+    """The ``config.json`` of a local model folder, read and checked before any library reads it: a one-line
+    CastError naming the file when it is not a JSON object, when it or ``tokenizer_config.json`` names custom
+    code (``auto_map``: cast-llm never runs code from a model folder), or when its ``quantization_config`` /
+    ``sparsity_config`` names a quantizer or a format that is not a known name."""
+    from cast_llm.io import read_json_object
+
+    p = Path(folder)
+    fix = "pass another model"
+    config = read_json_object(p / "config.json", "the model's config", fix=fix)
+    for name in ("config.json", "tokenizer_config.json"):
+        f = p / name
+        data = config if name == "config.json" else (
+            read_json_object(f, "the tokenizer's config", fix=fix) if f.is_file() else {})
+        auto_map = data.get("auto_map")
+        if auto_map:
+            first = next(iter(auto_map.values()), auto_map) if isinstance(auto_map, dict) else auto_map
+            raise CastError(f"{f} names custom code (auto_map: {str(first)[:80]}); cast-llm never runs code from a "
+                            "model folder (trust_remote_code=False): use a model whose architecture transformers "
+                            "ships, without auto_map")
+    check_config(config, p / "config.json")
+    return config
+
+
+def check_config(config: dict, where: str | Path, fix: str = "pass another model") -> None:
+    """Refuse (one line naming ``where``) a config whose ``quantization_config`` / ``sparsity_config`` names a
+    quantizer or a format that is not a known name (see :func:`check_model_folder`)."""
+    qc = config.get("quantization_config")
+    if qc is not None:
+        if not isinstance(qc, dict):
+            raise CastError(f"{where}: quantization_config is a {type(qc).__name__}, not an object; {fix}")
+        method = qc.get("quant_method")
+        known = _quant_methods()
+        if known and method not in known:
+            raise CastError(f"{where}: quantization_config.quant_method {str(method)[:60]!r} is not a "
+                            f"quantizer transformers knows; {fix}")
+    for section, node in (("quantization_config", qc), ("sparsity_config", config.get("sparsity_config"))):
+        for key, value in _formats(node, section):
+            if value is not None and value not in COMPRESSED_TENSORS_FORMATS and (
+                    section == "sparsity_config" or (qc or {}).get("quant_method") == "compressed-tensors"
+                    or ":" in str(value)):
+                raise CastError(f"{where}: {key} {str(value)[:80]!r} is not a known format (a name a "
+                                "library may resolve to a file of code to run); cast-llm reads only "
+                                f"{', '.join(COMPRESSED_TENSORS_FORMATS[:3])}, …: {fix}")
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """What a model argument names, resolved without loading any weights."""
@@ -216,9 +298,9 @@ def _embedded(alias: str) -> tuple[str, str | None]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with gguf_parsed_once():  # ~8 s of CPU here instead of ~18
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = _forget_gguf(AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                                  dtype=torch.float32))
+        tok = AutoTokenizer.from_pretrained(gguf.parent, **pretrained_kwargs(gguf_file=gguf.name))
+        model = _forget_gguf(AutoModelForCausalLM.from_pretrained(
+            gguf.parent, **pretrained_kwargs(gguf_file=gguf.name, dtype=torch.float32)))
     try:
         _save_pretrained_once(model, tok, cached)
     except OSError:  # read-only cache: load from the GGUF every time
@@ -240,6 +322,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
         if p.is_dir() and not (p / "config.json").is_file():
             raise CastError(f"{p} is a folder but holds no config.json: not a Hugging Face model folder nor a "
                             "cast-llm export; pass the folder that holds config.json")
+        if p.is_dir():
+            check_model_folder(p)  # before transformers (or any quantizer library) reads anything of it
         fmt = export_format(p)
         return ModelSource(name, "export" if fmt else "folder", str(p), export=fmt)
     alias = alias or canonical_alias(name)
@@ -266,7 +350,10 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
 
 
-def _load_error(src: ModelSource, e: Exception) -> CastError:
+def _load_error(src: ModelSource, e: Exception, what: str = "model") -> CastError:
+    if src.kind in ("folder", "export") and what == "tokenizer":
+        return CastError(f"could not load the tokenizer of {src.path} ({_first_line(e)}); its tokenizer files "
+                         "(tokenizer.json, tokenizer_config.json) are damaged or of an unknown kind")
     if src.kind in ("folder", "export"):
         return CastError(f"could not load the model folder {src.path} ({_first_line(e)}); it must hold "
                          "transformers weights (model.safetensors) or be written by `cast-llm export` / "
@@ -285,12 +372,14 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     src = resolve_model(name_or_path)
-    kwargs = dict(src.hub_kwargs, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
+    kwargs = pretrained_kwargs(**src.hub_kwargs, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
     try:
         with gguf_parsed_once() if src.gguf_file else contextlib.nullcontext():
             tok = AutoTokenizer.from_pretrained(src.path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise _load_error(src, e) from None
+    except CastError:
+        raise
+    except Exception as e:  # an unparseable tokenizer.json is the tokenizers library's own Exception
+        raise _load_error(src, e, "tokenizer") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -314,7 +403,7 @@ def _rebuild(dense, folder: str, auto_class, dtype: torch.dtype, device, kwargs:
     the causal model lacks (the new head) is initialised as ``from_pretrained`` would."""
     from transformers import AutoConfig
 
-    config, unused = AutoConfig.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+    config, unused = AutoConfig.from_pretrained(folder, return_unused_kwargs=True, **pretrained_kwargs(**kwargs))
     for key in ("sparsity", "quantization_config"):  # our metadata; a quantization_config starts a quantizer
         if hasattr(config, key):
             delattr(config, key)
@@ -346,13 +435,17 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device:
             return dense
         return _rebuild(dense, src.path, auto_class or AutoModelForCausalLM, dtype, device, from_pretrained_kwargs)
     auto_class = auto_class or AutoModelForCausalLM
-    kwargs = {"dtype": dtype, **src.hub_kwargs, **from_pretrained_kwargs}
+    kwargs = pretrained_kwargs(dtype=dtype, **src.hub_kwargs, **from_pretrained_kwargs)
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
+    if src.kind == "hub":  # its config, checked before a quantizer library reads it (a local folder was already)
+        check_config(model_config(name_or_path).to_dict(), f"{src.name} (config.json)")
     try:
         with gguf_parsed_once() if src.gguf_file else contextlib.nullcontext():  # config and weights: one parse
             model = auto_class.from_pretrained(src.path, **kwargs)
-    except (OSError, ValueError) as e:
+    except CastError:
+        raise
+    except Exception as e:  # a truncated safetensors, a torn GGUF: each library raises its own kind
         raise _load_error(src, e) from None
     if src.gguf_file:
         _forget_gguf(model)
@@ -364,10 +457,12 @@ def model_config(name_or_path: str):
     from transformers import AutoConfig
 
     src = resolve_model(name_or_path)
-    kwargs = dict(src.hub_kwargs, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
+    kwargs = pretrained_kwargs(**src.hub_kwargs, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
     try:
         return AutoConfig.from_pretrained(src.path, **kwargs)
-    except (OSError, ValueError) as e:
+    except CastError:
+        raise
+    except Exception as e:
         raise _load_error(src, e) from None
 
 

@@ -91,12 +91,17 @@ def model_config(name: str):
 
     p = Path(name).expanduser()
     if p.is_file() and p.suffix == ".json":
-        cfg = json.loads(p.read_text())
+        from cast_llm.io import read_json_object
+
+        cfg = read_json_object(p, "a model config", fix="pass a Hugging Face config.json")
         return _from_dict(cfg, str(p)), f"file {p}"
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise CastError(f"{p} holds no config.json: pass a Hugging Face model folder, a config.json or a hub id")
-        return AutoConfig.from_pretrained(str(p)), f"folder {p}"
+        from cast_llm.models.loading import check_model_folder, pretrained_kwargs
+
+        check_model_folder(p)  # custom code (auto_map), unknown quantization formats: refused before transformers
+        return AutoConfig.from_pretrained(str(p), **pretrained_kwargs()), f"folder {p}"
     if p.suffix == ".gguf" or name.startswith((".", "/", "~")):
         raise CastError(f"model path not found or not a folder / config.json: {name}")
     key = embedded_key(name)
@@ -109,7 +114,9 @@ def model_config(name: str):
 
     offline = hub_offline_reason(timeout=2.0)
     try:
-        cfg = AutoConfig.from_pretrained(name, local_files_only=bool(offline))
+        from cast_llm.models.loading import pretrained_kwargs
+
+        cfg = AutoConfig.from_pretrained(name, **pretrained_kwargs(local_files_only=bool(offline)))
         return cfg, ("hub cache" if offline else "hub") + f" {name}"
     except Exception as e:  # not cached / gated / no network: the embedded copy when we have one
         if key is not None:
