@@ -46,3 +46,18 @@ def test_a_masked_repair_records_them_where_it_prunes(workdir, tmp_path):
     fp = res["decay"]["final_prune"]
     assert fp["step"] == 9  # the repair's first step: the prune happens there, the last quarter trains the pruned model
     assert fp["validation_ppl_before"] is not None and fp["validation_ppl_after"] is not None
+
+
+def test_measuring_the_prune_changes_nothing_about_the_run(workdir, tmp_path, monkeypatch):
+    """The two validation passes at a mid-run prune (the repair's start) leave the training as it was: the same
+    final model to the last bit as a run that does not measure them."""
+    from cast_llm.train.trainer import PretrainJob
+
+    extra = ("--warm-start", "--init-mask", "magnitude", "--repair-fraction", "0.25", "--final-prune", "hard")
+    measured = _train(workdir, tmp_path / "a", *extra)
+    monkeypatch.setattr(PretrainJob, "_prune_probe", lambda self, ctx, model, label: None)
+    plain = _train(workdir, tmp_path / "b", *extra)
+    assert plain["decay"]["final_prune"]["validation_ppl_before"] is None
+    assert measured["decay"]["final_prune"]["validation_ppl_before"] is not None
+    for split in ("heldout", "validation", "wikitext2"):
+        assert measured["perplexity"][split]["sparse"] == plain["perplexity"][split]["sparse"], split
