@@ -349,3 +349,111 @@ def test_a_damaged_tokenizer_or_truncated_weights_file_is_one_line(tmp_path, spa
     assert cli("export", cut, "--output-dir", tmp_path / "o") == 2
     assert "could not load the model folder" in one_line_error(capsys)
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ bounded parsing
+def _fast_and_small(fn):
+    """Run ``fn``; assert it took under 10 s and grew this process's peak memory by under 1 GiB."""
+    import resource
+    import time
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    out = fn()
+    assert time.perf_counter() - t0 < 10
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) * 1024 < 2**30
+    return out
+
+
+def test_a_gguf_whose_array_claims_2_to_the_40_items_is_one_line(tmp_path, capsys):
+    import struct
+
+    from cast_llm.models.gguf_check import check_gguf
+
+    bad = tmp_path / "bad.gguf"  # 49 bytes: header, one key "k", an array of 2^40 uint32 items, no items
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+                    + struct.pack("<IIQ", 9, 4, 1 << 40))
+    assert bad.stat().st_size == 49
+    for argv in (["export", bad, "--output-dir", tmp_path / "o"], ["eval", "ppl", "--model", bad]):
+        assert _fast_and_small(lambda argv=argv: cli(*argv)) == 2
+        line = one_line_error(capsys)
+        assert "bad.gguf" in line and "claims 1,099,511,627,776 items" in line, line
+    cut = tiny.write_gguf(tmp_path / "ok.gguf")
+    check_gguf(cut)  # a valid file passes
+    (tmp_path / "cut.gguf").write_bytes(cut.read_bytes()[:200])
+    assert cli("eval", "ppl", "--model", tmp_path / "cut.gguf") == 2
+    assert "not a valid GGUF file" in one_line_error(capsys)
+
+
+def test_a_compressed_tensors_shape_larger_than_its_tensors_is_refused_before_allocating(tmp_path, sparse_dir,
+                                                                                         capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "ct"
+    assert cli("export", sparse_dir, "--format", "compressed-tensors", "--output-dir", out, "--no-verify") == 0
+    tensors = load_file(out / "model.safetensors")
+    name = next(k for k in tensors if k.endswith(".shape"))
+    tensors[name] = torch.tensor([150000, 150000], dtype=torch.int64).view(2, 1)  # 45 GB if zero-filled
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert _fast_and_small(lambda: cli("export", out, "--format", "hf", "--output-dir", tmp_path / "o")) == 2
+    line = one_line_error(capsys)
+    assert "150000 x 150000" in line and name in line and "damaged" in line, line
+
+
+def test_data_files_that_are_not_what_they_say_are_one_line(tmp_path, capsys):
+    model = tiny.save_model(tmp_path / "llama", "llama")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    common = ["--output-dir", tmp_path / "o", "--max-steps", "1", "--batch-size", "2", "--seq-len", "32",
+              "--no-progress", "--device", "cpu"]
+    assert cli("train", "--model", model, "--data", tmp_path / "bad.parquet", *common) == 2
+    assert "not a readable parquet file" in one_line_error(capsys)
+    (tmp_path / "nonutf8.csv").write_bytes(b"prompt,completion\n\xff\xfe,b\n")
+    (tmp_path / "huge.csv").write_text('prompt,completion\n"' + "a " * 100_000 + '",b\n')  # a 200 kB field
+    (tmp_path / "nonutf8.jsonl").write_bytes(b'\xff{"prompt": "a", "completion": "b"}\n')
+    for name, says in (("nonutf8.csv", "not UTF-8"), ("huge.csv", "--seq-len"), ("nonutf8.jsonl", "not UTF-8")):
+        assert cli("finetune", model, "--data", tmp_path / name, *common) == 2
+        line = one_line_error(capsys)
+        assert says in line and name in line, line
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: (r / "results.json").write_text("[]"), "results.json"),
+    (lambda r: (r / "results.json").write_bytes(b"\xff\xfe"), "not UTF-8"),
+    (lambda r: (r / "results.json").write_text('{"perplexity": 5, "steps": "x"}'), "edited by hand"),
+    (lambda r: (r / "dynamics.json").write_text("[1]"), "dynamics.json"),
+])
+def test_report_on_hand_edited_files_is_one_line(finished_run, tmp_path, capsys, edit, says):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    edit(run)
+    assert cli("report", run) == 2
+    assert says in one_line_error(capsys)
+
+
+def test_report_skips_a_torn_layers_line(finished_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with open(run / "layers.jsonl", "a") as f:
+        f.write('{"step": 3, "flip_ra')  # what a killed run leaves
+    assert cli("report", run) == 0
+
+
+def test_a_hand_edited_kernel_verdict_is_probed_again_not_crashed_on(inputs, tmp_path):
+    verdicts = tmp_path / "verdicts.json"
+    os.environ["CAST_LLM_KERNEL_VERDICTS"] = str(verdicts)  # (the autouse fixture restores it)
+    assert cli(*train_argv(inputs, tmp_path / "a", "--max-steps", "1")) == 0
+    data = json.loads(verdicts.read_text())
+    assert data["entries"]
+    for entry in data["entries"].values():  # every field a hand edit could break
+        entry["reference_seconds"] = "fast"
+        entry["candidates"] = {name: "passed" for name in entry.get("candidates", {})} or {"triton": "passed"}
+    verdicts.write_text(json.dumps(data))
+    from cast_llm import kernels
+
+    kernels.reset()
+    assert cli(*train_argv(inputs, tmp_path / "b", "--max-steps", "1")) == 0

@@ -24,7 +24,6 @@ the 2:4 groups along dim 0. Use ``--format compressed`` (which handles the trans
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from cast_llm.deploy.checkpoint import (
 )
 from cast_llm.deploy.export import CHECKPOINT_MARKER, verify_nm
 from cast_llm.errors import CastError
-from cast_llm.io import read_json
+from cast_llm.io import read_json, read_json_object
 from cast_llm.layers import is_linear_like
 from cast_llm.sparsity.mask import nm_mask
 from cast_llm.targets import find_targets
@@ -156,17 +155,38 @@ def is_compressed_tensors_checkpoint(path: str | Path) -> bool:
     return isinstance(sc, dict) and sc.get("format") == SPARSITY_FORMAT
 
 
+def _check_stored_shapes(file: Path, f, prefix: str, keys: list[str]) -> None:
+    """The dense shape a target's ``.shape`` tensor declares must be what its stored ``.compressed`` (R, C/2) and
+    ``.bitmask`` (R, ceil(C/8)) tensors hold, checked from the safetensors header before anything is allocated
+    (a ``.shape`` claiming 150000 x 150000 would zero-fill 45 GB first); a one-line CastError otherwise."""
+    missing = [f"{prefix}.{part}" for part in ("compressed", "shape") if f"{prefix}.{part}" not in keys]
+    if missing:
+        raise CastError(f"{file}: {prefix}.bitmask has no {missing[0]}: the checkpoint is damaged")
+    shape_slice = f.get_slice(prefix + ".shape")
+    if list(shape_slice.get_shape()) not in ([2, 1], [2]) or shape_slice.get_dtype() not in ("I64", "I32"):
+        raise CastError(f"{file}: {prefix}.shape is {shape_slice.get_dtype()} {shape_slice.get_shape()}, not the two "
+                        "integers of a dense shape: the checkpoint is damaged")
+    rows, cols = (int(v) for v in f.get_tensor(prefix + ".shape").flatten().tolist())
+    compressed = list(f.get_slice(prefix + ".compressed").get_shape())
+    bitmask = list(f.get_slice(prefix + ".bitmask").get_shape())
+    if rows < 1 or cols < 4 or cols % 4 or compressed != [rows, cols // 2] or bitmask != [rows, -(-cols // 8)]:
+        raise CastError(f"{file}: {prefix}.shape says {rows} x {cols}, but the stored tensors are .compressed "
+                        f"{compressed} and .bitmask {bitmask} (a 2:4 weight of that shape stores "
+                        f"[{rows}, {cols // 2}] and [{rows}, {-(-cols // 8)}]): the checkpoint is damaged")
+
+
 def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The dense state dict of a sparse-24-bitmask checkpoint written by :func:`save_compressed_tensors`."""
     p = Path(path)
     if not is_compressed_tensors_checkpoint(p):
         raise CastError(f"{p} is not a compressed-tensors {SPARSITY_FORMAT} checkpoint")
-    marker = json.loads((p / CHECKPOINT_MARKER).read_text()) if (p / CHECKPOINT_MARKER).is_file() else {}
+    marker = read_json_object(p / CHECKPOINT_MARKER, "the export's marker") if (p / CHECKPOINT_MARKER).is_file() else {}
     state: dict[str, torch.Tensor] = {}
     with safe_open(str(p / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         keys = list(f.keys())
         prefixes = {k[: -len(".bitmask")] for k in keys if k.endswith(".bitmask")}
         for prefix in prefixes:
+            _check_stored_shapes(p / WEIGHTS_FILE, f, prefix, keys)  # before anything of the dense size is allocated
             w = decompress_24_bitmask(f.get_tensor(prefix + ".compressed"), f.get_tensor(prefix + ".bitmask"),
                                       f.get_tensor(prefix + ".shape"))
             state[prefix + ".weight"] = w
@@ -174,7 +194,11 @@ def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         for k in keys:
             if k not in stored:
                 state[k] = f.get_tensor(k)
-    for alias, source in marker.get("aliases", {}).items():
+    aliases = marker.get("aliases", {})
+    for alias, source in aliases.items() if isinstance(aliases, dict) else ():
+        if source not in state:
+            raise CastError(f"{p / CHECKPOINT_MARKER}: alias {alias!r} names {source!r}, which "
+                            f"{WEIGHTS_FILE} does not hold: the checkpoint is damaged")
         state[alias] = state[source]
     return state
 
