@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from cast_llm.analysis.ratios import LIN_BINS, LIN_MAX, LOG_BINS, LOG_MAX, LOG_MIN
-from cast_llm.io import RunDir, atomic_write, atomic_write_text, read_json
+from cast_llm.io import RunDir, atomic_write, atomic_write_text, read_json, read_jsonl
 
 LAYERS_FILE = RunDir.LAYERS
 RATIO_FILE = RunDir.RATIO_HIST
@@ -49,7 +49,9 @@ def read_layers(path: Path) -> dict[str, Any] | None:
     path = Path(path)
     if not path.is_file():
         return None
-    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    # a torn last line (a killed run) is skipped, and so is a record of another shape (hand-edited)
+    recs = [r for r in read_jsonl(path) if isinstance(r.get("step"), (int, float)) and isinstance(r.get("flip_rate"), dict)
+            and all(isinstance(r.get(k, {}), dict) for k in LAYER_METRICS)]
     if not recs:
         return None
     names = list(recs[-1]["flip_rate"])

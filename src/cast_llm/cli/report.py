@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
 from cast_llm.config import option
+from cast_llm.errors import CastError
 
 
 @dataclass
@@ -32,7 +33,11 @@ def run(args) -> int:
     from cast_llm.report import build_report
 
     opts = resolve_options(ReportOptions, args)
-    files = build_report(args.run_dirs, opts.output, html=opts.html, title=opts.title)
+    try:
+        files = build_report(args.run_dirs, opts.output, html=opts.html, title=opts.title)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:  # (a CastError is none of these)
+        raise CastError(f"the files of {', '.join(map(str, args.run_dirs))} hold a value cast-llm does not write "
+                        f"({type(e).__name__}: {str(e)[:120]}); was one edited by hand? restore or remove it") from None
     print(f"report: {files.markdown}" + (f", {files.html}" if files.html else "")
           + f" ({len(files.images)} figures in {files.folder})")
     return 0

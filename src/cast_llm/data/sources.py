@@ -83,13 +83,19 @@ def _iter_text_file(path: Path) -> Iterator[str]:
                     raise CastError(f"{path}:{i}: expected an object with a string 'text' field")
                 yield row["text"]
     elif suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(path)
-        if "text" not in pf.schema_arrow.names:
-            raise CastError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
-        for batch in pf.iter_batches(columns=["text"], batch_size=1024):
-            yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
+        try:
+            pf = pq.ParquetFile(path)
+            if "text" not in pf.schema_arrow.names:
+                raise CastError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
+            batches = pf.iter_batches(columns=["text"], batch_size=1024)
+            for batch in batches:
+                yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
+        except (pa.ArrowException, OSError) as e:  # not parquet, or damaged (ArrowInvalid, ArrowIOError, ...)
+            raise CastError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                            "give a .parquet file with a 'text' column, or a UTF-8 .txt/.jsonl file") from None
     else:
         raise CastError(f"{path}: unsupported file type '{suffix}' (use {', '.join(TEXT_SUFFIXES)})")
 

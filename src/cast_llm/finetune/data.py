@@ -73,10 +73,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     if suffix not in RECORD_SUFFIXES:
         raise CastError(f"{path}: unsupported file type '{suffix}' (use {', '.join(RECORD_SUFFIXES)})")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CastError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); save it as "
+                        "UTF-8") from None
     if suffix in (".csv", ".tsv"):
+        # the csv module's field limit (128 KiB) raised to what a record may hold: one field is at most the file
+        csv.field_size_limit(max(csv.field_size_limit(), min(len(text) + 1, 2**31 - 1)))
         reader = csv.DictReader(text.splitlines(), delimiter="\t" if suffix == ".tsv" else ",")
-        rows = list(reader)
+        try:
+            rows = list(reader)
+        except csv.Error as e:
+            raise CastError(f"{path}:{reader.line_num}: not valid {suffix[1:].upper()} ({e})") from None
         if reader.fieldnames is None:
             raise CastError(f"{path}: empty file (expected a header row and records)")
         return rows

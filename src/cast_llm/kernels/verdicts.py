@@ -117,7 +117,10 @@ class VerdictFile:
         return self._entries
 
     def get(self, key: str) -> dict | None:
-        return self.entries().get(key)
+        """The entry of ``key``; None when there is none or it is not of the shape cast-llm writes (a hand edit:
+        the kernels are probed again and the entry rewritten, instead of a run failing mid-way on it)."""
+        entry = self.entries().get(key)
+        return entry if well_formed(entry) else None
 
     def put(self, key: str, entry: dict) -> None:
         self.entries()[key] = entry
@@ -132,3 +135,19 @@ class VerdictFile:
                                           "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "entries": merged})
         except OSError as e:  # a read-only home: the verdicts still hold for this process
             self.problem = f"cannot write {self.path} ({e.strerror or e}); verdicts are kept for this run only"
+
+
+def _number(v) -> bool:
+    return v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def well_formed(entry) -> bool:
+    """Whether a verdict entry has the shape :mod:`cast_llm.kernels.registry` writes: ``{"candidates": {name:
+    {"ok": bool, "seconds": number | None, "error": str | None, …}}, "reference_seconds": number | None, …}``."""
+    if not isinstance(entry, dict) or not _number(entry.get("reference_seconds")):
+        return False
+    candidates = entry.get("candidates", {})
+    return isinstance(candidates, dict) and all(
+        isinstance(name, str) and isinstance(r, dict) and isinstance(r.get("ok", False), bool)
+        and all(_number(r.get(k)) for k in ("seconds", "max_error", "tolerance"))
+        and isinstance(r.get("error") or "", str) for name, r in candidates.items())

@@ -317,6 +317,9 @@ def resolve_model(name_or_path: str) -> ModelSource:
     if alias is None and p.suffix == ".gguf":
         if not p.is_file():
             raise CastError(f"GGUF file not found: {p}")
+        from cast_llm.models.gguf_check import check_gguf
+
+        check_gguf(p)  # every length in its header against the file's size, before gguf-py allocates them
         return ModelSource(name, "gguf", str(p.parent), gguf_file=p.name)
     if alias is None and p.exists():
         if p.is_dir() and not (p / "config.json").is_file():

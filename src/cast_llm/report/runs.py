@@ -18,7 +18,7 @@ import numpy as np
 
 from cast_llm.analysis.files import load_ratio_histograms, read_layers
 from cast_llm.errors import CastError
-from cast_llm.io import RunDir, read_json
+from cast_llm.io import RunDir, read_json_object
 
 RUN_MARKERS = (RunDir.MARKER, RunDir.METRICS, RunDir.RESULTS)
 
@@ -90,20 +90,28 @@ def load_run(path: str | Path) -> Run:
     if not any((p / name).is_file() for name in RUN_MARKERS):
         raise CastError(f"{p} is not a cast-llm run folder (none of {', '.join(RUN_MARKERS)} in it)")
     run = RunDir(p)
-    marker = read_json(run.marker)
-    results = read_json(run.results)
+    fix = "restore or remove the file (was it edited by hand?)"
+
+    def obj(f: Path, what: str) -> dict[str, Any]:  # a file that is there must be what cast-llm writes
+        return read_json_object(f, what, fix=fix) if f.is_file() else {}
+
+    marker = obj(run.marker, "the run's marker")
+    results = obj(run.results, "the run's results")
     config = marker.get("config") or {}
     if not config and run.config.is_file():
         import yaml
 
         try:
-            config = yaml.safe_load(run.config.read_text()) or {}
-        except yaml.YAMLError:
-            config = {}
+            config = yaml.safe_load(run.config.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise CastError(f"{run.config} (the run's config) is not valid YAML ({type(e).__name__}); {fix}") from None
+    if not isinstance(config, dict):
+        raise CastError(f"the run's config in {run.config if not marker.get('config') else run.marker} is a "
+                        f"{type(config).__name__}, not a mapping; {fix}")
     method = marker.get("method") or results.get("method") or config.get("method") or "?"
-    zeroshot = read_json(p / "zeroshot.json") or None
+    zeroshot = obj(p / "zeroshot.json", "the run's zero-shot results") or None
     return Run(path=p, label=p.name or str(p), method=str(method), config=config,
-               metrics=_read_jsonl(run.metrics), results=results, dynamics=read_json(run.dynamics),
+               metrics=_read_jsonl(run.metrics), results=results, dynamics=obj(run.dynamics, "the run's dynamics"),
                layers=read_layers(run.layers), ratio=load_ratio_histograms(run.ratio_hist),
                zeroshot=zeroshot)
 
