@@ -4,7 +4,11 @@
 * ``compressed`` — our compact N:M format (:mod:`cast_llm.deploy.compressed`): kept values + 2-bit
   positions, 0.5625 × dense for fp16 2:4 targets; loads back bit-identically, or to semi-structured
   sparse weights on a CUDA GPU;
-* ``compressed-tensors`` — the legacy ``sparse-24-bitmask`` layout served by vLLM < 0.19.1.
+* ``compressed-tensors`` — the legacy ``sparse-24-bitmask`` layout served by vLLM < 0.19.1 (current vLLM and
+  transformers refuse it: one line says so when it is written).
+
+Every folder gets a model card (``README.md``: :mod:`cast_llm.deploy.model_card`) from what the model's
+origin recorded — never over a README.md cast-llm did not write.
 
 Every format refuses a model that is not exactly N:M (naming the layers), and by default the written folder
 is read back and compared with the model bit for bit.
@@ -74,7 +78,9 @@ def _state_equal(a, b) -> list[str]:
 
 def export_model(model, tokenizer, cfg: ExportConfig, out: Path) -> Path:
     from cast_llm.deploy.export import read_sparsity_metadata, save_sparse_checkpoint
+    from cast_llm.deploy.model_card import source_facts
 
+    card = {**source_facts(cfg.model), "made_by": f"cast-llm export --format {cfg.format}"}
     meta = {}
     if Path(cfg.model).is_dir():
         meta = read_sparsity_metadata(cfg.model) or {}
@@ -82,15 +88,16 @@ def export_model(model, tokenizer, cfg: ExportConfig, out: Path) -> Path:
     if cfg.format == "hf":
         extra = {k: v for k, v in meta.items() if k not in ("pattern", "n", "m", "method", "targets",
                                                                "target_sparsity", "cast_llm_version")}
-        return save_sparse_checkpoint(model, tokenizer, out, n=cfg.n, m=cfg.m, method=method, metadata=extra)
+        return save_sparse_checkpoint(model, tokenizer, out, n=cfg.n, m=cfg.m, method=method, metadata=extra,
+                                      card=card)
     if cfg.format == "compressed":
         from cast_llm.deploy.compressed import save_compressed
 
         return save_compressed(model, tokenizer, out, n=cfg.n, m=cfg.m, encoding=cfg.encoding,
-                               metadata={"sparsity_method": method})
+                               metadata={"sparsity_method": method}, card=card)
     from cast_llm.deploy.compressed_tensors import save_compressed_tensors
 
-    return save_compressed_tensors(model, tokenizer, out, metadata={"sparsity_method": method})
+    return save_compressed_tensors(model, tokenizer, out, metadata={"sparsity_method": method}, card=card)
 
 
 def reload(cfg: ExportConfig, out: Path, dtype):
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_options(ExportConfig, args)
     from cast_llm.deploy.checkpoint import prepare_output_dir
     from cast_llm.deploy.compressed import on_disk_bytes
+    from cast_llm.deploy.model_card import COMPRESSED_TENSORS_LEGACY, keep_users_readme
     from cast_llm.models import load_model, load_tokenizer
 
     target = prepare_output_dir(cfg.output_dir, cfg.overwrite, inputs={"MODEL": cfg.model})
@@ -120,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with target.staged() as staged:  # the old --output-dir is replaced only once this one is written and verified
         export_model(model, tokenizer, cfg, staged)
+        keep_users_readme(staged, target)  # a README.md cast-llm did not write stays; no card then
         sizes = on_disk_bytes(staged)
         dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
         print(f"wrote {cfg.format} checkpoint to {out}: {sizes['total'] / 2**20:,.2f} MiB of weights "
@@ -131,4 +140,6 @@ def run(args: argparse.Namespace) -> int:
                 raise CastError(f"verification failed: {len(bad)} tensor(s) differ after reading the export back, "
                                 f"e.g. {bad[:3]}; {out} was left as it was")
             print("verified: the written checkpoint loads back identical to the model (every tensor torch.equal)")
+    if cfg.format == "compressed-tensors":
+        print(f"note: {COMPRESSED_TENSORS_LEGACY}")
     return 0

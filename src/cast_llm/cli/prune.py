@@ -153,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
     with target.staged() as staged:  # the old --output-dir is replaced only once the new one is complete
         save_sparse_checkpoint(model, tokenizer, staged, n=cfg.n, m=cfg.m, method=cfg.method, targets=targets,
                                metadata=meta)
+        from cast_llm.deploy.model_card import keep_users_readme
+
+        keep_users_readme(staged, target)  # a README.md cast-llm did not write stays; no model card then
     print(format_sparsity_report(sparsity_report(model, n=cfg.n, m=cfg.m, targets=targets), n=cfg.n, m=cfg.m))
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all)")
     return 0

@@ -132,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     model.to("cpu").to(parse_dtype(cfg.dtype))
     with target.staged() as staged:  # the old --output-dir is replaced only once the new one is complete
         save_quantized(model, result, tokenizer, staged, n=cfg.n, m=cfg.m, metadata=metadata)
+        from cast_llm.deploy.model_card import keep_users_readme
+
+        keep_users_readme(staged, target)  # a README.md cast-llm did not write stays; no model card then
     index = json.loads((out / "quant_index.json").read_text())
     print(f"wrote {out} (packed targets: {index['bytes']['targets_packed'] / 2**20:,.2f} MiB) and "
           f"{out / 'fake-quant'} in {time.perf_counter() - t0:,.0f} s")

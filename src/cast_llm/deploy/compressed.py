@@ -84,14 +84,22 @@ def compress_state_dict(model, *, n: int = 2, m: int = 4, targets=None, encoding
 
 
 def save_compressed(model, tokenizer, output_dir: str | Path, *, n: int = 2, m: int = 4, targets=None,
-                    encoding: str = "auto", metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` in the compressed N:M format (refuses a model that is not exactly N:M)."""
+                    encoding: str = "auto", metadata: dict[str, Any] | None = None,
+                    card: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` in the compressed N:M format (refuses a model that is not exactly N:M), with a model
+    card (``card``: recorded facts of the model's origin, :mod:`cast_llm.deploy.model_card`)."""
     tensors, index = compress_state_dict(model, n=n, m=m, targets=targets, encoding=encoding)
     out = Path(output_dir)
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         save_config_and_tokenizer(model, tokenizer, tmp)
+        from cast_llm.deploy.export import sparsity_report
+        from cast_llm.deploy.model_card import writer_card
+
+        writer_card(tmp, model, fmt="compressed", dest=out, card=card, pattern=f"{n}:{m}",
+                    sparsity=getattr(model.config, "sparsity", None),
+                    nm_rows=sparsity_report(model, n=n, m=m, targets=targets))
         write_marker(tmp, "compressed-sparse-model", format=FORMAT, pattern=f"{n}:{m}", **(metadata or {}))
     return out
 

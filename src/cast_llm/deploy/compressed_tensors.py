@@ -110,8 +110,9 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 
 def save_compressed_tensors(model, tokenizer, output_dir: str | Path, *, targets=None,
-                            metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` (exactly 2:4) in the compressed-tensors ``sparse-24-bitmask`` layout."""
+                            metadata: dict[str, Any] | None = None, card: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` (exactly 2:4) in the compressed-tensors ``sparse-24-bitmask`` layout — a legacy layout
+    today (:data:`cast_llm.deploy.model_card.COMPRESSED_TENSORS_LEGACY`), with a model card (``card``)."""
     targets = targets if targets is not None else find_targets(model, n=2, m=4, skip_incompatible=True)
     conv1d = [t.fqn for t in targets if t.transposed]
     if conv1d:
@@ -141,6 +142,10 @@ def save_compressed_tensors(model, tokenizer, output_dir: str | Path, *, targets
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         save_config_and_tokenizer(model, tokenizer, tmp, {"quantization_config": quantization_config})
+        from cast_llm.deploy.model_card import writer_card
+
+        writer_card(tmp, model, fmt="compressed-tensors", dest=out, card=card, pattern="2:4", nm_rows=rows,
+                    sparsity=getattr(model.config, "sparsity", None))
         write_marker(tmp, "compressed-tensors-sparse-24-bitmask", aliases=aliases, **(metadata or {}))
     return out
 

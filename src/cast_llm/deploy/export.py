@@ -92,10 +92,12 @@ def save_sparse_checkpoint(
     method: str,
     targets=None,
     metadata: dict[str, Any] | None = None,
+    card: dict[str, Any] | None = None,
 ) -> Path:
     """Verify and write ``model`` as an HF checkpoint with a ``sparsity`` entry in its config.
 
     Nothing is written unless every target is N:M; then :func:`save_hf_checkpoint` writes atomically.
+    ``card``: recorded facts of the model's origin for its model card (:mod:`cast_llm.deploy.model_card`).
     """
     targets = targets if targets is not None else find_targets(model, n=n, m=m, skip_incompatible=True)
     rows = verify_nm(model, n=n, m=m, targets=targets)
@@ -109,18 +111,19 @@ def save_sparse_checkpoint(
         "cast_llm_version": __version__,
         **(metadata or {}),
     }
-    return save_hf_checkpoint(model, tokenizer, output_dir, info, kind="sparse-model")
+    return save_hf_checkpoint(model, tokenizer, output_dir, info, kind="sparse-model", card=card, nm_rows=rows)
 
 
 def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[str, Any], *,
-                       kind: str = "model") -> Path:
+                       kind: str = "model", card: dict[str, Any] | None = None, nm_rows=None) -> Path:
     """Write ``model`` (+ tokenizer) as an HF checkpoint whose ``config.json`` carries ``sparsity``.
 
     No N:M check here (:func:`save_sparse_checkpoint` does that first); this is the atomic writing shared
     by sparse exports and by outputs that are knowingly dense (``cast-llm finetune --mode dense``, whose
     ``sparsity`` entry says ``pattern: none``). Written into a temporary folder beside ``output_dir``;
     files are moved in only once the whole checkpoint is on disk, and ``cast_llm.json`` (the completion
-    marker, holding ``kind``) last.
+    marker, holding ``kind``) last. The folder gets a model card (``README.md``, never over one cast-llm
+    did not write in ``output_dir``).
     """
     out = Path(output_dir)
     had = getattr(model.config, "sparsity", None)
@@ -130,6 +133,9 @@ def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[
             model.save_pretrained(tmp, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            from cast_llm.deploy.model_card import writer_card
+
+            writer_card(tmp, model, fmt="hf", dest=out, sparsity=sparsity, card=card, nm_rows=nm_rows)
             names = sorted(p.name for p in tmp.iterdir()) + [CHECKPOINT_MARKER]
             (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity, "files": names},
                                                             indent=2))

@@ -120,15 +120,20 @@ def save_quantized(model, result, tokenizer, output_dir: str | Path, *, n: int =
     sparse = all(r.is_nm for r in sparsity_report(model, n=n, m=m, targets=targets))
     quant_info = {k: index[k] for k in ("method", "bits", "group_size")}
     out = Path(output_dir)
+    from cast_llm.deploy.model_card import quantized_facts, writer_card
+
+    card = quantized_facts(metadata, quant_info)  # the model card: the source's record, what quantize measured
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         save_config_and_tokenizer(model, tokenizer, tmp)
+        writer_card(tmp, model, fmt="quantized", dest=out, card=card, pattern=f"{n}:{m}" if sparse else "none",
+                    nm_rows=sparsity_report(model, n=n, m=m, targets=targets) if sparse else None)
         fake = tmp / FAKE_QUANT_DIR
         if sparse:  # keeps the `sparsity` entry and the N:M verification of a plain hf export
             save_sparse_checkpoint(model, tokenizer, fake, n=n, m=m, targets=targets,
                                    method=(metadata or {}).get("sparsity_method", "unknown"),
-                                   metadata={"quantization": quant_info})
+                                   metadata={"quantization": quant_info}, card=card)
         else:
             model.save_pretrained(fake, safe_serialization=True)
             if tokenizer is not None:

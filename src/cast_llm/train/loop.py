@@ -518,6 +518,9 @@ def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Chec
     results["phases"] = ctx.phases.gathered(distribution)
     if ctx.is_main:
         atomic_write_json(out / "results.json", results)
+        from cast_llm.deploy.model_card import refresh_run_card
+
+        refresh_run_card(out, results)  # the model card again, with what the run measured after writing it
     with distribution.waiting_for_main("removing the run's checkpoints"):
         if ctx.is_main:
             ckpt.drop(keep=cfg.keep_checkpoints_after)
