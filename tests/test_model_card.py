@@ -226,3 +226,23 @@ def test_the_embedded_models_card_links_its_hub_repo_and_the_licence_its_gguf_st
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in fm
     assert "license: apache-2.0" in fm  # general.license of the packaged GGUF
     assert "Q4_1 GGUF dequantised" in card_text(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["lora", "dense"])
+def test_finetune_output_gets_a_card(tmp_path, run, mode):
+    from cast_llm.cli import main
+
+    with (tmp_path / "instr.jsonl").open("w") as f:
+        for a in ["fox", "dog", "owl", "cat"] * 6:
+            f.write(json.dumps({"prompt": f"The quick {a} jumps. Animal:", "completion": f" {a}"}) + "\n")
+    out = tmp_path / "ft"
+    assert main(["finetune", str(run), "--data", str(tmp_path / "instr.jsonl"), "--output-dir", str(out),
+                 "--mode", mode, "--seq-len", "48", "--log-every", "2", "--no-progress", "--lora-r", "4",
+                 "--no-per-layer-report", "--max-steps", "2"]) == 0
+    assert CARD_FILE in json.loads((out / "cast_llm.json").read_text())["files"]
+    text = card_text(out)
+    assert "`cast-llm finetune`" in text
+    if mode == "dense":
+        assert "A **dense** model" in text and "- sparsity" not in front_matter(out)
+    else:
+        assert "exactly 2:4" in text
