@@ -4,6 +4,7 @@
 * :mod:`.nm_codec` — :class:`NMSparseWeight`, one N:M weight as kept values + bit-packed positions;
 * :mod:`.compressed` — ``--format compressed``: save / load a whole model in that form;
 * :mod:`.compressed_tensors` — ``--format compressed-tensors``: the legacy ``sparse-24-bitmask`` layout;
+* :mod:`.model_card` — the ``README.md`` model card written into every model folder, from recorded facts only;
 * :mod:`.sparse24` — 2:4 inference layers: compressed once, cuSPARSELt / CUTLASS kernels, measured per-shape
   dispatch to dense where 2:4 does not pay, a CUDA-graph decoder (docs/deployment.md);
 * :mod:`.semi_structured` — swap 2:4 weights to ``torch.sparse`` semi-structured tensors (CUDA ≥ sm80; the

@@ -127,6 +127,11 @@ def _front_matter(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cell(v: Any) -> str:
+    """Text for a markdown table cell (one line, no column break)."""
+    return " ".join(str(v).split()).replace("|", "\\|")
+
+
 def _num(v: Any, fmt: str = "{:,}") -> str:
     return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
@@ -226,7 +231,8 @@ def render_card(facts: dict[str, Any]) -> str:
     if rows:
         out += ["Lower is better. Only the measurements recorded by the cast-llm run that made this model:", "",
                 "| model | perplexity | measured on |", "|---|---:|---|"]
-        out += [f"| {r['model']} | {r['perplexity']:.2f} | {r.get('measured_on', 'not recorded')} |" for r in rows]
+        out += [f"| {_cell(r['model'])} | {r['perplexity']:.2f} | {_cell(r.get('measured_on', 'not recorded'))} |"
+                for r in rows]
         if f.get("perplexity_note"):
             out += ["", f["perplexity_note"]]
     else:
@@ -238,7 +244,8 @@ def render_card(facts: dict[str, Any]) -> str:
     speeds = [s for s in f.get("speeds") or [] if isinstance(s.get("value"), (int, float)) and s.get("measured_on")]
     if speeds:
         out += ["| what | measured | on |", "|---|---:|---|"]
-        out += [f"| {s.get('what', '')} | {s['value']:,.2f} {s.get('unit', '')} | {s['measured_on']} |" for s in speeds]
+        out += [f"| {_cell(s.get('what', ''))} | {s['value']:,.2f} {_cell(s.get('unit', ''))} | {_cell(s['measured_on'])} |"
+                for s in speeds]
     else:
         out.append("No speed measurement is recorded for this model. `cast-llm bench-inference PATH` measures dense "
                    "against 2:4 on your machine.")
@@ -249,7 +256,8 @@ def render_card(facts: dict[str, Any]) -> str:
             "The other exports of the same model: `hf` (dense with exact zeros: loads everywhere, no speedup), "
             "`compressed` (cast-llm's own: its 2:4 layers, faster), `compressed-tensors` (legacy: current vLLM and "
             "transformers refuse it) — `cast-llm export PATH --format FORMAT --output-dir OUT`.", ""]
-    out.append(f"<!-- {_FACTS_TAG}\n{json.dumps(f, sort_keys=True, default=str)}\n-->")
+    facts_json = json.dumps(f, sort_keys=True, default=str).replace(">", "\\u003e")  # no "-->" inside the comment
+    out.append(f"<!-- {_FACTS_TAG}\n{facts_json}\n-->")
     return "\n".join(out) + "\n"
 
 
@@ -555,7 +563,17 @@ def writer_card(folder: str | Path, model, *, fmt: str, dest: str | Path | None 
                 nm_rows=None, pattern: str | None = None) -> Path | None:
     """The card of a writer (hf, compressed, compressed-tensors): the origin's recorded facts (``sparsity``,
     then ``card``, the caller's :func:`source_facts`), then what the writer itself knows and checked
-    (``nm_rows``: the :func:`~cast_llm.deploy.export.verify_nm` rows of the check it ran before writing)."""
+    (``nm_rows``: the :func:`~cast_llm.deploy.export.verify_nm` rows of the check it ran before writing).
+    A card that cannot be made is one warning line, never a lost checkpoint."""
+    try:
+        return _writer_card(folder, model, fmt=fmt, dest=dest, sparsity=sparsity, card=card, nm_rows=nm_rows,
+                            pattern=pattern)
+    except Exception as e:  # a card is a convenience: the weights are written whatever happens here
+        print(f"warning: no model card written ({type(e).__name__}: {e})")
+        return None
+
+
+def _writer_card(folder, model, *, fmt, dest, sparsity, card, nm_rows, pattern) -> Path | None:
     f = facts_from_sparsity(sparsity)
     if f.get("oneshot") and "made_by" not in (card or {}):
         f["made_by"] = "cast-llm prune"
