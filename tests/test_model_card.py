@@ -214,6 +214,19 @@ def test_quantize_writes_a_card_without_the_sources_perplexities(tmp_path, run):
     assert "load_model" in card_text(out) and "AutoModelForCausalLM" in card_text(out / "fake-quant")
 
 
+def test_quantize_card_states_the_perplexities_quantize_measured(tmp_path):
+    src = save_hf(sparse_model("llama"), tmp_path / "sparse")
+    out = tmp_path / "w4"
+    assert cli("quantize", src, "--method", "rtn", "--group-size", "32", "--device", "cpu", "--output-dir", out,
+               "--eval-windows", "1", "--eval-seq-len", "32") == 0
+    wiki = json.loads((out / "cast_llm.json").read_text())["wikitext2"]
+    known = {f"{wiki[k]['perplexity']:.2f}" for k in ("before", "after")}
+    text = card_text(out)
+    assert all(v in text for v in known) and "this model (quantized)" in text
+    zero = read_card_facts(out)["nm_check"]["zero_fraction"]  # measured by the writer's own 2:4 check
+    assert_no_invented_figures(out, known | {f"{100 * zero:.2f}"})
+
+
 def test_the_embedded_models_card_links_its_hub_repo_and_the_licence_its_gguf_states(tmp_path):
     import importlib.util
 
