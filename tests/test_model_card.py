@@ -259,3 +259,14 @@ def test_finetune_output_gets_a_card(tmp_path, run, mode):
         assert "A **dense** model" in text and "- sparsity" not in front_matter(out)
     else:
         assert "exactly 2:4" in text
+
+
+def test_the_cards_copy_of_the_embedded_models_agrees_with_the_loader():
+    """deploy does not import models (models imports deploy): the card keeps its own copy of the aliases."""
+    from cast_llm.deploy.model_card import ALIAS_FACTS
+    from cast_llm.models.loading import ALIASES
+
+    assert set(ALIAS_FACTS) == set(ALIASES)
+    for name, facts in ALIAS_FACTS.items():
+        assert (facts["package"], facts["filename"], facts["description"]) == (
+            ALIASES[name].package, ALIASES[name].filename, ALIASES[name].description)

