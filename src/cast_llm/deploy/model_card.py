@@ -515,7 +515,8 @@ def source_facts(model: str | Path) -> dict[str, Any]:
     if not p.is_dir():
         return {}
     f = read_card_facts(p)
-    for k in ("format", "dtype", "nm_check", "made_by", "cast_llm_version", "architecture", "parameters"):
+    for k in ("format", "dtype", "nm_check", "made_by", "cast_llm_version", "architecture", "parameters",
+              "perplexity_note"):
         f.pop(k, None)  # the writer's own facts: the new folder states its own
     config = read_json(p / "config.json")  # its `sparsity` entry (cast_llm.deploy.export.read_sparsity_metadata)
     sparsity = config.get("sparsity") if isinstance(config, dict) else None
