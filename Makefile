@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml | $(PY)
 	# No newer release has that compressor, and this one runs a `file.py:attr` named as a config's format:
 	# cast-llm never lets it read a config it did not check (models/loading.py: check_model_folder)
 	$(PY) -m pip install -q --no-deps compressed-tensors==0.14.0.1 loguru
+	# the CPU 2:4 kernels (a C++ extension, ~20-40 s once; cached by source hash): built here so that no later
+	# command pays for it; where it cannot build, this prints one line and the 2:4 layers run dense
+	$(PY) -m cast_llm.deploy.sparse24.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

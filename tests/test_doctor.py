@@ -8,6 +8,7 @@ import torch
 
 from cast_llm import kernels
 from cast_llm.cli import main
+from cast_llm.deploy.sparse24 import cpu as cpu24
 
 
 def test_doctor_json_lists_every_kernel_path_and_exits_0(capsys):
@@ -23,8 +24,13 @@ def test_doctor_json_lists_every_kernel_path_and_exits_0(capsys):
     assert all(r["verdict"] in ("pass", "fail", "not here", "CUDA-only") for r in rows)
     if not torch.cuda.is_available():
         cpu_ok = [r for r in rows if r["verdict"] == "pass"]
-        assert [(r["path"], r["candidate"]) for r in cpu_ok] == [("adams.update", "blockwise")]
+        cpu24_ok = [r for r in cpu_ok if r["path"].startswith("sparse24.cpu_gemm.")]
+        assert [(r["path"], r["candidate"]) for r in cpu_ok if r not in cpu24_ok] == [("adams.update", "blockwise")]
         assert cpu_ok[0]["runs"] and cpu_ok[0]["seconds"] > 0 and cpu_ok[0]["reference_seconds"] > 0
+        if cpu24.extension_reason() is None:  # the CPU 2:4 kernels: listed with their time against dense
+            bf16 = {r["candidate"]: r for r in cpu24_ok if r["path"] == "sparse24.cpu_gemm.bfloat16"}
+            assert "cpu-avx512-bf16" in bf16 or "cpu-avx2" in bf16
+            assert all(r["seconds"] > 0 and r["reference_seconds"] > 0 for r in bf16.values())
         cuda_only = {r["path"] for r in rows if r["verdict"] == "CUDA-only"}
         assert cuda_only >= {"adams.masks", "scaled_weight.layer", "teacher.cuda_graph", "sparse24.gemm"}
         assert all(r["verdict"] != "fail" for r in rows)

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import kernels as K
-from cast_llm.deploy.sparse24.kernels import KERNELS, padded_rows, sparse_linear
+from cast_llm.deploy.sparse24.kernels import GPU_KERNELS, KERNELS, padded_rows, sparse_linear
 from cast_llm.deploy.sparse24.linear import check_sparse24_weight
 from cast_llm.sparsity.mask import nm_mask
 
@@ -112,8 +113,12 @@ def test_weight_checks_give_one_line_errors_naming_the_layer():
     assert err.startswith("model.layers.0.mlp.up_proj: weight (64, 32) is not exactly 2:4") and "\n" not in err
     assert "not a multiple of 4" in check_sparse24_weight(torch.zeros(8, 6), "l", emu)[1]
     if not torch.cuda.is_available():
-        _, err = check_sparse24_weight(w24(64, 32, torch.bfloat16), "q_proj")
+        _, err = check_sparse24_weight(w24(64, 32, torch.bfloat16), "q_proj", GPU_KERNELS)
         assert err.startswith("q_proj: no 2:4 kernel can run it") and "CUDA" in err
+        # by default a CPU weight gets the CPU extension's kernels (or one line saying why none runs)
+        ok, err = check_sparse24_weight(w24(64, 32, torch.bfloat16), "q_proj")
+        why = cpu24.extension_reason()
+        assert (ok[0] == "cpu-avx512-bf16" or ok[0].startswith("cpu-")) if why is None else why in err
 
 
 class _FakeCslt:

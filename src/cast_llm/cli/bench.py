@@ -18,10 +18,13 @@ from cast_llm.cli.options import add_config_command, resolve_options, summary
 from cast_llm.config import kernels_option, option
 from cast_llm.errors import CastError
 
-# LLaMA-2 shapes (hidden, intermediate, layers, heads) for random-weight speed runs
+# LLaMA shapes (hidden, intermediate, layers, heads, key/value heads, vocabulary, tied head) for random-weight
+# speed runs, from the models' published configs
 RANDOM_SHAPES = {
-    "llama-2-7b": (4096, 11008, 32, 32),
-    "llama-2-13b": (5120, 13824, 40, 40),
+    "llama-2-7b": (4096, 11008, 32, 32, 32, 32000, False),
+    "llama-2-13b": (5120, 13824, 40, 40, 40, 32000, False),
+    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000, False),
+    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256, True),
 }
 
 
@@ -71,10 +74,10 @@ def random_model(spec: str, dtype, device, seed: int = 0):
     if spec not in RANDOM_SHAPES:
         raise CastError(f"unknown random model 'random:{spec}'; use one of "
                         + ", ".join(f"random:{k}" for k in RANDOM_SHAPES))
-    hidden, inter, layers, heads = RANDOM_SHAPES[spec]
+    hidden, inter, layers, heads, kv_heads, vocab, tied = RANDOM_SHAPES[spec]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32000,
-                         max_position_embeddings=4096)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=4096, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -43,7 +43,7 @@ from cast_llm.deploy.sparse24 import (
     sparse24_memory,
     to_sparse24_,
 )
-from cast_llm.deploy.sparse24.kernels import GPU_KERNELS
+from cast_llm.deploy.sparse24.kernels import default_kernels
 from cast_llm.deploy.sparse24.timing import gemm_fn
 from cast_llm.errors import CastError
 from cast_llm.prune.magnitude import magnitude_prune_
@@ -216,7 +216,7 @@ def _plan_summary(plan: dict[str, dict[str, str]]) -> dict[str, dict[str, int]]:
     return out
 
 
-BACKENDS = {"auto": GPU_KERNELS, "cusparselt": ("cusparselt-direct", "cusparselt"), "cutlass": ("cutlass",)}
+BACKENDS = {"auto": None, "cusparselt": ("cusparselt-direct", "cusparselt"), "cutlass": ("cutlass",)}  # auto: the device's
 
 
 def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchReport:
@@ -240,7 +240,7 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     tokens = {"prefill": cfg.batch_size * cfg.prompt_len, "decode": cfg.batch_size}
     if cfg.backend not in BACKENDS:
         raise CastError(f"unknown 2:4 backend {cfg.backend!r}; use {', '.join(BACKENDS)}")
-    kernels, why = available_kernels(device, dtype, BACKENDS[cfg.backend])
+    kernels, why = available_kernels(device, dtype, BACKENDS[cfg.backend] or default_kernels(device))
     report = BenchReport(model=name, device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
                          config=asdict(cfg), dense=dense, notes=notes)
     report.per_linear = bench_linears(linear_shapes(targets), tokens, dtype=dtype, device=device, kernels=kernels,

@@ -80,7 +80,12 @@ def default_identity(device: torch.device) -> tuple[str, str]:
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
     else:
-        gpu = f"cpu ({device})"
+        # a CPU's choice depends on its model and on the threads torch runs (bandwidth per core, GEMM speed)
+        from cast_llm.deploy.sparse24 import cpu as cpu24
+        from cast_llm.machine import cpu_model
+
+        return (f"cpu {cpu_model()} x{torch.get_num_threads()} threads",
+                f"torch {torch.__version__}, {cpu24.build_key()}")
     cslt = torch.backends.cusparselt.version() if torch.backends.cusparselt.is_available() else None
     return gpu, f"torch {torch.__version__}, cuSPARSELt {cslt}"
 

@@ -43,13 +43,17 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm import kernels
+from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.deploy.sparse24.buckets import token_bucket
 from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = [
+    "CPU_KERNELS",
+    "CPU_W8_KERNELS",
     "GPU_KERNELS",
+    "default_kernels",
     "KERNELS",
     "Kernel",
     "available_kernels",
@@ -313,10 +317,64 @@ class EmulatedKernel(Kernel):
         return y.to(x2d.dtype)
 
 
+class CpuKernel(Kernel):
+    """The CPU extension's 2:4 GEMM on one instruction path (:mod:`.cpu`): reads kept values + 2-bit positions
+    directly, no row padding, bias added in the kernel. ``w8``: the kept values stored as int8 with one fp32
+    scale per output row (2:4 + W8: a lossy form, never chosen unless asked for by name)."""
+
+    def __init__(self, path: str, w8: bool = False):
+        super().__init__(name=f"cpu-{'w8-' if w8 else ''}{path}", fmt="cpu24-w8" if w8 else "cpu24", fuses_bias=True)
+        self.path, self.w8 = path, w8
+
+    def unavailable_reason(self, device, dtype):
+        return cpu24.unavailable_reason(self.path, torch.device(device), dtype, values="int8" if self.w8 else "same")
+
+    def shape_error(self, out_features, in_features, dtype):
+        return None if in_features % 4 == 0 else f"{in_features} input features are not a multiple of 4"
+
+    def row_multiple(self, dtype):
+        return 1
+
+    def compress(self, weight):
+        state = cpu24.compress(weight)
+        return cpu24.quantize_values(state) if self.w8 else state
+
+    def decompress(self, state, out_features, in_features):
+        return cpu24.decompress(state, out_features, in_features)
+
+    def mm(self, x2d, state, bias, out_features):
+        return cpu24.sparse24_mm(self.path, x2d, state, bias)
+
+
+class CpuUnpackKernel(CpuKernel):
+    """Rebuild the dense weight from the CPU compressed form into a shared scratch buffer, then torch's dense
+    GEMM (:func:`.cpu.unpack_mm`): how a layer that holds only its compressed bytes runs large token counts."""
+
+    def __init__(self):
+        super().__init__("avx512")
+        self.name, self.path = "cpu-unpack", "unpack"
+
+    def unavailable_reason(self, device, dtype):
+        return cpu24.unavailable_reason("avx2", torch.device(device), dtype)  # any x86-64 build runs it
+
+    def mm(self, x2d, state, bias, out_features):
+        return cpu24.unpack_mm(x2d, state, bias, out_features)
+
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (CusparseltDirectKernel(), CusparseltOpKernel(), CutlassKernel(),
-                                                  EmulatedKernel())}
+                                                  EmulatedKernel(), *(CpuKernel(p) for p in cpu24.PATHS),
+                                                  CpuUnpackKernel(),
+                                                  *(CpuKernel(p, w8=True) for p in cpu24.PATHS if p != "avx512-bf16"))}
 # preference order when measurements tie (or are not taken): the direct cuSPARSELt path has the least host cost
 GPU_KERNELS = ("cusparselt-direct", "cusparselt", "cutlass")
+# the exact CPU kernels, widest instructions first (the dispatcher times those that run here)
+CPU_KERNELS = tuple(f"cpu-{p}" for p in cpu24.PATHS) + ("cpu-unpack",)
+CPU_W8_KERNELS = ("cpu-w8-avx512", "cpu-w8-avx2")
+
+
+def default_kernels(device) -> tuple[str, ...]:
+    """The 2:4 kernels a layer on ``device`` may use unless told otherwise (the exact ones)."""
+    return CPU_KERNELS if torch.device(device).type == "cpu" else GPU_KERNELS
 
 
 def available_kernels(device, dtype, names=GPU_KERNELS) -> tuple[list[str], dict[str, str]]:
@@ -328,9 +386,11 @@ def available_kernels(device, dtype, names=GPU_KERNELS) -> tuple[list[str], dict
         if name not in KERNELS:
             raise ValueError(f"unknown 2:4 kernel {name!r}; known: {', '.join(KERNELS)}")
         reason = KERNELS[name].unavailable_reason(device, dtype)
-        if reason is None and name in GPU_KERNELS:
-            if kernels.choose(SPARSE24_GEMM.name, device, (dtype,), only=(name,)) == kernels.REFERENCE:
-                reason = kernels.why_not(SPARSE24_GEMM.name, device, (dtype,))
+        checked = (SPARSE24_GEMM if name in GPU_KERNELS else
+                   SPARSE24_CPU_GEMM.get(dtype) if name in KERNELS_CHECKED_ON_CPU else None)
+        if reason is None and checked is not None:
+            if kernels.choose(checked.name, device, (dtype,), only=(name,)) == kernels.REFERENCE:
+                reason = kernels.why_not(checked.name, device, (dtype,))
         if reason is None:
             ok.append(name)
         else:
@@ -374,6 +434,63 @@ SPARSE24_GEMM = kernels.register(kernels.CheckedPath(
     probe=_gemm_probe,
     variants=lambda device: [(torch.bfloat16,), (torch.float16,)],
 ))
+
+
+KERNELS_CHECKED_ON_CPU = CPU_KERNELS + CPU_W8_KERNELS
+
+
+def _cpu_gemm_probe(impl: Kernel, device: torch.device, variant: tuple) -> kernels.Check:
+    """``impl`` against a float64 product of the same exactly-2:4 weight (the W8 kernels: of their dequantized
+    weight), at shapes with odd tails (in % 64, % 32 and % 16 not 0), 1 to 9 rows, with a bias."""
+    (dtype,) = variant
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for (m, k), n in (((192, 576), 1), ((64, 1540), 5), ((37, 100), 9)):
+        w = torch.randn(m, k, generator=gen)
+        w = w.masked_fill_(~nm_mask(w, 2, 4), 0).to(dtype)
+        x = torch.randn(n, k, generator=gen).to(dtype)
+        b = torch.randn(m, generator=gen).to(dtype)
+        state = impl.compress(w)
+        w_ref = impl.decompress(state, m, k) if "scale" in state else w
+        ref = x.double() @ w_ref.double().t() + b.double()
+        y = sparse_linear(impl, x, state, b, m).double()
+        worst = max(worst, float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    # the output is rounded once to the layer's dtype: bf16 half an ulp is 2^-9 of |y|, fp32 accumulation noise
+    return kernels.Check(worst, 8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+def _cpu_gemm_timer(impl: Kernel | None, device: torch.device, variant: tuple) -> float:
+    """Seconds per batch-1 call at a LLaMA-7B shape (4096 x 4096), weights cycled past the L3 cache."""
+    from cast_llm.deploy.sparse24.timing import cycled_seconds
+
+    (dtype,) = variant
+    return cycled_seconds("dense" if impl is None else impl.name, 4096, 4096, dtype, 1)
+
+
+def _cpu_runs_on(name: str, dtype: torch.dtype):
+    def runs_on(device: torch.device) -> str | None:
+        return KERNELS[name].unavailable_reason(device, dtype)
+    return runs_on
+
+
+def _cpu_path(dtype: torch.dtype) -> kernels.CheckedPath:
+    """One checked path per layer dtype (the avx512-bf16 kernel exists for bf16 layers only)."""
+    short = str(dtype).removeprefix("torch.")
+    names = tuple(n for n in KERNELS_CHECKED_ON_CPU if dtype == torch.bfloat16 or KERNELS[n].path != "avx512-bf16")
+    return kernels.register(kernels.CheckedPath(
+        name=f"sparse24.cpu_gemm.{short}",
+        what=f"CPU 2:4 GEMM of a {short} Sparse24Linear layer, read from the compressed weight (deploy/sparse24/cpu.py)",
+        reference="dense F.linear",
+        measure="max |Δ| / max |y| against a float64 product",
+        candidates=tuple(kernels.Candidate(n, lambda n=n: KERNELS[n], _cpu_runs_on(n, dtype)) for n in names),
+        probe=_cpu_gemm_probe,
+        timer=_cpu_gemm_timer,
+        variants=lambda device: [(dtype,)],
+        cuda_only=False,
+    ))
+
+
+SPARSE24_CPU_GEMM = {dtype: _cpu_path(dtype) for dtype in (torch.bfloat16, torch.float32)}
 
 
 def sparse_linear(kernel: Kernel, x: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None,

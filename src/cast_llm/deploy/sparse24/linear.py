@@ -33,9 +33,9 @@ from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.deploy.sparse24.dispatch import DENSE, Dispatcher, token_bucket
 from cast_llm.deploy.sparse24.kernels import (
-    GPU_KERNELS,
     KERNELS,
     available_kernels,
+    default_kernels,
     padded_rows,
     sparse_linear,
 )
@@ -51,7 +51,7 @@ _SAID: set[str] = set()  # layers that said they run another kernel inside a cap
 
 
 def check_sparse24_weight(weight: torch.Tensor, name: str = "weight",
-                          kernels=GPU_KERNELS) -> tuple[list[str], str | None]:
+                          kernels=None) -> tuple[list[str], str | None]:
     """(the kernels of ``kernels`` that can run this ``(out, in)`` weight, None) or ([], one-line error).
 
     Checks, in order: 2-D; a kernel runs on its device and dtype; the shape fits a kernel's block rules;
@@ -60,7 +60,8 @@ def check_sparse24_weight(weight: torch.Tensor, name: str = "weight",
     """
     if weight.dim() != 2:
         return [], f"{name}: weight is {weight.dim()}-D; a 2:4 linear needs a 2-D (out, in) weight"
-    ok, why = available_kernels(weight.device, weight.dtype, kernels)
+    ok, why = available_kernels(weight.device, weight.dtype, default_kernels(weight.device) if kernels is None
+                                else kernels)
     if not ok:
         first = next(iter(why.items()))
         return [], f"{name}: no 2:4 kernel can run it ({first[0]}: {first[1]})"
@@ -106,7 +107,8 @@ class Sparse24Linear(nn.Module):
                     keep_dense: bool | None = None, name: str = "") -> Sparse24Linear:
         """Compress ``linear`` (``nn.Linear`` or GPT-2 ``Conv1D``; exactly 2:4 along its inputs) once.
 
-        ``kernels``: the 2:4 kernels it may use (default: every GPU kernel that can run it). ``dispatcher``:
+        ``kernels``: the 2:4 kernels it may use (default: every exact kernel of the weight's device that can
+        run it: the GPU kernels on a GPU, the CPU extension's on the CPU). ``dispatcher``:
         measured per-token-count choice including dense (None: always the first kernel). ``keep_dense``:
         hold the dense weight as the fallback (default: only when dispatching).
         """
@@ -115,7 +117,7 @@ class Sparse24Linear(nn.Module):
         in_f, out_f, transposed = linear_features(linear)
         weight = linear.weight.detach()
         weight = weight.t().contiguous() if transposed else weight  # Conv1D stores (in, out)
-        usable, error = check_sparse24_weight(weight, name or "weight", GPU_KERNELS if kernels is None else kernels)
+        usable, error = check_sparse24_weight(weight, name or "weight", kernels)
         if error:
             raise CastError(error)
         keep_dense = dispatcher is not None if keep_dense is None else keep_dense
@@ -200,6 +202,15 @@ class Sparse24Linear(nn.Module):
         if kernel == DENSE:
             weight, bias = self.dense_weight, self.bias
             run = lambda x: F.linear(x, weight, bias)  # noqa: E731
+        elif kernel.startswith("cpu-") and kernel != "cpu-unpack":
+            # the CPU extension's op called directly: no row padding, bias in the kernel (~2 µs a call)
+            from cast_llm.deploy.sparse24.cpu import PATHS, load_extension
+
+            k = KERNELS[kernel]
+            op, isa = load_extension().sparse24_mm, PATHS[k.path]
+            st, bias, in_f, out_f = self.states[k.fmt], self.bias, self.in_features, self.out_features
+            values, meta, scale = st["values"], st["meta"], st.get("scale")
+            run = lambda x: op(x.reshape(-1, in_f), values, meta, scale, bias, isa).view(*x.shape[:-1], out_f)  # noqa: E731
         else:
             k = KERNELS[kernel]
             state, bias, out_f = self.states[k.fmt], self.bias, self.out_features

@@ -1,0 +1,237 @@
+"""The CPU 2:4 kernels: a C++ extension that multiplies straight from the compressed weight (csrc/sparse24_cpu.cpp).
+
+Decode at batch 1 on a CPU reads every weight once per token, so its speed is the weight bytes over the memory
+bandwidth. A 2:4 layer in bf16 stored as kept values + 2-bit positions reads 0.5625 of the dense bytes (int8
+values + per-row scales: 0.3125 of dense bf16), and these kernels read exactly that: they never rebuild a
+dense weight. The compressed form (``values (out, in/2)``, ``meta (out, ceil(in/8))`` uint8, 2 bits per kept
+value) is bit for bit the ``positions`` stream of ``--format compressed`` checkpoints for rows of a multiple of
+8 inputs, so :func:`cast_llm.deploy.compressed.load_compressed` hands the file's tensors to the kernel as they are.
+
+Three instruction paths, chosen per CPU at run time from one build (``PATHS``):
+
+* ``avx512-bf16`` — bf16 activations and values, vpermt2w gathers the kept activations, vdpbf16ps accumulates
+  in fp32 (AVX512-BW/VBMI/BF16: AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+);
+* ``avx512`` — fp32 activations (a bf16 input is widened once per call), fp32 / bf16 / int8 values;
+* ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512.
+
+The extension is built by :mod:`torch.utils.cpp_extension` (ninja, the compiler torch was built for) the first
+time a process needs it — ``make install`` does it once — into a cache folder keyed by a hash of the source,
+the flags and the torch version (``CAST_LLM_EXTENSIONS_DIR``, default ``~/.cache/cast-llm/extensions``). One
+line says when it compiles; where it cannot be built or loaded, :func:`unavailable_reason` says why in one
+line and the layers run dense. ``CAST_LLM_KERNELS=reference`` (``--kernels reference``) never loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cast_llm.sparsity.mask import nm_mask
+
+__all__ = ["PATHS", "available_paths", "compress", "decompress", "dense_mm", "scratch_bytes", "unpack_mm", "extension_reason", "load_extension",
+           "quantize_values", "sparse24_mm", "unavailable_reason"]
+
+PATHS = {"avx512-bf16": 0, "avx512": 1, "avx2": 2}  # name -> the extension's isa id
+SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
+NAME = "cast_llm_cpu24"
+
+_STATE: dict[str, object] = {}  # "ops" -> torch.ops namespace, "error" -> why it is not there
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CAST_LLM_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "cast-llm" / "extensions"
+
+
+def build_key() -> str:
+    """The build folder's name: a new source, flag set, torch or Python rebuilds."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.split()[0].encode())
+    return f"{NAME}-{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """One builder at a time (pytest workers, two commands at once); the others wait, then load its result."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def load_extension(*, verbose: bool = False, quiet: bool = False):
+    """``torch.ops.cast_llm_cpu24``, building the extension first if this machine has no build of this source.
+    Raises RuntimeError (one line) where it cannot be built or loaded."""
+    if "ops" in _STATE:
+        return _STATE["ops"]
+    if "error" in _STATE:
+        raise RuntimeError(_STATE["error"])
+    try:
+        ops = _load(verbose=verbose, quiet=quiet)
+    except Exception as e:  # noqa: BLE001 - any failure means: no extension, the layers run dense
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else type(e).__name__)
+        _STATE["error"] = f"the CPU 2:4 extension could not be built or loaded ({type(e).__name__}: {first[:240]})"
+        raise RuntimeError(_STATE["error"]) from None
+    _STATE["ops"] = ops
+    return ops
+
+
+def _load(verbose: bool, quiet: bool):
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"{SOURCE} is missing from this installation")
+    folder = cache_dir() / build_key()
+    library, complete = folder / f"{NAME}.so", folder / ".complete"
+    with _locked(folder):
+        if not complete.is_file():  # (a build killed half-way leaves no stamp: it is built again)
+            from torch.utils import cpp_extension
+
+            if not quiet:
+                print(f"cast-llm: compiling the CPU 2:4 kernels once (C++, ~20 s) into {folder}", file=sys.stderr,
+                      flush=True)
+            t0 = time.perf_counter()
+            cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder),
+                               is_python_module=False, verbose=verbose)
+            complete.write_text(f"{library.name}\n")
+            if not quiet:
+                print(f"cast-llm: CPU 2:4 kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+                      flush=True)
+        elif not hasattr(torch.ops, NAME) or not hasattr(getattr(torch.ops, NAME), "sparse24_mm"):
+            torch.ops.load_library(str(library))
+    return getattr(torch.ops, NAME)
+
+
+def extension_reason() -> str | None:
+    """None where the extension is loaded (building it if needed), else why not."""
+    from cast_llm import kernels
+
+    if kernels.mode() == kernels.REFERENCE:
+        return "the checked kernels are switched off (--kernels reference / CAST_LLM_KERNELS=reference)"
+    try:
+        load_extension()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def available_paths() -> list[str]:
+    """The instruction paths this CPU runs (empty where the extension is not there)."""
+    if extension_reason() is not None:
+        return []
+    ops = load_extension()
+    return [name for name, isa in PATHS.items() if ops.cpu_supports(isa)]
+
+
+def unavailable_reason(path: str, device: torch.device, dtype: torch.dtype, values: str = "same") -> str | None:
+    """Why ``path`` cannot run a ``dtype`` layer on ``device`` (None: it can)."""
+    if torch.device(device).type != "cpu":
+        return f"the CPU 2:4 kernels run on the CPU, not {torch.device(device).type}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the CPU 2:4 kernels take bfloat16 or float32 layers, not {dtype}"
+    if path == "avx512-bf16" and (dtype != torch.bfloat16 or values != "same"):
+        return "the avx512-bf16 path takes bf16 activations and bf16 values"
+    why = extension_reason()
+    if why:
+        return why
+    if path not in available_paths():
+        return f"this CPU lacks the instructions of the {path} path"
+    return None
+
+
+# ------------------------------------------------------------------------------------- the compressed form
+def compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``(out, in)`` exactly-2:4 weight → ``{"values": (out, in/2), "meta": (out, ceil(in/8)) uint8}``."""
+    out_f, in_f = weight.shape
+    keep = nm_mask(weight, 2, 4).reshape(out_f, in_f // 4, 4)  # the non-zeros, ties to the lower index
+    groups = weight.reshape(out_f, in_f // 4, 4)
+    values = groups[keep].reshape(out_f, in_f // 2)  # boolean indexing keeps row-major order
+    pos = torch.arange(4, dtype=torch.uint8, device=weight.device).expand_as(groups)[keep].reshape(out_f, in_f // 2)
+    return {"values": values.contiguous(), "meta": pack_positions(pos)}
+
+
+def pack_positions(pos: torch.Tensor) -> torch.Tensor:
+    """``(out, in/2)`` positions 0..3 → ``(out, ceil(in/8))`` uint8, value ``j`` at bits ``2j`` of its row."""
+    out_f, kept = pos.shape
+    pad = (-kept) % 4
+    if pad:
+        pos = torch.cat([pos, pos.new_zeros(out_f, pad)], dim=1)
+    p = pos.reshape(out_f, -1, 4).to(torch.uint8)
+    return (p[..., 0] | (p[..., 1] << 2) | (p[..., 2] << 4) | (p[..., 3] << 6)).contiguous()
+
+
+def unpack_positions(meta: torch.Tensor, kept: int) -> torch.Tensor:
+    """Inverse of :func:`pack_positions`: ``(out, kept)`` uint8 positions."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=meta.device)
+    return ((meta.unsqueeze(-1) >> shifts) & 3).reshape(meta.shape[0], -1)[:, :kept]
+
+
+def decompress(state: dict[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
+    """The dense ``(out, in)`` weight (int8 values come back dequantized, in fp32)."""
+    values = state["values"]
+    if "scale" in state:
+        values = values.float() * state["scale"].unsqueeze(1)
+    pos = unpack_positions(state["meta"], in_features // 2).reshape(out_features, in_features // 4, 2).long()
+    dense = torch.zeros(out_features, in_features // 4, 4, dtype=values.dtype, device=values.device)
+    return dense.scatter_(2, pos, values.reshape(out_features, in_features // 4, 2)).reshape(out_features, in_features)
+
+
+def quantize_values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """2:4 + W8: the kept values as int8 with one fp32 scale per output row (symmetric, round to nearest)."""
+    v = state["values"].float()
+    scale = v.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+    q = torch.round(v / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return {"values": q.contiguous(), "meta": state["meta"], "scale": scale.contiguous()}
+
+
+# ------------------------------------------------------------------------------------------------ the ops
+def sparse24_mm(path: str, x2d: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None):
+    """``(n, in)`` → ``(n, out)`` in ``x2d``'s dtype, by instruction path ``path``."""
+    return load_extension().sparse24_mm(x2d, state["values"], state["meta"], state.get("scale"), bias, PATHS[path])
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # (out, in, dtype) -> the one dense buffer layers of that shape share
+
+
+def unpack_mm(x2d: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None, out_features: int):
+    """The dense weight rebuilt into a scratch buffer shared by every layer of this shape, then torch's dense
+    GEMM: what large token counts (prefill) run when a layer holds only its compressed form. (Not for two
+    threads running forwards of one model at once: they would share the buffer.)"""
+    values = state["values"]
+    key = (out_features, x2d.shape[1], values.dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(out_features, x2d.shape[1], dtype=values.dtype)
+    load_extension().unpack24_out(buf, values, state["meta"])
+    return torch.nn.functional.linear(x2d, buf, bias)
+
+
+def scratch_bytes() -> int:
+    """Bytes held by the shared unpack buffers (counted in a model's resident memory)."""
+    return sum(b.numel() * b.element_size() for b in _SCRATCH.values())
+
+
+def dense_mm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense bf16 GEMM of the same build (vdpbf16ps, same threading): the careful dense baseline."""
+    return load_extension().dense_mm(x2d, weight, bias)
+
+
+if __name__ == "__main__":  # `python -m cast_llm.deploy.sparse24.cpu`: build now (make install does)
+    why = extension_reason()
+    if why:
+        print(f"cast-llm: {why}; 2:4 layers will run dense on this CPU", file=sys.stderr)
+        raise SystemExit(0)
+    print(f"cast-llm: CPU 2:4 kernels ready ({', '.join(available_paths()) or 'no instruction path on this CPU'})")

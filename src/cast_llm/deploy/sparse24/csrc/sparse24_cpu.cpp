@@ -1,0 +1,547 @@
+// cast-llm's CPU 2:4 GEMM: y = x W^T (+ b) read straight from the compressed weight, never decompressed.
+//
+// Compressed form of an exactly-2:4 weight W (N = out, K = in, K % 4 == 0), made by
+// cast_llm.deploy.sparse24.cpu.compress:
+//   values (N, K/2)    the two kept entries of every group of four inputs, in order (bf16, fp32 or int8)
+//   meta   (N, K/8)    uint8, 4 bits per group: group g's nibble is bits 4(g%2)..4(g%2)+3 of byte g/2; its low
+//                      2 bits are the position (0..3) of the group's first kept entry, its high 2 bits the
+//                      second's. So kept value j of a row has its position at bits 2j..2j+1 of the row's
+//                      little-endian bit string: 16 groups (64 inputs, 32 kept values) are one uint64.
+//   scale (N,) fp32    int8 values only: W[n, k] = values[n, j] * scale[n]
+//
+// The kernels gather, for each block of groups, the activations at the kept positions with one permute and
+// multiply-accumulate them against the kept values in fp32:
+//   avx512-bf16  bf16 x and values: 64 inputs a step; the 32 positions become 16-bit permute indices with
+//                vpmultishiftqb (AVX512-VBMI) + and + add, vpermt2w gathers x, vdpbf16ps multiplies pairs
+//                and accumulates in fp32 (bf16 x bf16 products are exact in fp32);
+//   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
+//                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
+//   avx2         the same as avx512 on 16 inputs a step (two vpermps + blend), for CPUs without AVX-512.
+// Rows are processed one at a time (two memory streams per thread: values and positions) and tokens up to four
+// at a time (a row's indices are computed once per step and reused for every token);
+// threads split the output rows (at::parallel_for: torch's own thread pool and thread count). Every
+// accumulation is rounded once to the output dtype, like the GPU kernels.
+//
+// Built by torch.utils.cpp_extension at first use (cast_llm/deploy/sparse24/cpu.py) with no -march flag: the
+// ISA-specific functions carry target attributes and are chosen at run time (__builtin_cpu_supports), so one
+// build runs on any x86-64 CPU and reports which paths this CPU has.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#ifndef CAST_PF
+#define CAST_PF 32
+#endif
+
+namespace {
+
+enum ValueKind { kBF16 = 0, kF32 = 1, kI8 = 2 };
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// The positions of kept values [j0, j0 + count) of a row as an integer with 2 bits each (count <= 32).
+inline uint64_t read_meta(const uint8_t* meta_row, int64_t j0, int64_t count) {
+  // j0 is a multiple of 4 here (a whole number of groups pairs), so it starts on a byte boundary
+  uint64_t bits = 0;
+  std::memcpy(&bits, meta_row + j0 / 4, static_cast<size_t>((count + 3) / 4));
+  if (count < 32) bits &= (uint64_t{1} << (2 * count)) - 1;
+  return bits;
+}
+
+// ----------------------------------------------------------------------------------------- scalar (tails)
+// One output, kept values [j0, j_end) of row n, fp32 activations (the reference the vector code follows).
+template <int Kind>
+inline float dot_tail(const void* values_row, const uint8_t* meta_row, const float* x, int64_t j0, int64_t j_end) {
+  float acc = 0.f;
+  for (int64_t j = j0; j < j_end; ++j) {
+    int p = (meta_row[j / 4] >> (2 * (j % 4))) & 3;
+    float v;
+    if (Kind == kBF16) v = bf16_to_f32(static_cast<const uint16_t*>(values_row)[j]);
+    else if (Kind == kF32) v = static_cast<const float*>(values_row)[j];
+    else v = static_cast<float>(static_cast<const int8_t*>(values_row)[j]);
+    acc += v * x[4 * (j / 2) + p];
+  }
+  return acc;
+}
+
+// ------------------------------------------------------------------------------------ AVX-512, bf16 x bf16
+#define CAST_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512bf16")))
+
+// 16-bit lane j of the index vector = position bits 2j..2j+1 of the 64-bit metadata word + 4 (j / 2): the
+// multishift puts bits 2j.. in the lane's low byte, and (sel & 3) | base is one vpternlog (base has its low two
+// bits clear, so | is +); vpermt2w reads only the low 6 bits of each lane.
+CAST_AVX512_BF16 inline __m512i bf16_indices(uint64_t bits, __m512i ctrl, __m512i base, __m512i three) {
+  __m512i sel = _mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(static_cast<long long>(bits)));
+  return _mm512_ternarylogic_epi64(sel, three, base, 0xEA);  // (A & B) | C
+}
+CAST_AVX512_BF16 inline __m512i bf16_indices_at(const uint8_t* p, __m512i ctrl, __m512i base, __m512i three) {
+  long long bits;
+  std::memcpy(&bits, p, 8);  // folded into the multishift's {1to8} broadcast operand
+  return bf16_indices(static_cast<uint64_t>(bits), ctrl, base, three);
+}
+
+template <int R, int T>
+CAST_AVX512_BF16 void block_avx512_bf16(const uint16_t* values, const uint8_t* meta, const uint16_t* x,
+                                        float* out, int64_t n0, int64_t t0, int64_t K, int64_t N) {
+  // out: (T, R) fp32 results for rows n0.. and tokens t0..
+  const int64_t half = K / 2;
+  const int64_t mbytes = (K + 7) / 8;
+  alignas(64) uint8_t ctrl_b[64];
+  alignas(64) uint16_t base_w[32];
+  for (int b = 0; b < 64; ++b) ctrl_b[b] = (b % 2 == 0) ? static_cast<uint8_t>(b) : 0;  // byte 2j <- bit 2j
+  for (int j = 0; j < 32; ++j) base_w[j] = static_cast<uint16_t>(4 * (j / 2));
+  const __m512i ctrl = _mm512_load_si512(ctrl_b), base = _mm512_load_si512(base_w);
+  const __m512i three = _mm512_set1_epi16(3);
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t full = K / 64;  // whole steps of 64 inputs (32 kept values)
+  for (int64_t s = 0; s < full; ++s) {
+    __m512i xlo[T], xhi[T];
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* xt = x + (t0 + t) * K + s * 64;
+      xlo[t] = _mm512_loadu_si512(xt);
+      xhi[t] = _mm512_loadu_si512(xt + 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+#if CAST_PF > 0
+      _mm_prefetch(reinterpret_cast<const char*>(values + n * half + (s + CAST_PF) * 32), _MM_HINT_T0);
+      if ((s & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 8), _MM_HINT_T0);
+#endif
+      const __m512i idx = bf16_indices_at(meta + n * mbytes + s * 8, ctrl, base, three);
+      const __m512i v = _mm512_loadu_si512(values + n * half + s * 32);
+      for (int t = 0; t < T; ++t) {
+        const __m512i g = _mm512_permutex2var_epi16(xlo[t], idx, xhi[t]);
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)v, (__m512bh)g);
+      }
+    }
+  }
+  const int64_t rest = K - full * 64;  // 4 .. 60 inputs left: masked loads, zeros elsewhere
+  if (rest) {
+    const int64_t kept = rest / 2;
+    const __mmask32 xm_lo = rest >= 32 ? 0xffffffffu : ((1u << rest) - 1);
+    const __mmask32 xm_hi = rest > 32 ? ((1u << (rest - 32)) - 1) : 0;
+    const __mmask32 vm = (1u << kept) - 1;  // kept <= 30
+    __m512i xlo[T], xhi[T];
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* xt = x + (t0 + t) * K + full * 64;
+      xlo[t] = _mm512_maskz_loadu_epi16(xm_lo, xt);
+      xhi[t] = _mm512_maskz_loadu_epi16(xm_hi, xt + 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      const uint64_t bits = read_meta(meta + n * mbytes, full * 32, kept);
+      const __m512i idx = bf16_indices(bits, ctrl, base, three);
+      const __m512i v = _mm512_maskz_loadu_epi16(vm, values + n * half + full * 32);
+      for (int t = 0; t < T; ++t) {
+        const __m512i g = _mm512_permutex2var_epi16(xlo[t], idx, xhi[t]);
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)v, (__m512bh)g);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
+  (void)N;
+}
+
+// -------------------------------------------------------------------------- AVX-512, fp32 x, any values
+#define CAST_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+template <int Kind>
+CAST_AVX512 inline __m512 load16_avx512(const void* values_row, int64_t j, __mmask16 m) {
+  if (Kind == kF32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(values_row) + j);
+  if (Kind == kBF16) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(values_row) + j);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  __m128i b = _mm_maskz_loadu_epi8(m, static_cast<const int8_t*>(values_row) + j);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+template <int Kind, int R, int T>
+CAST_AVX512 void block_avx512(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
+                              int64_t t0, int64_t K, int64_t N) {
+  const int64_t half = K / 2;
+  const int64_t mbytes = (K + 7) / 8;
+  const int64_t vsize = Kind == kF32 ? 4 : (Kind == kBF16 ? 2 : 1);
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i base = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  const __m512i three = _mm512_set1_epi32(3);
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t steps = (K + 31) / 32;  // 32 inputs (16 kept values) a step; the last one masked
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t rest = K - s * 32 >= 32 ? 32 : K - s * 32;
+    const __mmask16 xm_lo = rest >= 16 ? 0xffff : static_cast<__mmask16>((1u << rest) - 1);
+    const __mmask16 xm_hi = rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : 0;
+    const __mmask16 vm = rest == 32 ? 0xffff : static_cast<__mmask16>((1u << (rest / 2)) - 1);
+    __m512 xlo[T], xhi[T];
+    for (int t = 0; t < T; ++t) {
+      const float* xt = x + (t0 + t) * K + s * 32;
+      xlo[t] = _mm512_maskz_loadu_ps(xm_lo, xt);
+      xhi[t] = _mm512_maskz_loadu_ps(xm_hi, xt + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      uint32_t bits;
+      if (rest == 32) std::memcpy(&bits, meta + n * mbytes + s * 4, 4);  // a whole step: one 4-byte load
+      else bits = static_cast<uint32_t>(read_meta(meta + n * mbytes, s * 16, rest / 2));
+      const __m512i idx = _mm512_add_epi32(
+          _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits)), shifts), three), base);
+      const __m512 v = load16_avx512<Kind>(static_cast<const char*>(values) + n * half * vsize, s * 16, vm);
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm512_fmadd_ps(v, _mm512_permutex2var_ps(xlo[t], idx, xhi[t]), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
+  (void)N;
+}
+
+// ------------------------------------------------------------------------------- AVX2, fp32 x, any values
+#define CAST_AVX2 __attribute__((target("avx2,fma")))
+
+template <int Kind>
+CAST_AVX2 inline __m256 load8_avx2(const void* values_row, int64_t j) {
+  if (Kind == kF32) return _mm256_loadu_ps(static_cast<const float*>(values_row) + j);
+  if (Kind == kBF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values_row) + j));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values_row) + j));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+CAST_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <int Kind, int R, int T>
+CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
+                          int64_t t0, int64_t K, int64_t N) {
+  const int64_t half = K / 2;
+  const int64_t mbytes = (K + 7) / 8;
+  const int64_t vsize = Kind == kF32 ? 4 : (Kind == kBF16 ? 2 : 1);
+  // kept value j (0..7) of a 16-input step: position bits 2j, index into its 8-input half = 4 ((j/2) % 2) + p
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i base = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4);
+  const __m256i three = _mm256_set1_epi32(3);
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  const int64_t full = K / 16;
+  for (int64_t s = 0; s < full; ++s) {
+    __m256 x0[T], x1[T];
+    for (int t = 0; t < T; ++t) {
+      const float* xt = x + (t0 + t) * K + s * 16;
+      x0[t] = _mm256_loadu_ps(xt);
+      x1[t] = _mm256_loadu_ps(xt + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      uint16_t bits;
+      std::memcpy(&bits, meta + n * mbytes + s * 2, 2);
+      const __m256i idx = _mm256_add_epi32(
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three), base);
+      const __m256 v = load8_avx2<Kind>(static_cast<const char*>(values) + n * half * vsize, s * 8);
+      for (int t = 0; t < T; ++t) {
+        // kept values 0..3 come from inputs 0..7, 4..7 from inputs 8..15
+        const __m256 g = _mm256_blend_ps(_mm256_permutevar8x32_ps(x0[t], idx), _mm256_permutevar8x32_ps(x1[t], idx),
+                                         0xF0);
+        acc[r][t] = _mm256_fmadd_ps(v, g, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    const void* vrow = static_cast<const char*>(values) + n * half * vsize;
+    for (int t = 0; t < T; ++t) {
+      float tail = dot_tail<Kind>(vrow, meta + n * mbytes, x + (t0 + t) * K, full * 8, half);
+      out[t * R + r] = hsum256(acc[r][t]) + tail;
+    }
+  }
+  (void)N;
+}
+
+// ----------------------------------------------------------------------------------------------- driver
+enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2 };
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case kAvx512Bf16:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default:
+      return false;
+  }
+}
+
+using BlockFn = void (*)(const void*, const uint8_t*, const void*, float*, int64_t, int64_t, int64_t, int64_t);
+
+template <int R, int T>
+void bf16_block(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
+                int64_t N) {
+  block_avx512_bf16<R, T>(static_cast<const uint16_t*>(v), m, static_cast<const uint16_t*>(x), o, n0, t0, K, N);
+}
+template <int Kind, int R, int T>
+void f32_block512(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
+                  int64_t N) {
+  block_avx512<Kind, R, T>(v, m, static_cast<const float*>(x), o, n0, t0, K, N);
+}
+template <int Kind, int R, int T>
+void f32_block256(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
+                  int64_t N) {
+  block_avx2<Kind, R, T>(v, m, static_cast<const float*>(x), o, n0, t0, K, N);
+}
+
+// table[R - 1][T - 1] for one (isa, kind)
+struct Table {
+  BlockFn fn[4][4];
+};
+
+template <template <int, int> class Make>
+Table make_table() {
+  Table t;
+  t.fn[0][0] = Make<1, 1>::f; t.fn[0][1] = Make<1, 2>::f; t.fn[0][2] = Make<1, 3>::f; t.fn[0][3] = Make<1, 4>::f;
+  t.fn[1][0] = Make<2, 1>::f; t.fn[1][1] = Make<2, 2>::f; t.fn[1][2] = Make<2, 3>::f; t.fn[1][3] = Make<2, 4>::f;
+  t.fn[2][0] = Make<3, 1>::f; t.fn[2][1] = Make<3, 2>::f; t.fn[2][2] = Make<3, 3>::f; t.fn[2][3] = Make<3, 4>::f;
+  t.fn[3][0] = Make<4, 1>::f; t.fn[3][1] = Make<4, 2>::f; t.fn[3][2] = Make<4, 3>::f; t.fn[3][3] = Make<4, 4>::f;
+  return t;
+}
+
+template <int R, int T> struct MakeBf16 { static constexpr BlockFn f = &bf16_block<R, T>; };
+template <int Kind> struct Make512 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block512<Kind, R, T>; }; };
+template <int Kind> struct Make256 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block256<Kind, R, T>; }; };
+
+const Table& table_for(int64_t isa, int kind) {
+  static const Table bf16 = make_table<MakeBf16>();
+  static const Table a512[3] = {make_table<Make512<kBF16>::M>(), make_table<Make512<kF32>::M>(),
+                                make_table<Make512<kI8>::M>()};
+  static const Table a256[3] = {make_table<Make256<kBF16>::M>(), make_table<Make256<kF32>::M>(),
+                                make_table<Make256<kI8>::M>()};
+  if (isa == kAvx512Bf16) return bf16;
+  if (isa == kAvx512) return a512[kind];
+  return a256[kind];
+}
+
+// rows of W a block: one. Measured (docs/results/cpu24-notes.md §2): four rows a block share each activation
+// load but read eight streams at once and ran 23 GB/s on one core; one row (two streams) ran 24-28 GB/s
+constexpr int64_t kRows = 1;
+constexpr int64_t kTokens = 4;  // rows of x a block
+
+at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                       const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && meta.device().is_cpu(),
+              "sparse24_mm: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && values.dim() == 2 && meta.dim() == 2, "sparse24_mm: 2-D x, values and meta");
+  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+  TORCH_CHECK(K % 4 == 0, "sparse24_mm: in_features must be a multiple of 4, got ", K);
+  TORCH_CHECK(values.size(1) == K / 2, "sparse24_mm: values must be (out, in/2)");
+  TORCH_CHECK(meta.scalar_type() == at::kByte && meta.size(0) == N && meta.size(1) == (K + 7) / 8,
+              "sparse24_mm: meta must be uint8 (out, ceil(in/8))");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "sparse24_mm: bf16 or fp32 x");
+  TORCH_CHECK(isa_supported(isa), "sparse24_mm: this CPU lacks the instructions of path ", isa);
+  int kind;
+  switch (values.scalar_type()) {
+    case at::kBFloat16: kind = kBF16; break;
+    case at::kFloat: kind = kF32; break;
+    case at::kChar: kind = kI8; break;
+    default: TORCH_CHECK(false, "sparse24_mm: values must be bf16, fp32 or int8");
+  }
+  TORCH_CHECK(kind != kI8 || (scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N),
+              "sparse24_mm: int8 values need an fp32 scale of out entries");
+  TORCH_CHECK(isa != kAvx512Bf16 || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
+              "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 values");
+  if (bias.has_value()) TORCH_CHECK(bias->numel() == N, "sparse24_mm: bias must have out entries");
+
+  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
+  // fp32 paths read fp32 activations: a bf16 x is widened once per call (M x K, from L1/L2)
+  const at::Tensor xa = (isa == kAvx512Bf16 || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
+  at::Tensor bias_f, scale_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  if (scale.has_value()) scale_f = scale->contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Table& table = table_for(isa, kind);
+  const void* vptr = vc.data_ptr();
+  const uint8_t* mptr = mc.data_ptr<uint8_t>();
+  const void* xptr = xa.data_ptr();
+  const float* bptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const float* sptr = scale.has_value() ? scale_f.data_ptr<float>() : nullptr;
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  void* yptr = y.data_ptr();
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  // a thread's share should be worth the fork: ~64 rows of a 4096-input layer
+  const int64_t grain = std::max<int64_t>(1, (16 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    float res[kRows * kTokens];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kRows;
+      const int64_t R = std::min(kRows, N - n0);
+      for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
+        const int64_t T = std::min(kTokens, M - t0);
+        table.fn[R - 1][T - 1](vptr, mptr, xptr, res, n0, t0, K, N);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t n = n0 + r;
+            float v = res[t * R + r];
+            if (sptr) v *= sptr[n];
+            if (bptr) v += bptr[n];
+            if (out_bf16) static_cast<uint16_t*>(yptr)[(t0 + t) * N + n] = f32_to_bf16(v);
+            else static_cast<float*>(yptr)[(t0 + t) * N + n] = v;
+          }
+      }
+    }
+  });
+  return y;
+}
+
+// A dense GEMV written with the same care (the honest baseline of benchmarks/cpu24.py, and a dense path
+// where it beats torch's): bf16 W (N, K) and bf16 x, vdpbf16ps, four rows at a time, threads over rows.
+template <int R, int T>
+CAST_AVX512_BF16 void dense_block_bf16(const uint16_t* w, const uint16_t* x, float* out, int64_t n0, int64_t t0,
+                                       int64_t K) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t steps = (K + 31) / 32;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t rest = K - s * 32 >= 32 ? 32 : K - s * 32;
+    const __mmask32 m = rest == 32 ? 0xffffffffu : ((1u << rest) - 1);
+    __m512i xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_epi16(m, x + (t0 + t) * K + s * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = _mm512_maskz_loadu_epi16(m, w + (n0 + r) * K + s * 32);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv, (__m512bh)xv[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "dense_mm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "dense_mm: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "dense_mm: (M, K) x (N, K)");
+  TORCH_CHECK(isa_supported(kAvx512Bf16), "dense_mm: this CPU lacks AVX512-BF16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, (8 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    float res[kRows * kTokens];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kRows;
+      const int64_t R = std::min(kRows, N - n0);
+      for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
+        const int64_t T = std::min(kTokens, M - t0);
+#define CAST_DENSE_CASE(RR, TT) \
+  if (R == RR && T == TT) dense_block_bf16<RR, TT>(wp, xp, res, n0, t0, K);
+        CAST_DENSE_CASE(4, 4) CAST_DENSE_CASE(4, 3) CAST_DENSE_CASE(4, 2) CAST_DENSE_CASE(4, 1)
+        CAST_DENSE_CASE(3, 4) CAST_DENSE_CASE(3, 3) CAST_DENSE_CASE(3, 2) CAST_DENSE_CASE(3, 1)
+        CAST_DENSE_CASE(2, 4) CAST_DENSE_CASE(2, 3) CAST_DENSE_CASE(2, 2) CAST_DENSE_CASE(2, 1)
+        CAST_DENSE_CASE(1, 4) CAST_DENSE_CASE(1, 3) CAST_DENSE_CASE(1, 2) CAST_DENSE_CASE(1, 1)
+#undef CAST_DENSE_CASE
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = 0; r < R; ++r) {
+            float v = res[t * R + r] + (bp ? bp[n0 + r] : 0.f);
+            yp[(t0 + t) * N + n0 + r] = f32_to_bf16(v);
+          }
+      }
+    }
+  });
+  return y;
+}
+
+// The dense weight rebuilt from the compressed form into ``out`` (N, K) — for large token counts, where a dense
+// GEMM outruns the gather kernels: the layer keeps only the compressed bytes and rebuilds into one shared
+// scratch buffer per shape, then calls torch's dense GEMM. One 8-byte (bf16) or two (fp32) stores a group.
+void unpack24_out(const at::Tensor& out, const at::Tensor& values, const at::Tensor& meta) {
+  TORCH_CHECK(out.is_contiguous() && values.is_contiguous() && meta.is_contiguous(), "unpack24: contiguous tensors");
+  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "unpack24: out and values of one dtype");
+  TORCH_CHECK(values.scalar_type() == at::kBFloat16 || values.scalar_type() == at::kFloat, "unpack24: bf16 or fp32");
+  const int64_t N = out.size(0), K = out.size(1), G = K / 4, mbytes = (K + 7) / 8;
+  TORCH_CHECK(values.size(0) == N && values.size(1) == K / 2 && meta.size(0) == N && meta.size(1) == mbytes,
+              "unpack24: shapes do not match");
+  const uint8_t* mp = meta.data_ptr<uint8_t>();
+  const bool bf16 = values.scalar_type() == at::kBFloat16;
+  const void* vp = values.data_ptr();
+  void* op = out.data_ptr();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* m = mp + n * mbytes;
+      for (int64_t g = 0; g < G; ++g) {
+        const unsigned nib = (m[g / 2] >> (4 * (g % 2))) & 15u;
+        const unsigned p0 = nib & 3u, p1 = nib >> 2;
+        if (bf16) {
+          const uint16_t* v = static_cast<const uint16_t*>(vp) + n * (K / 2) + 2 * g;
+          const uint64_t word = (static_cast<uint64_t>(v[0]) << (16 * p0)) | (static_cast<uint64_t>(v[1]) << (16 * p1));
+          std::memcpy(static_cast<uint16_t*>(op) + n * K + 4 * g, &word, 8);
+        } else {
+          const float* v = static_cast<const float*>(vp) + n * (K / 2) + 2 * g;
+          float quad[4] = {0.f, 0.f, 0.f, 0.f};
+          quad[p0] = v[0];
+          quad[p1] = v[1];
+          std::memcpy(static_cast<float*>(op) + n * K + 4 * g, quad, 16);
+        }
+      }
+    }
+  });
+}
+
+bool cpu_supports(int64_t isa) { return isa_supported(isa); }
+
+}  // namespace
+
+TORCH_LIBRARY(cast_llm_cpu24, m) {
+  m.def("sparse24_mm(Tensor x, Tensor values, Tensor meta, Tensor? scale, Tensor? bias, int isa) -> Tensor");
+  m.def("dense_mm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("unpack24_out(Tensor(a!) out, Tensor values, Tensor meta) -> ()");
+  m.def("cpu_supports(int isa) -> bool", &cpu_supports);
+}
+
+TORCH_LIBRARY_IMPL(cast_llm_cpu24, CPU, m) {
+  m.impl("sparse24_mm", &sparse24_mm);
+  m.impl("dense_mm", &dense_mm);
+  m.impl("unpack24_out", &unpack24_out);
+}
