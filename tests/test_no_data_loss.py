@@ -457,3 +457,52 @@ def test_a_hand_edited_kernel_verdict_is_probed_again_not_crashed_on(inputs, tmp
 
     kernels.reset()
     assert cli(*train_argv(inputs, tmp_path / "b", "--max-steps", "1")) == 0
+
+
+def test_report_writes_through_no_link_planted_in_a_received_run(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "received"
+    shutil.copytree(finished_run, run)
+    victim = tmp_path / "bashrc"
+    victim.write_text("precious")
+    (run / "report").mkdir(exist_ok=True)
+    (run / "report" / "loss.png").symlink_to(victim)  # a figure the report writes
+    (run / "report" / "report.md").symlink_to(victim)
+    assert cli("report", run) == 0
+    assert victim.read_text() == "precious" and not (run / "report" / "loss.png").is_symlink()
+    shutil.rmtree(run / "report")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "report").symlink_to(elsewhere)  # the whole report folder a link
+    assert cli("report", run) == 2
+    assert "is a link" in one_line_error(capsys) and not any(elsewhere.iterdir())
+
+
+def test_train_overwrite_keeps_the_previous_run_until_the_new_one_has_finished(inputs, finished_run, tmp_path,
+                                                                               monkeypatch, capsys):
+    import shutil
+
+    from cast_llm.train import trainer
+    from cast_llm.train.rundir import PREVIOUS
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / ".cast-llm.lock").unlink(missing_ok=True)
+    (out / "notes.txt").write_text("mine")
+    before = {k: v for k, v in snapshot(out).items() if k != "notes.txt"}
+    real = trainer.PretrainJob.batch
+
+    def dies(self, step, micro):
+        raise RuntimeError("the node died")
+
+    monkeypatch.setattr(trainer.PretrainJob, "batch", dies)
+    with pytest.raises(RuntimeError, match="the node died"):
+        cli(*train_argv(inputs, out, "--overwrite"))
+    assert snapshot(out / PREVIOUS) == before  # the replaced run, whole, while the new one is unfinished
+    monkeypatch.setattr(trainer.PretrainJob, "batch", real)
+    capsys.readouterr()
+    assert cli(*train_argv(inputs, out, "--overwrite")) == 0
+    assert "removed the previous run" in capsys.readouterr().out
+    assert not (out / PREVIOUS).exists() and (out / "notes.txt").read_text() == "mine"
+    assert (out / "model.safetensors").is_file() and (out / "results.json").is_file()

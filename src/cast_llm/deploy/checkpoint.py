@@ -187,7 +187,9 @@ def read_format_index(folder: str | Path, index_file: str, fmt: str, version: in
     needed = (index_file, *required)
     if not all((p / f).is_file() for f in needed):
         raise CastError(f"{p} is not a {kind} checkpoint (no {' / '.join(needed)}); {hint}")
-    index = json.loads((p / index_file).read_text())
+    from cast_llm.io import read_json_object
+
+    index = read_json_object(p / index_file, f"the index of a {kind} checkpoint", fix=hint)
     if index.get("format") != fmt or index.get("version", 0) > version:
         raise CastError(f"{p}: unsupported {kind} format {index.get('format')} v{index.get('version')} "
                         f"(this cast-llm reads {fmt} v{version})")

@@ -233,6 +233,8 @@ def build_report(run_dirs: list[str | Path], output: str | Path | None = None, *
     """Write ``report.md`` (and ``report.html`` with embedded PNGs) plus the PNGs into ``output``."""
     runs = load_runs(list(run_dirs))
     folder = Path(output) if output else default_output(runs)
+    if not output and folder.is_symlink():  # planted in a received run folder: never written through
+        raise CastError(f"{folder} is a link, not the report folder cast-llm writes; remove it, or pass --output")
     if folder.exists() and not folder.is_dir():
         raise CastError(f"--output {folder} exists and is a file; choose a folder")
     folder.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,11 @@ def _figure(ncols: int, nrows: int = 1, height: float | None = None):
 
 
 def save(fig, path) -> None:
-    fig.savefig(path, dpi=DPI)
+    """``fig`` as a PNG at ``path``, written atomically (a fresh temporary file renamed over it: a link planted
+    at ``path`` in a received run folder is replaced, its target never written)."""
+    from cast_llm.io import atomic_write
+
+    atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
 
 
 def _tokens_axis(ax) -> None:

@@ -61,7 +61,15 @@ from cast_llm.train.memory import PeakMemory
 from cast_llm.train.metrics_log import MetricsLog
 from cast_llm.train.phases import Phases
 from cast_llm.train.preemption import StopRequest
-from cast_llm.train.rundir import RunLock, finished_result, kept_checkpoints, prepare_run_dir, write_marker
+from cast_llm.train.rundir import (
+    PREVIOUS,
+    RunLock,
+    drop_previous,
+    finished_result,
+    kept_checkpoints,
+    prepare_run_dir,
+    write_marker,
+)
 from cast_llm.train.step import StepSetup, train_step
 from cast_llm.train.threads import setup_threads
 
@@ -524,6 +532,8 @@ def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Chec
     with distribution.waiting_for_main("removing the run's checkpoints"):
         if ctx.is_main:
             ckpt.drop(keep=cfg.keep_checkpoints_after)
+            if drop_previous(out):  # the run an --overwrite replaced: deleted only now that this one is complete
+                ctx.say(f"removed the previous run that --overwrite replaced ({out / PREVIOUS})")
     ctx.accelerator.end_training()
     return results
 

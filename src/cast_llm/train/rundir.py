@@ -9,8 +9,10 @@ not write:
 * a folder that is, lies inside or contains one of the job's inputs (data, mask file, WikiText file) is refused;
 * a non-empty folder that is not a cast-llm run is refused when it holds model weights or any file the run
   would write, even with ``--overwrite`` (other files are left alone: the run writes beside them);
-* ``--overwrite`` removes only the files and folders the marker lists as written by the previous run, each a
-  plain name of an entry of the folder (links unlinked, never followed);
+* ``--overwrite`` replaces only the files and folders the marker lists as written by the previous run, each a
+  plain name of an entry of the folder (links moved or unlinked, never followed): they are moved into
+  ``.cast-llm-previous/`` and deleted only once the new run has finished (a new run killed early leaves
+  the previous one there, whole);
 * ``--resume auto`` on a finished run changes nothing (:func:`finished_result`);
 * a lock (``.cast-llm.lock``, an ``flock``) refuses a second job on a folder in use; the operating
   system releases it when the holder dies, so a crashed run never leaves it stuck.
@@ -39,10 +41,11 @@ from cast_llm.io import (
 )
 
 __all__ = ["RUN_MARKER", "LOCK_FILE", "RunLock", "is_run_dir", "prepare_run_dir", "record_written", "written_files",
-           "finished_result", "kept_checkpoints", "say_if_finished"]
+           "finished_result", "kept_checkpoints", "say_if_finished", "set_aside", "drop_previous", "PREVIOUS"]
 
 RUN_MARKER = RunDir.MARKER
 LOCK_FILE = RunDir.LOCK
+PREVIOUS = ".cast-llm-previous"  # the run an --overwrite replaces, kept until the new one has finished
 # what every run writes besides the exported model (always its own, listed in the marker too)
 RUN_FILES = RunDir.OWN
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack",
@@ -287,14 +290,43 @@ def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, is_main: bool, 
             fix = ("--overwrite to replace it, --resume to continue it" if is_run
                    else "--overwrite to write beside its files (none of them is touched)")
             raise CastError(f"--output-dir {out} already exists and {what}; pass {fix}, or choose another folder")
-        if is_run:  # remove only what the previous run recorded as its own (checked on every process)
+        if is_run:  # replace only what the previous run recorded as its own (checked on every process)
             names = written_files(out) + [RUN_MARKER, RunDir.EXPORT_MARKER]
             if is_main:
-                for name in dict.fromkeys(names):
-                    remove_entry(out, name)  # links unlinked, never followed
+                set_aside(out, names)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def set_aside(out: Path, names: list[str]) -> None:
+    """``--overwrite``: move the previous run's own entries ``names`` (plain names, checked) into
+    :data:`PREVIOUS` inside the folder (renames: nothing is copied), where they stay until the new run has
+    finished (:func:`drop_previous`); a run killed before that leaves them there, whole. When :data:`PREVIOUS`
+    is already there, the entries now in the folder are those of a replacement that never finished: they
+    are removed, and the run set aside first is kept. Links are moved or unlinked, never followed."""
+    out = Path(out)
+    previous = out / PREVIOUS
+    keep = not os.path.lexists(previous)
+    if keep:
+        previous.mkdir()
+    for name in dict.fromkeys(names):
+        if not os.path.lexists(out / name):
+            continue
+        if keep:
+            os.replace(out / name, previous / name)
+        else:
+            remove_entry(out, name)
+
+
+def drop_previous(out: Path) -> bool:
+    """Delete the run an ``--overwrite`` set aside (:func:`set_aside`), now that the new one has finished;
+    True if there was one. A link of that name is unlinked, never followed."""
+    out = Path(out)
+    if not os.path.lexists(out / PREVIOUS):
+        return False
+    remove_entry(out, PREVIOUS)
+    return True
 
 
 def write_marker(out: Path, info: dict[str, Any]) -> None:
