@@ -506,3 +506,13 @@ def test_train_overwrite_keeps_the_previous_run_until_the_new_one_has_finished(i
     assert "removed the previous run" in capsys.readouterr().out
     assert not (out / PREVIOUS).exists() and (out / "notes.txt").read_text() == "mine"
     assert (out / "model.safetensors").is_file() and (out / "results.json").is_file()
+
+
+def test_export_into_the_current_folder_stages_beside_it(tmp_path, sparse_dir, monkeypatch):
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", ".", "--overwrite") == 0
+    assert (work / "notes.txt").read_text() == "mine" and (work / "cast_llm.json").is_file()
+    assert not [p for p in work.iterdir() if p.name.startswith(".stage-")]

@@ -112,12 +112,14 @@ class OutputDir:
     def staged(self) -> Iterator[Path]:
         """A new empty folder beside the output to write the whole result into; published when the block
         ends without an error, discarded otherwise."""
-        with staging_dir(self.path, prefix=".stage-") as tmp:
+        from cast_llm.io import resolved
+
+        with staging_dir(resolved(self.path), prefix=".stage-") as tmp:  # (beside it: `.` stages in its parent)
             yield tmp
             self.publish(tmp)
 
     def publish(self, tmp: Path) -> None:
-        from cast_llm.io import remove_entry, umask_mode
+        from cast_llm.io import remove_entry, resolved, umask_mode
 
         marker = tmp / CHECKPOINT_MARKER
         if not marker.is_file():
@@ -137,7 +139,7 @@ class OutputDir:
                             f"which cast-llm did not write and would replace; move {'it' if len(taken) == 1 else 'them'} "
                             f"or choose another {self.flag}")
         self.path.mkdir(parents=True, exist_ok=True)
-        with staging_dir(self.path, prefix=".stage-") as old:
+        with staging_dir(resolved(self.path), prefix=".stage-") as old:
             for name in previous or []:  # the previous result, moved aside (renames: nothing is copied)
                 if _lexists(self.path / name):
                     os.replace(self.path / name, old / name)
