@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "cast_llm.cli.export",
     "cast_llm.cli.quantize",
     "cast_llm.cli.bench",
+    "cast_llm.cli.generate",
     "cast_llm.cli.finetune",
     "cast_llm.cli.report",
     "cast_llm.cli.scaling_law",

@@ -26,11 +26,41 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     results = train(cfg)
     if results.get("output_dir"):  # the main process, once the run is complete
+        if cfg.speed_check and measure_speed(results):
+            atomic_write_json(f"{results['output_dir']}/results.json", results)
         if cfg.report:
             results["report"] = write_report(results["output_dir"])
             atomic_write_json(f"{results['output_dir']}/results.json", results)
         print(summary_table(results))
     return 0
+
+
+def measure_speed(results: dict) -> bool:
+    """The exported 2:4 model's decode speed and resident memory against dense, on this CPU, into ``results``
+    (``decode_payoff``, and ``speeds`` for the model card); False (with one line) where it cannot be measured."""
+    nm = results.get("nm_check") or {}
+    if nm.get("pattern") != "2:4":
+        return False
+    from cast_llm.deploy.inference import payoff
+    from cast_llm.deploy.model_card import refresh_run_card
+    from cast_llm.errors import CastError
+
+    print("measuring the exported model's decode speed, dense and 2:4 (two fresh processes) ...", flush=True)
+    try:
+        p = payoff(results["output_dir"])
+    except CastError as e:
+        print(f"warning: {e}; the run itself is complete")
+        return False
+    results["decode_payoff"] = p
+    where = f"this CPU, bf16, {p['sparse24']['threads']} threads, 32 new tokens after 32"
+    results["speeds"] = [
+        {"what": "decode, 2:4 layers", "value": round(p["sparse24"]["decode_tokens_per_s"], 1), "unit": "tokens/s",
+         "measured_on": where},
+        {"what": "decode, dense", "value": round(p["dense"]["decode_tokens_per_s"], 1), "unit": "tokens/s",
+         "measured_on": where},
+    ]
+    refresh_run_card(results["output_dir"], results)
+    return True
 
 
 def write_report(out: str) -> str | None:

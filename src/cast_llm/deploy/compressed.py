@@ -23,6 +23,7 @@ few hundred bytes of safetensors header. GPT-2 ``Conv1D`` weights are stored in 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ from cast_llm.deploy.checkpoint import (
 from cast_llm.deploy.export import verify_nm
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.deploy.semi_structured import require_semi_structured
-from cast_llm.deploy.sparse24 import to_sparse24_
+from cast_llm.deploy.sparse24 import Dispatcher, Sparse24Linear, to_sparse24_
+from cast_llm.errors import CastError
 from cast_llm.targets import find_targets
 
 FORMAT = "cast-llm-compressed-nm"
@@ -137,16 +139,33 @@ def decompress_state_dict(path: str | Path, device: str | torch.device = "cpu") 
 
 
 def load_compressed(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    semi_structured: bool = False):
-    """Rebuild the dense model of a compressed checkpoint, on ``device`` in ``dtype`` (default: as stored).
+                    semi_structured: bool = False, sparse24: bool = False, dispatch: Dispatcher | bool = True):
+    """The model of a compressed checkpoint, on ``device`` in ``dtype`` (default: as stored).
 
-    ``semi_structured=True`` then swaps every target to a 2:4 layer (:class:`~cast_llm.deploy.sparse24.Sparse24Linear`:
-    CUDA, compute capability ≥ 8.0, fp16/bf16), always running its 2:4 kernel; the dense copy of each weight
-    is freed as it is swapped. (For the measured dense/2:4 choice per token count, call
-    :func:`~cast_llm.deploy.sparse24.to_sparse24_` on the dense model instead.)
+    * default: the dense model, rebuilt bit-identically (pruned entries ``+0.0``);
+    * ``sparse24=True`` (CPU): the targets load **straight into** :class:`~cast_llm.deploy.sparse24.Sparse24Linear`
+      layers holding only the file's kept values and positions (the positions stream is the CPU kernels' own
+      form), so no dense copy of a target weight is ever made and resident memory is the compressed size.
+      Each layer runs the CPU 2:4 kernel or, where the dispatcher measures it faster (large token counts), the
+      dense weight rebuilt into one scratch buffer shared by all layers of a shape. ``dtype`` defaults to the
+      stored one; fp16 (which the CPU kernels do not take) loads as fp32, exactly — pass ``torch.bfloat16`` for
+      the faster, rounded model. Without the CPU extension (one line says why) the targets load dense.
+      ``dispatch``: a :class:`~cast_llm.deploy.sparse24.Dispatcher` (e.g. with a cache file), True (a new one)
+      or False (always the 2:4 kernel);
+    * ``semi_structured=True`` (CUDA, compute capability ≥ 8.0, fp16/bf16): the dense model, then every target
+      swapped to a 2:4 layer always running its GPU kernel (the dense copy freed as it is swapped; for the
+      measured dense/2:4 choice call :func:`~cast_llm.deploy.sparse24.to_sparse24_` on the dense model instead).
     """
     index = read_index(path)
     stored = DTYPES.get(index["dtype"], torch.float32)
+    if sparse24:
+        if semi_structured:
+            raise CastError("load_compressed: pass sparse24=True (CPU) or semi_structured=True (CUDA), not both")
+        if torch.device(device).type != "cpu":
+            raise CastError(f"load_compressed(sparse24=True) loads onto the CPU, not {device}; on a GPU use "
+                            "semi_structured=True")
+        return _load_sparse24(Path(path), index, dtype or (torch.float32 if stored == torch.float16 else stored),
+                              dispatch)
     dtype = dtype or stored
     if semi_structured:
         require_semi_structured(device, dtype)
@@ -155,6 +174,79 @@ def load_compressed(path: str | Path, *, dtype: torch.dtype | None = None, devic
         names = set(index["targets"])
         to_sparse24_(model, filter_fn=lambda module, fqn: fqn in names, dispatch=False)
     return model
+
+
+def _load_sparse24(path: Path, index: dict[str, Any], dtype: torch.dtype, dispatch):
+    """See :func:`load_compressed` (``sparse24=True``): parameters are created on the meta device, every
+    non-target tensor is read from the file into its place, every target becomes a Sparse24Linear."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from cast_llm.deploy.sparse24 import cpu as cpu24
+    from cast_llm.deploy.sparse24.kernels import CPU_KERNELS, available_kernels
+    from cast_llm.layers import set_submodule
+    from cast_llm.models.loading import pretrained_kwargs
+
+    if index["n"] != 2 or index["m"] != 4:
+        raise CastError(f"{path}: a {index['n']}:{index['m']} checkpoint; the 2:4 layers load 2:4 ones only "
+                        "(load it dense: load_compressed(path))")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise CastError(f"the CPU 2:4 layers run bfloat16 or float32, not {dtype}; pass dtype=torch.bfloat16")
+    kernels, why = available_kernels("cpu", dtype, CPU_KERNELS)
+    if not kernels:
+        print(f"cast-llm: no CPU 2:4 kernel runs here ({next(iter(why.values()), 'none')}); {path} loads dense",
+              file=sys.stderr)
+        return model_from_state_dict(path, decompress_state_dict(path), dtype=dtype, device="cpu")
+    config = AutoConfig.from_pretrained(path, **pretrained_kwargs())
+    for key in ("sparsity", "quantization_config"):
+        if hasattr(config, key):
+            delattr(config, key)
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with init_empty_weights(include_buffers=False):  # parameters on meta (no bytes); buffers (RoPE) real
+        model = model_cls._from_config(config, dtype=dtype)
+    if dispatch is True:
+        dispatch = Dispatcher(device="cpu")
+    targets = index["targets"]
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        for fqn, info in targets.items():
+            out_f, in_f = info["shape"]
+            key = fqn + ".weight"
+            if info["encoding"] != "index" or info["transposed"]:
+                packed = NMSparseWeight(f.get_tensor(key + ".values"), f.get_tensor(key + ".positions"),
+                                        (out_f, in_f), 2, 4, info["encoding"])
+                w = packed.to_dense()
+                state = cpu24.compress((w.t().contiguous() if info["transposed"] else w).to(dtype))
+            else:
+                values = f.get_tensor(key + ".values").to(dtype)
+                positions = f.get_tensor(key + ".positions")
+                if in_f % 8 == 0:  # the file's 2-bit stream, row after row: exactly the kernels' meta
+                    meta = positions.view(out_f, in_f // 8)
+                else:
+                    codes = NMSparseWeight(values, positions, (out_f, in_f), 2, 4, "index").positions_tensor()
+                    meta = cpu24.pack_positions(codes.reshape(out_f, in_f // 2).to(torch.uint8))
+                state = {"values": values.contiguous(), "meta": meta.contiguous()}
+            keys -= {key + ".values", key + ".positions"}
+            bias_key = fqn + ".bias"
+            bias = f.get_tensor(bias_key).to(dtype) if bias_key in keys else None
+            keys.discard(bias_key)
+            layer = Sparse24Linear(in_f, out_f, states={"cpu24": state}, kernels=kernels, dense_weight=None,
+                                   bias=bias, dtype=dtype, device=torch.device("cpu"), dispatcher=dispatch or None,
+                                   name=fqn)
+            set_submodule(model, fqn, layer)
+        for key in sorted(keys):
+            set_module_tensor_to_device(model, key, "cpu", value=f.get_tensor(key).to(dtype))
+    for alias, source in index.get("aliases", {}).items():
+        owner, _, leaf = alias.rpartition(".")
+        src_owner, _, src_leaf = source.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src_owner), src_leaf))
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise CastError(f"{path}: the stored weights lack {left[:5]}; the checkpoint is incomplete or was written "
+                        "for another architecture")
+    return model.eval()
 
 
 def on_disk_bytes(path: str | Path) -> dict[str, int]:

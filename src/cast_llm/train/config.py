@@ -282,6 +282,9 @@ class TrainConfig(RunConfig, CastSettings):
                                              "packaged with cast-llm)", section=EVAL)
     report: bool = option(True, "write the run's HTML report (plots of loss, S_t, flip rates, perplexities) into "
                                 "RUN/report at the end", section=EVAL)
+    speed_check: bool = option(False, "at the end, on a CPU, measure the exported 2:4 model's decode tokens/s and "
+                                      "resident memory against the same model run dense (two fresh processes, "
+                                      "~15 s; the smollm2-cpu preset turns it on)", section=EVAL)
     # --- mask-learning dynamics (method.md §7; what each quantity means: docs/analysis.md)
     layer_stats: bool = option(True, "per-layer flip rate, initial flip rate and sparse-weight ratio on every "
                                      "log step, written to layers.jsonl", section=ANALYSIS)
@@ -445,6 +448,6 @@ PRESETS: dict[str, dict] = {
     "smollm2-cpu": dict(
         model="smollm2-135m", data="wiki-summaries", seq_len=128, batch_size=4, grad_accum=1, tokens=36_000,
         lr=1e-4, l1_decay=1e-4, eta=0.5, warmup_steps=2, log_every=10, val_sequences=32, test_sequences=32,
-        eval_seq_len=512, save_every=20, calib_samples=128,
+        eval_seq_len=512, save_every=20, calib_samples=128, speed_check=True,
     ),
 }

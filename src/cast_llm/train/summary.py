@@ -87,6 +87,10 @@ def summary_table(results: dict[str, Any]) -> str:
     moved = movement_line(results)
     if moved:
         lines.append(moved)
+    if results.get("decode_payoff"):
+        from cast_llm.deploy.inference import format_payoff
+
+        lines.append(format_payoff(results["decode_payoff"]))
     out = results.get("output_dir")
     lines.append(f"model:   {out}   (transformers: AutoModelForCausalLM.from_pretrained('{out}'))")
     if results.get("report"):

@@ -159,6 +159,8 @@ class Sparse24Linear(nn.Module):
         kernels = self.kernels
         if mode == "graph" and "cusparselt-direct" in kernels:
             kernels = [k for k in kernels if k != "cusparselt"]
+        if self.dense_weight is not None:  # rebuilding the dense weight only pays when there is none held
+            kernels = [k for k in kernels if k != "cpu-unpack"]
         return ([DENSE] if self.dense_weight is not None else []) + kernels
 
     def kernel_for(self, tokens: int, mode: str | None = None) -> str:
