@@ -44,6 +44,10 @@ class BenchInferenceConfig:
                           "cusparselt, cutlass (Ampere only)", choices=("auto", "cusparselt", "cutlass"), section=MODEL)
     dispatch_cache: str | None = option(None, "JSON file of measured dense/2:4 choices to reuse and extend "
                                         "(created if missing; a file it did not write is refused)", section=MODEL)
+    dense_copy: bool = option(True, "let a 2:4 layer keep its dense weight for the token counts where dense "
+                                    "measures faster (--no-dense-copy: compressed weights only, the least memory; "
+                                    "on the CPU large token counts then rebuild the dense weight into a scratch "
+                                    "buffer)", section=MODEL)
     kernels: str = kernels_option(section=MODEL)
     warmup: int = option(1, "untimed runs before measuring", section=TIMING)
     repeats: int = option(3, "timed generation runs; the median is reported", section=TIMING)
@@ -101,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(cfg.model, dtype=dtype, device=device)
     bench = BenchConfig(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
                         warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
-                        linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache)
+                        linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache,
+                        dense_copy=cfg.dense_copy)
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
     doc = {**report.to_dict(), "kernels": kernels.taken()}  # which 2:4 kernels passed their checks here
     print(json.dumps(doc) if cfg.json else format_report(report))

@@ -107,7 +107,8 @@ def plan_sparse24_(model: nn.Module, token_counts: Iterable[int] | dict[str, Ite
 
 def sparse24_memory(model: nn.Module) -> dict[str, int]:
     """Weight bytes of ``model`` as held now: ``compressed`` 2:4 weights, ``dense_fallback`` copies kept for
-    the dispatch, ``other`` (every other parameter and bias, tied ones once) and ``total``."""
+    the dispatch, ``other`` (every other parameter and bias, tied ones once), ``scratch`` (the CPU layers'
+    shared rebuild buffers) and ``total``."""
     compressed = dense = other = 0
     seen = set()
     for _, layer in sparse24_layers(model):
@@ -120,5 +121,9 @@ def sparse24_memory(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(p.data_ptr())
         other += p.numel() * p.element_size()
-    return {"compressed": compressed, "dense_fallback": dense, "other": other,
-            "total": compressed + dense + other}
+    from cast_llm.deploy.sparse24.cpu import scratch_bytes
+
+    # the CPU layers' shared buffers for rebuilt dense weights (one per shape, process-wide: counted once)
+    scratch = scratch_bytes() if any(layer.device.type == "cpu" for _, layer in sparse24_layers(model)) else 0
+    return {"compressed": compressed, "dense_fallback": dense, "other": other, "scratch": scratch,
+            "total": compressed + dense + other + scratch}

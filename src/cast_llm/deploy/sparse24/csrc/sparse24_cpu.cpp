@@ -17,8 +17,9 @@
 //   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
 //                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
 //   avx2         the same as avx512 on 16 inputs a step (two vpermps + blend), for CPUs without AVX-512.
-// Rows are processed one at a time (two memory streams per thread: values and positions) and tokens up to four
-// at a time (a row's indices are computed once per step and reused for every token);
+// A single token is processed one row at a time (two memory streams per thread: values and positions); more
+// tokens four rows and up to four tokens a block (the indices are computed once per row and step and reused
+// for every token, each activation load serves four rows);
 // threads split the output rows (at::parallel_for: torch's own thread pool and thread count). Every
 // accumulation is rounded once to the output dtype, like the GPU kernels.
 //
@@ -356,9 +357,12 @@ const Table& table_for(int64_t isa, int kind) {
   return a256[kind];
 }
 
-// rows of W a block: one. Measured (docs/results/cpu24-notes.md §2): four rows a block share each activation
-// load but read eight streams at once and ran 23 GB/s on one core; one row (two streams) ran 24-28 GB/s
-constexpr int64_t kRows = 1;
+// rows of W a block: one for a single token, four otherwise. Measured (docs/results/cpu24-notes.md §2-4): at
+// one token, four rows a block read eight streams at once and ran 23 GB/s on one core, one row (two streams)
+// 24-28 GB/s; at 4 and 16 tokens one row a block recomputes the indices and reloads x for every row and ran
+// 0.5-0.7x the four-row block
+constexpr int64_t kRows = 4;
+inline int64_t rows_per_block(int64_t tokens) { return tokens == 1 ? 1 : kRows; }
 constexpr int64_t kTokens = 4;  // rows of x a block
 
 at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
@@ -402,14 +406,15 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   const float* sptr = scale.has_value() ? scale_f.data_ptr<float>() : nullptr;
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
   void* yptr = y.data_ptr();
-  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t rb = rows_per_block(M);
+  const int64_t blocks = (N + rb - 1) / rb;
   // a thread's share should be worth the fork: ~64 rows of a 4096-input layer
   const int64_t grain = std::max<int64_t>(1, (16 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     float res[kRows * kTokens];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows;
-      const int64_t R = std::min(kRows, N - n0);
+      const int64_t n0 = b * rb;
+      const int64_t R = std::min(rb, N - n0);
       for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
         const int64_t T = std::min(kTokens, M - t0);
         table.fn[R - 1][T - 1](vptr, mptr, xptr, res, n0, t0, K, N);
@@ -466,13 +471,14 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t rb = rows_per_block(M);
+  const int64_t blocks = (N + rb - 1) / rb;
   const int64_t grain = std::max<int64_t>(1, (8 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     float res[kRows * kTokens];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows;
-      const int64_t R = std::min(kRows, N - n0);
+      const int64_t n0 = b * rb;
+      const int64_t R = std::min(rb, N - n0);
       for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
         const int64_t T = std::min(kTokens, M - t0);
 #define CAST_DENSE_CASE(RR, TT) \
