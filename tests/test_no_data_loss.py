@@ -516,3 +516,33 @@ def test_export_into_the_current_folder_stages_beside_it(tmp_path, sparse_dir, m
     assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", ".", "--overwrite") == 0
     assert (work / "notes.txt").read_text() == "mine" and (work / "cast_llm.json").is_file()
     assert not [p for p in work.iterdir() if p.name.startswith(".stage-")]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: [], "JSON list"),
+    (lambda m: {**m, "files": ["model.safetensors"]}, "plain names"),
+    (lambda m: {**m, "files": {"../../../etc/hostname": "0" * 64}}, "plain names"),
+    (lambda m: {**m, "fingerprint": [1]}, "fingerprint"),
+    (lambda m: {**m, "step": "x"}, "step"),
+    (lambda m: {**m, "sharded": {"world_size": "x"}}, "sharded"),
+])
+def test_a_hand_made_checkpoint_meta_json_is_one_line(inputs, tmp_path, capsys, edit, says):
+    out = tmp_path / "run"
+    assert cli(*train_argv(inputs, out, "--max-steps", "2", "--save-every", "1", "--keep-checkpoints-after")) == 0
+    meta_files = sorted((out / "checkpoints").glob("step-*/meta.json"))
+    (out / "results.json").unlink()  # an unfinished run: --resume reads its newest checkpoint
+    meta_files[-1].write_text(json.dumps(edit(json.loads(meta_files[-1].read_text()))))
+    capsys.readouterr()
+    assert cli("train", "--output-dir", out, "--resume") == 2
+    line = one_line_error(capsys)
+    assert "meta.json is not what cast-llm writes" in line and says in line, line
+
+
+def test_resume_with_a_hand_edited_results_json_is_one_line(inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli(*train_argv(inputs, out, "--max-steps", "2", "--save-every", "1", "--keep-checkpoints-after")) == 0
+    (out / "results.json").write_text('["not", "ours"]')
+    capsys.readouterr()
+    assert cli("train", "--output-dir", out, "--resume") == 2
+    line = one_line_error(capsys)
+    assert "results.json" in line and "not an object" in line, line

@@ -17,7 +17,7 @@ import torch
 
 from cast_llm import __version__
 from cast_llm.errors import CastError
-from cast_llm.io import move_into, staging_dir
+from cast_llm.io import move_into, read_json_object, staging_dir
 from cast_llm.sparsity.mask import is_nm
 from cast_llm.targets import find_targets
 
@@ -152,4 +152,5 @@ def read_sparsity_metadata(path: str | Path) -> dict[str, Any] | None:
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return None
-    return json.loads(cfg.read_text()).get("sparsity")
+    sparsity = read_json_object(cfg, "the model's config").get("sparsity")
+    return sparsity if isinstance(sparsity, dict) else None  # (a hand-edited entry of another shape: none)

@@ -249,6 +249,30 @@ def _refuse_pickles(path: Path) -> None:
             "checkpoints never contain pickles (it was made by hand or by an old version); refusing to load it")
 
 
+def _check_meta(path: Path, meta: Any) -> None:
+    """A one-line CastError unless ``meta.json`` has the shape :func:`save_checkpoint` writes: an object with an
+    integer ``step``, a ``fingerprint`` object, ``files`` mapping plain file names of the folder to digests,
+    and ``sharded`` null or ``{"world_size": int}`` (a hand-made one is refused before anything is read)."""
+    from cast_llm.io import is_plain_name
+
+    why = None
+    if not isinstance(meta, dict):
+        why = f"it holds a JSON {type(meta).__name__}, not an object"
+    elif not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool) or meta["step"] < 0:
+        why = f"its step {meta.get('step')!r} is not a step number"
+    elif not isinstance(meta.get("fingerprint", {}), dict):
+        why = "its fingerprint is not an object"
+    elif not isinstance(meta.get("files", {}), dict) or not all(
+            is_plain_name(k) and isinstance(v, str) for k, v in meta.get("files", {}).items()):
+        why = "its files are not plain names of the folder's files with their checksums"
+    elif meta.get("sharded") is not None and not (isinstance(meta["sharded"], dict) and isinstance(
+            meta["sharded"].get("world_size"), int) and meta["sharded"]["world_size"] > 0):
+        why = "its sharded entry is not {\"world_size\": N}"
+    if why:
+        raise CastError(f"checkpoint {path} is corrupt: meta.json is not what cast-llm writes ({why}); delete this "
+                        "checkpoint folder to resume from an older one")
+
+
 def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
                     rank: int | None = None, world_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify and load a checkpoint folder; returns (states, meta). Never unpickles anything.
@@ -260,8 +284,9 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
     _refuse_pickles(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # (a UnicodeDecodeError is a ValueError)
         raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one") from None
+    _check_meta(path, meta)
     got = meta.get("fingerprint", {})
     diff = {k: (got.get(k), v) for k, v in expected_fingerprint.items() if got.get(k) != v}
     if diff:

@@ -31,7 +31,6 @@ The job's and the method's hooks return what they measured; the loop merges it i
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +43,7 @@ from cast_llm import kernels
 from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json
+from cast_llm.io import atomic_write_json, read_json_object
 from cast_llm.optim.schedule import build_scheduler
 from cast_llm.train.checkpoint import (
     fingerprint,
@@ -327,8 +326,9 @@ def _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts, t
     ctx = LoopContext(cfg, accelerator, distribution, out, say, precision)
     set_seed(cfg.seed)
     results: dict[str, Any] = {}
-    if checkpoint is not None and (out / "results.json").is_file():
-        results = json.loads((out / "results.json").read_text())
+    if checkpoint is not None and (out / "results.json").is_file():  # a hand-edited one: one line, not a traceback
+        results = read_json_object(out / "results.json", "the run's results", fix="restore it, or remove it to "
+                                   "resume without the earlier segments' figures")
     resuming = checkpoint is not None
     t = _prepare(job, ctx, results, resuming)
     fp = fingerprint(asdict(cfg), job.fingerprint_keys)
