@@ -546,3 +546,18 @@ def test_resume_with_a_hand_edited_results_json_is_one_line(inputs, tmp_path, ca
     assert cli("train", "--output-dir", out, "--resume") == 2
     line = one_line_error(capsys)
     assert "results.json" in line and "not an object" in line, line
+
+
+def test_finetune_resume_auto_on_a_finished_run_changes_nothing(finished_run, tmp_path, capsys):
+    data = tmp_path / "instr.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"The quick fox {i}. Animal:", "completion": " fox"}) + "\n"
+                            for i in range(24)))
+    out = tmp_path / "ft"
+    argv = ["finetune", finished_run, "--data", data, "--output-dir", out, "--seq-len", "32", "--max-steps", "1",
+            "--batch-size", "2", "--lora-r", "4", "--no-progress", "--device", "cpu", "--no-per-layer-report"]
+    assert cli(*argv) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    assert cli(*argv, "--resume", "auto") == 0
+    assert "already finished: " in capsys.readouterr().out
+    assert snapshot(out) == before
