@@ -159,3 +159,20 @@ def test_read_json_object_says_what_is_wrong_in_one_line(tmp_path, content, says
     with pytest.raises(CastError) as e:
         read_json_object(p, "the model's config")
     assert says in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_append_jsonl_never_writes_through_a_planted_link(tmp_path):
+    from cast_llm.errors import CastError
+    from cast_llm.io import append_jsonl
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for target in (victim, tmp_path / "dangling"):
+        link = tmp_path / f"metrics-{target.name}.jsonl"
+        link.symlink_to(target)
+        with pytest.raises(CastError, match="is a link"):
+            append_jsonl(link, {"step": 1})
+    assert victim.read_text() == "precious" and not (tmp_path / "dangling").exists()
+    append_jsonl(tmp_path / "ok.jsonl", {"step": 1})
+    append_jsonl(tmp_path / "ok.jsonl", {"step": 2})
+    assert (tmp_path / "ok.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -14,6 +14,7 @@ disk, a node that dies — leaves either the previous version of a file or the n
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -317,7 +318,19 @@ def move_into(src: str | Path, dst: str | Path, *, last: str | None = None) -> l
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
-    with Path(path).open("a") as f:
+    """Append one record; the file is opened without following a link (``O_NOFOLLOW``: a link planted under
+    the name in a run folder is refused, never written through)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            from cast_llm.errors import CastError
+
+            raise CastError(f"{path} is a link: cast-llm never writes through a link planted in its folder; "
+                            "remove it") from None
+        raise
+    with os.fdopen(fd, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
