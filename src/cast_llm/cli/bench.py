@@ -55,6 +55,8 @@ class BenchInferenceConfig:
     seed: int = option(0, "seed of the random prompt (and of random: models)", section=TIMING)
     json: bool = option(False, "print the report as one JSON object instead of a table", section=OUTPUT)
     json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
+    plot: str | None = option(None, "also draw the report (tokens/s dense vs 2:4, per-linear speed-ups) into this "
+                                    "PNG file", section=OUTPUT)
 
     def validate(self) -> None:
         if not self.model:
@@ -110,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
     doc = {**report.to_dict(), "kernels": kernels.taken()}  # which 2:4 kernels passed their checks here
     print(json.dumps(doc) if cfg.json else format_report(report))
+    if cfg.plot:
+        from cast_llm.deploy.bench import plot_report
+
+        plot_report(report, cfg.plot)
     if cfg.json_out:
         from cast_llm.io import atomic_write_text
 

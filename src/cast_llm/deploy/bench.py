@@ -267,6 +267,12 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     report.plan = _plan_summary(plan_sparse24_(model, list(tokens.values()), modes=("eager",), release=True))
     notes.append(f"{len(swapped)} target(s) swapped to 2:4 layers; {len(sparse24_layers(model))} of them run a 2:4 "
                  f"kernel for some token count of this run, the others run dense (2:4 measured no faster here)")
+    if device.type == "cpu":  # the dense head too, where the careful GEMV measures faster (its own check)
+        from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
+
+        head = use_careful_head_(model)
+        if head:
+            notes.append(head)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     report.sparse, sparse_logits = measure_path(model, prompt, cfg, fqns)
@@ -325,3 +331,40 @@ def format_report(r: BenchReport) -> str:
                      f"{p['dense_us']:>10.1f} {sp}")
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(lines)
+
+
+def plot_report(r: BenchReport, path: str) -> None:
+    """Two panels: prefill and decode tokens/s, dense against 2:4; the per-linear speed-up of every shape and
+    regime (1.0 = dense)."""
+    from pathlib import Path
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    a, b = fig.subplots(1, 2)
+    s = r.sparse
+    for i, (_label, key) in enumerate((("prefill", "prefill_tokens_per_s"), ("decode", "decode_tokens_per_s"))):
+        d_v = getattr(r.dense, key)
+        s_v = getattr(s, key) if s else 0.0
+        a.bar([i - 0.2], [d_v], 0.4, color="tab:gray", label="dense" if i == 0 else None)
+        a.bar([i + 0.2], [s_v], 0.4, color="tab:blue", label="2:4" if i == 0 else None)
+        if s and d_v:
+            a.annotate(f"{s_v / d_v:.2f}x", (i + 0.2, s_v), ha="center", va="bottom", fontsize=8)
+    a.set_xticks([0, 1], ["prefill", "decode"])
+    a.set_yscale("log")
+    a.set_ylabel("tokens/s")
+    a.set_title(f"{r.model}, {r.dtype}, batch {r.config['batch_size']}")
+    a.legend(fontsize=8)
+    rows = [p for p in r.per_linear if "speedup" in p]
+    b.bar(range(len(rows)), [p["speedup"] for p in rows], color=["tab:blue" if p["regime"] == "decode" else "tab:orange"
+                                                                for p in rows])
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_xticks(range(len(rows)), [f"{p['out']}x{p['in']}\n{p['regime']} {p['tokens']}" for p in rows], fontsize=6)
+    b.set_ylabel("dense time / 2:4 time")
+    b.set_title("per linear (blue: decode, orange: prefill)")
+    fig.suptitle(f"bench-inference on {r.device}", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)

@@ -30,8 +30,10 @@ __all__ = ["Generation", "dispatch_cache_path", "format_payoff", "generate", "lo
 
 
 def dispatch_cache_path() -> Path:
-    root = os.environ.get("CAST_LLM_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "cast-llm") / "sparse24-dispatch-cpu.json"
+    from cast_llm.io import cache_dir
+
+    root = os.environ.get("CAST_LLM_CACHE_DIR")  # else cast-llm's cache folder ($CAST_LLM_CACHE, as the tests set)
+    return (Path(root) if root else cache_dir()) / "sparse24-dispatch-cpu.json"
 
 
 def _dispatcher(cache: bool):
@@ -58,6 +60,11 @@ def load_for_inference(model: str, *, sparse24: bool = True, dtype: torch.dtype 
             targets = find_targets(m, n=2, m=4, skip_incompatible=True)
             to_sparse24_(m, targets=targets, dispatch=_dispatcher(cache), keep_dense=False, skip_incompatible=True)
     tokenizer = load_tokenizer(model)
+    head = None
+    if sparse24:
+        from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
+
+        head = use_careful_head_(m)
     layers = len(sparse24_layers(m))
     if not sparse24:
         how = "dense (every layer torch's F.linear)"
@@ -66,6 +73,8 @@ def load_for_inference(model: str, *, sparse24: bool = True, dtype: torch.dtype 
     else:
         why = "; ".join(getattr(m, "_sparse24_skipped", [])[:1]) or "no exactly-2:4 target, or no CPU 2:4 kernel here"
         how = f"dense: no layer could run 2:4 ({why})"
+    if head:
+        how += f"; {head}"
     return m.eval(), tokenizer, how
 
 
