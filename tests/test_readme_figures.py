@@ -35,7 +35,8 @@ def test_every_figure_of_how_good_is_it_is_a_committed_measurement():
     intervals) or, for the GPU runs it mentions, in the GPU kit's committed tables: a figure typed by hand, or
     left behind when a table was regenerated, fails here."""
     known: set[str] = set()
-    for f in sorted(RESULTS.glob("compare-*.json")) + sorted(RESULTS.glob("mask-swap-*.json")):
+    for f in (sorted(RESULTS.glob("compare-*.json")) + sorted(RESULTS.glob("mask-swap-*.json"))
+              + [RESULTS / "cpu24-summary.json"]):  # the CPU speed paragraph (benchmarks/cpu24_report.py)
         _figures_of_json(json.loads(f.read_text()), known)
     for f in sorted((RESULTS / "gpu").glob("*.md")):
         known |= set(FIGURE.findall(f.read_text()))
