@@ -54,7 +54,7 @@ def cache_dir() -> Path:
 def build_key() -> str:
     """The build folder's name: a new source, flag set, torch or Python rebuilds."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    h.update(SOURCE.read_bytes() if SOURCE.is_file() else b"(no source)")  # (the dispatch keys on it too)
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.split()[0].encode())

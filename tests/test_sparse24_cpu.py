@@ -1,0 +1,727 @@
+"""The CPU 2:4 path on this CPU (cast_llm.deploy.sparse24.cpu and its C++ extension): every instruction path that
+runs here against a float64 product (every 2-of-4 pattern, odd tails, bias, 1 to 64 rows, bf16 and fp32
+activations, the unpack kernel, the int8 W8 variant), the compressed form against the on-disk positions stream,
+the fallback when the extension is missing, the dispatcher's choice, loading a compressed checkpoint without a
+dense copy, generation and the `cast-llm generate` command, the payoff measurement and benchmarks/cpu24.py.
+
+Bounds (max|Δ| / max|y| against float64): bf16 outputs ≤ 8e-3 (one rounding to 8 significant bits of an
+fp32-accumulated result), fp32 ≤ 1e-5. Whole bf16 models: ≤ max(0.01, 3 × the noise floor), the floor being how
+far the dense model moves when every target GEMM is accumulated in fp32 and rounded once (tests/test_sparse24_cuda.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import tiny
+import torch
+import torch.nn.functional as F
+from deploy_helpers import cli, one_line_error, sparse_model
+from torch import nn
+
+from cast_llm import kernels as cast_kernels
+from cast_llm.deploy.nm_codec import NMSparseWeight
+from cast_llm.deploy.sparse24 import Dispatcher, Sparse24Linear, sparse24_layers, timing, to_sparse24_
+from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24 import dispatch as D
+from cast_llm.deploy.sparse24.kernels import (
+    CPU_KERNELS,
+    CPU_W8_KERNELS,
+    KERNELS,
+    available_kernels,
+    default_kernels,
+    sparse_linear,
+)
+
+WHY = cpu24.extension_reason()
+PATHS = cpu24.available_paths()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no CPU 2:4 extension here: {WHY}")
+
+BOUND = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
+PATTERNS = list(itertools.combinations(range(4), 2))  # the 6 ways to keep 2 of 4
+# (out, in): in % 64, % 32, % 16 != 0 and in % 8 == 4 tails, one 64-multiple, odd out counts
+SHAPES = [(37, 4), (5, 12), (37, 36), (16, 64), (37, 100), (3, 136), (33, 176), (64, 1540)]
+ROWS = (1, 2, 3, 4, 5, 7, 16, 33, 64)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def planted(out_f: int, in_f: int, seed: int = 0, dtype=torch.float32):
+    """An exactly-2:4 weight whose groups cycle through all 6 patterns (group g of row r: pattern (r + g) % 6),
+    kept values of magnitude 0.5..1.5 with random signs; and the planted positions (out, in/4, 2)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = in_f // 4
+    idx = (torch.arange(out_f)[:, None] + torch.arange(groups)[None, :]) % 6
+    pos = torch.tensor(PATTERNS)[idx]
+    vals = (torch.rand(out_f, groups, 2, generator=g) + 0.5) * (torch.randint(0, 2, (out_f, groups, 2), generator=g) * 2 - 1)
+    w = torch.zeros(out_f, groups, 4).scatter_(2, pos, vals).reshape(out_f, in_f)
+    return w.to(dtype), pos
+
+
+def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.detach().double(), ref.detach().double()
+    return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
+def ref64(x, w, b=None):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def paths_for(dtype):
+    return [p for p in PATHS if dtype == torch.bfloat16 or p != "avx512-bf16"]
+
+
+def bitwise_equal(a, b):
+    from deploy_helpers import bitwise_equal as eq
+
+    return eq(a, b)
+
+
+# ------------------------------------------------------------------------------------------ 1. the kernel
+def test_this_cpu_runs_at_least_one_path_and_the_kernel_lists_are_consistent():
+    assert PATHS and set(PATHS) <= set(cpu24.PATHS), PATHS
+    assert default_kernels("cpu") == CPU_KERNELS
+    ok, why = available_kernels("cpu", torch.bfloat16, CPU_KERNELS)
+    assert ok == [f"cpu-{p}" for p in PATHS] + ["cpu-unpack"], (ok, why)
+    ok32, why32 = available_kernels("cpu", torch.float32, CPU_KERNELS)
+    assert "cpu-avx512-bf16" not in ok32 and "bf16" in why32["cpu-avx512-bf16"]
+    w8, _ = available_kernels("cpu", torch.float32, CPU_W8_KERNELS)
+    assert w8 == [f"cpu-w8-{p}" for p in PATHS if p != "avx512-bf16"]
+    ok16, why16 = available_kernels("cpu", torch.float16, CPU_KERNELS)
+    assert ok16 == [] and all("float16" in r for r in why16.values()), why16
+
+
+@pytest.mark.parametrize("path,dtype", [(p, d) for d in (torch.bfloat16, torch.float32) for p in cpu24.PATHS
+                                        if d == torch.bfloat16 or p != "avx512-bf16"])
+def test_every_path_matches_a_float64_product_on_every_pattern_tail_bias_and_row_count(path, dtype):
+    if path not in PATHS:
+        pytest.skip(f"this CPU lacks the instructions of the {path} path")
+    bad = []
+    for i, (out_f, in_f) in enumerate(SHAPES):
+        w, pos = planted(out_f, in_f, seed=i, dtype=dtype)
+        state = cpu24.compress(w)
+        assert torch.equal(cpu24.unpack_positions(state["meta"], in_f // 2).reshape(out_f, in_f // 4, 2).long(), pos)
+        g = torch.Generator().manual_seed(100 + i)
+        bias = torch.randn(out_f, generator=g).to(dtype)
+        for rows in ROWS:
+            x = torch.randn(rows, in_f, generator=g).to(dtype)
+            for b in (None, bias):
+                y = cpu24.sparse24_mm(path, x, state, b)
+                assert y.dtype == dtype and y.shape == (rows, out_f)
+                err = rel(y, ref64(x, w, b))
+                if not err <= BOUND[dtype]:
+                    bad.append((out_f, in_f, rows, b is not None, err))
+    assert not bad, f"{path} {dtype}: max|Δ|/max|y| over {BOUND[dtype]}: {bad[:5]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_bound_catches_a_wrong_position(dtype):
+    """The tests above can fail: one group's pattern changed in the metadata breaks the bound on every path."""
+    out_f, in_f = 8, 64
+    w, _ = planted(out_f, in_f, dtype=dtype)
+    state = cpu24.compress(w)
+    meta = state["meta"].clone()
+    meta[3, 2] ^= 0b0011  # row 3, kept value 8: another position
+    x = torch.randn(4, in_f).to(dtype)
+    for path in paths_for(dtype):
+        assert rel(cpu24.sparse24_mm(path, x, {**state, "meta": meta}, None), ref64(x, w)) > BOUND[dtype], path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_unpack_kernel_rebuilds_the_weight_bit_exactly_and_matches_float64(dtype):
+    bad = []
+    for i, (out_f, in_f) in enumerate(SHAPES):
+        w, _ = planted(out_f, in_f, seed=i, dtype=dtype)
+        state = KERNELS["cpu-unpack"].compress(w)
+        buf = torch.empty(out_f, in_f, dtype=dtype)
+        cpu24.load_extension().unpack24_out(buf, state["values"], state["meta"])
+        assert bitwise_equal(buf, w), (out_f, in_f)
+        bias = torch.randn(out_f).to(dtype)
+        for rows in (1, 5, 64):
+            x = torch.randn(rows, in_f).to(dtype)
+            for b in (None, bias):
+                y = sparse_linear(KERNELS["cpu-unpack"], x, state, b, out_f)
+                if not rel(y, ref64(x, w, b)) <= BOUND[dtype]:
+                    bad.append((out_f, in_f, rows, b is not None, rel(y, ref64(x, w, b))))
+    assert not bad, bad[:5]
+    assert cpu24.scratch_bytes() >= max(o * i for o, i in SHAPES) * (2 if dtype == torch.bfloat16 else 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", CPU_W8_KERNELS)
+def test_w8_kernels_match_their_dequantized_weight(name, dtype):
+    if KERNELS[name].path not in PATHS:
+        pytest.skip(f"{name}: this CPU lacks the instructions")
+    bad = []
+    for i, (out_f, in_f) in enumerate(SHAPES):
+        w, _ = planted(out_f, in_f, seed=i, dtype=dtype)
+        state = KERNELS[name].compress(w)
+        assert state["values"].dtype == torch.int8 and state["scale"].shape == (out_f,)
+        deq = KERNELS[name].decompress(state, out_f, in_f)
+        # symmetric round to nearest: every weight within half a step of its row's scale, zeros stay zeros
+        assert bool(((deq - w.float()).abs() <= state["scale"][:, None] * 0.5 + 1e-7).all())
+        assert bool((deq[w == 0] == 0).all())
+        bias = torch.randn(out_f).to(dtype)
+        for rows in ROWS:
+            x = torch.randn(rows, in_f).to(dtype)
+            for b in (None, bias):
+                y = sparse_linear(KERNELS[name], x, state, b, out_f)
+                assert y.dtype == dtype
+                if not rel(y, ref64(x, deq, b)) <= BOUND[dtype]:
+                    bad.append((out_f, in_f, rows, b is not None, rel(y, ref64(x, deq, b))))
+    assert not bad, f"{name} {dtype}: {bad[:5]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compress_decompress_round_trip_is_bit_exact_with_sparser_groups(dtype):
+    for i, (out_f, in_f) in enumerate(SHAPES):
+        w, pos = planted(out_f, in_f, seed=i, dtype=dtype)
+        w = w.clone()
+        w[0, :4] = torch.tensor([0.0, 0.0, 0.0, -2.0])  # a group with one non-zero
+        w[-1, -4:] = 0  # and one with none
+        state = cpu24.compress(w)
+        assert state["values"].shape == (out_f, in_f // 2) and state["values"].dtype == dtype
+        assert state["meta"].shape == (out_f, math.ceil(in_f / 8)) and state["meta"].dtype == torch.uint8
+        p = cpu24.unpack_positions(state["meta"], in_f // 2).reshape(out_f, in_f // 4, 2)
+        assert bool((p[..., 0] < p[..., 1]).all())  # two distinct slots, in order, even for sparser groups
+        assert bitwise_equal(cpu24.decompress(state, out_f, in_f), w), (out_f, in_f)
+        if in_f % 8 == 4:  # the unused half byte of a row's metadata is zero
+            assert bool((state["meta"][:, -1] >> 4 == 0).all())
+
+
+def test_pack_and_unpack_positions_are_inverse():
+    g = torch.Generator().manual_seed(0)
+    for kept in (2, 4, 6, 8, 18, 32, 50, 770):
+        pos = torch.randint(0, 4, (7, kept), generator=g, dtype=torch.uint8)
+        meta = cpu24.pack_positions(pos)
+        assert meta.shape == (7, math.ceil(kept / 4)) and meta.dtype == torch.uint8
+        assert torch.equal(cpu24.unpack_positions(meta, kept), pos)
+        assert torch.equal(cpu24.pack_positions(cpu24.unpack_positions(meta, kept)), meta)
+    # value j of a row at bits 2j..2j+1 of its little-endian bit string
+    assert cpu24.pack_positions(torch.tensor([[1, 2, 3, 0, 3]], dtype=torch.uint8)).tolist() == [[0b00111001, 0b11]]
+
+
+def test_meta_is_the_on_disk_positions_stream_of_the_index_encoding():
+    for i, (out_f, in_f) in enumerate(SHAPES):
+        w, _ = planted(out_f, in_f, seed=i)
+        state = cpu24.compress(w)
+        packed = NMSparseWeight.from_dense(w, 2, 4, encoding="index")
+        assert torch.equal(packed.values, state["values"])
+        if in_f % 8 == 0:  # row after row, whole bytes: the same bytes
+            assert torch.equal(packed.positions.view(out_f, in_f // 8), state["meta"]), (out_f, in_f)
+        # what load_compressed does for other rows: repack the codes
+        codes = packed.positions_tensor().reshape(out_f, in_f // 2).to(torch.uint8)
+        assert torch.equal(cpu24.pack_positions(codes), state["meta"]), (out_f, in_f)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_sparse24_linear_on_each_cpu_kernel_takes_3d_strided_and_empty_inputs(dtype):
+    lin = nn.Linear(100, 37, dtype=dtype)
+    w, _ = planted(37, 100, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.normal_()
+    lin.requires_grad_(False)
+    names, _ = available_kernels("cpu", dtype, CPU_KERNELS + CPU_W8_KERNELS)
+    for name in names:
+        layer = Sparse24Linear.from_linear(lin, kernels=(name,))
+        assert layer.dense_weight is None and layer.kernel_for(3) == name
+        wref = layer.dense().double() if KERNELS[name].w8 else w
+        x = torch.randn(2, 3, 100).to(dtype)
+        assert rel(layer(x), ref64(x, wref, lin.bias)) <= BOUND[dtype], name
+        xt = torch.randn(100, 5).to(dtype).t()  # non-contiguous rows
+        assert rel(layer(xt), ref64(xt, wref, lin.bias)) <= BOUND[dtype], name
+        assert layer(torch.randn(0, 100).to(dtype)).shape == (0, 37)
+
+
+# ------------------------------------------------------------------------------- 2. without the extension
+@contextlib.contextmanager
+def extension_missing(monkeypatch, how: str, tmp_path: Path):
+    """The extension as a machine without it sees it: a fresh load state that fails (the cached state of this
+    process is put back afterwards by monkeypatch)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu24, "_STATE", {})
+        if how == "source":
+            mp.setattr(cpu24, "SOURCE", tmp_path / "missing" / "sparse24_cpu.cpp")
+        else:  # a cache folder that cannot be made (below a file)
+            blocker = tmp_path / "a-file"
+            blocker.write_text("")
+            mp.setenv("CAST_LLM_EXTENSIONS_DIR", str(blocker / "extensions"))
+        yield
+
+
+@pytest.mark.parametrize("how", ["source", "cache"])
+def test_without_the_extension_every_kernel_says_why_in_one_line(monkeypatch, tmp_path, how):
+    with extension_missing(monkeypatch, how, tmp_path):
+        why = cpu24.extension_reason()
+        assert why and "\n" not in why and "could not be built or loaded" in why, why
+        assert cpu24.available_paths() == []
+        assert cpu24.extension_reason() == why  # cached: no second attempt
+        ok, reasons = available_kernels("cpu", torch.bfloat16, CPU_KERNELS)
+        assert ok == [] and set(reasons) == set(CPU_KERNELS)
+        assert all(r == why for r in reasons.values()), reasons
+        with pytest.raises(RuntimeError, match="could not be built"):
+            cpu24.load_extension()
+    assert cpu24.extension_reason() is None  # this process's state is back
+
+
+@pytest.mark.parametrize("how", ["source", "cache"])
+def test_without_the_extension_to_sparse24_leaves_the_layers_dense(monkeypatch, tmp_path, how):
+    model = sparse_model("llama", dtype=torch.bfloat16)
+    ids = torch.randint(0, tiny.VOCAB, (1, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+    with extension_missing(monkeypatch, how, tmp_path):
+        assert to_sparse24_(model, skip_incompatible=True) == []
+        assert sparse24_layers(model) == [] and len(model._sparse24_skipped) == 14
+        assert all("could not be built or loaded" in p for p in model._sparse24_skipped)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref)
+
+
+def test_without_the_extension_load_compressed_says_one_line_and_loads_dense(monkeypatch, tmp_path, ckpts, capsys):
+    from cast_llm.deploy.compressed import load_compressed
+
+    dense = load_compressed(ckpts["bf16"])
+    ids = torch.randint(0, tiny.VOCAB, (1, 9))
+    capsys.readouterr()
+    with extension_missing(monkeypatch, "source", tmp_path):
+        model = load_compressed(ckpts["bf16"], sparse24=True)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("cast-llm: no CPU 2:4 kernel runs here") and "loads dense" in err[0], err
+    assert sparse24_layers(model) == []
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense(ids).logits)
+
+
+@pytest.mark.parametrize("how", ["env", "set_mode"])
+def test_reference_mode_never_loads_the_extension(monkeypatch, how):
+    monkeypatch.setenv(cast_kernels.MODE_ENV, "reference" if how == "env" else "auto")  # restored after the test
+    if how == "set_mode":
+        cast_kernels.set_mode("reference")
+    why = cpu24.extension_reason()
+    assert why is not None and "reference" in why
+    assert cpu24.available_paths() == []
+    ok, reasons = available_kernels("cpu", torch.bfloat16, CPU_KERNELS)
+    assert ok == [] and all("reference" in r for r in reasons.values())
+    cast_kernels.set_mode("auto")
+    assert cpu24.extension_reason() is None
+
+
+# ------------------------------------------------------------------------------------ 3. the dispatcher
+class FakeTimes:
+    """Seconds per (kernel, tokens): given as a table; counts what was measured."""
+
+    def __init__(self, table):
+        self.table, self.asked = table, []
+
+    def __call__(self, kernel, out_f, in_f, dtype, tokens, mode):
+        self.asked.append((kernel, tokens))
+        return self.table(kernel, tokens), None
+
+
+def bf16_linear(in_f=64, out_f=48):
+    lin = nn.Linear(in_f, out_f, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(planted(out_f, in_f, dtype=torch.bfloat16)[0])
+    return lin
+
+
+def test_dispatch_picks_the_fastest_and_never_a_slower_kernel_than_dense():
+    best = f"cpu-{PATHS[-1]}"  # the fastest here: not the first candidate, so the choice is the timer's
+
+    def table(kernel, tokens):
+        if kernel == "dense":
+            return 1.0
+        if tokens <= 4:
+            return 0.3 if kernel == best else 0.6  # every 2:4 kernel faster than dense: the fastest wins
+        if tokens <= 16:
+            return 0.99  # faster, but by less than min_speedup (1.02): dense
+        return 1.5  # slower: dense
+
+    fake = FakeTimes(table)
+    lin = bf16_linear()
+    layer = Sparse24Linear.from_linear(lin, dispatcher=Dispatcher(measure=fake, device="cpu"))
+    assert layer.dense_weight is not None and "cpu-unpack" in layer.kernels
+    assert "cpu-unpack" not in layer.candidates() and layer.candidates()[0] == "dense"
+    assert {k for k, _ in fake.asked} == set()
+    x = {t: torch.randn(t, 64).bfloat16() for t in (1, 3, 16, 64)}
+    assert layer.kernel_for(1) == best and layer.kernel_for(3) == best
+    assert layer.kernel_for(16) == "dense" and layer.kernel_for(64) == "dense"
+    assert "cpu-unpack" not in {k for k, _ in fake.asked}
+    assert {k for k, _ in fake.asked} == {"dense", *(f"cpu-{p}" for p in PATHS)}
+    ref = {t: ref64(v, lin.weight, lin.bias) for t, v in x.items()}
+    with torch.no_grad():
+        assert bitwise_equal(layer(x[3]), cpu24.sparse24_mm(PATHS[-1], x[3], layer.states["cpu24"], lin.bias))
+        assert bitwise_equal(layer(x[64]), F.linear(x[64], lin.weight, lin.bias))
+        assert all(rel(layer(v), ref[t]) <= BOUND[torch.bfloat16] for t, v in x.items())
+
+
+def test_without_a_dense_weight_unpack_is_a_candidate_and_wins_where_fastest():
+    def table(kernel, tokens):
+        assert kernel != "dense"
+        return {"cpu-unpack": 0.2 if tokens >= 32 else 2.0}.get(kernel, 1.0)
+
+    fake = FakeTimes(table)
+    lin = bf16_linear()
+    layer = Sparse24Linear.from_linear(lin, dispatcher=Dispatcher(measure=fake, device="cpu"), keep_dense=False)
+    assert layer.dense_weight is None and "dense" not in layer.candidates() and "cpu-unpack" in layer.candidates()
+    assert layer.kernel_for(64) == "cpu-unpack" and layer.kernel_for(1) == f"cpu-{PATHS[0]}"
+    x = torch.randn(64, 64).bfloat16()
+    with torch.no_grad():
+        assert rel(layer(x), ref64(x, lin.weight, lin.bias)) <= BOUND[torch.bfloat16]
+        assert rel(layer(x[:1]), ref64(x[:1], lin.weight, lin.bias)) <= BOUND[torch.bfloat16]
+
+
+def test_the_cpu_dispatch_key_holds_the_cpu_model_and_thread_count():
+    from cast_llm.machine import cpu_model
+
+    threads = torch.get_num_threads()
+    try:
+        ident = D.default_identity(torch.device("cpu"))
+        assert cpu_model() in ident[0] and f"x{threads} threads" in ident[0]
+        assert cpu24.build_key() in ident[1] and torch.__version__ in ident[1]
+        key = Dispatcher(measure=FakeTimes(lambda k, t: 1.0), device="cpu").key(64, 48, torch.bfloat16, 1, "eager")
+        assert ident[0] in key and ident[1] in key
+        torch.set_num_threads(threads + 1)
+        assert D.default_identity(torch.device("cpu"))[0] != ident[0]  # another thread count measures anew
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-avx512-bf16", "dense"])
+def test_one_real_measurement_on_this_cpu(kernel):
+    if kernel != "dense" and "avx512-bf16" not in PATHS:
+        pytest.skip("this CPU lacks AVX512-BF16")
+    s, note = timing.measure_gemm(kernel, 256, 512, torch.bfloat16, 1, "eager", torch.device("cpu"))
+    assert note is None and math.isfinite(s) and 0 < s < 0.1, (s, note)
+
+
+# ------------------------------------------------------------------ 4. a compressed checkpoint, no dense copy
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A tiny 2:4 LLaMA with biases (random) and a down_proj of 132 inputs (% 8 == 4), tied embeddings, saved
+    in --format compressed as fp32, bf16 and fp16."""
+    from cast_llm.deploy.compressed import save_compressed
+
+    model = sparse_model("llama", intermediate_size=132, attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    root = tmp_path_factory.mktemp("cpu24-ckpts")
+    out = {}
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out[label] = save_compressed(model.to(dtype), tiny.tokenizer(), root / label)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, tiny.VOCAB, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def loaded(path, **kw):
+    from cast_llm.deploy.compressed import load_compressed
+
+    return load_compressed(path, sparse24=True, dispatch=False, **kw)
+
+
+@contextlib.contextmanager
+def fp32_accumulated(model):
+    """Every target GEMM accumulated in fp32 and rounded once: the noise-floor variant of the dense model."""
+    from cast_llm.targets import find_targets
+
+    def forward_of(m):
+        return lambda x: F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype)
+
+    targets = find_targets(model)
+    for t in targets:
+        t.module.forward = forward_of(t.module)
+    try:
+        yield
+    finally:
+        for t in targets:
+            del t.module.forward
+
+
+@torch.inference_mode()
+def prefill_and_decode(model, ids, tokens):
+    out = model(ids, use_cache=True)
+    pre, cache, dec = out.logits.float(), out.past_key_values, []
+    for i in range(tokens.shape[1]):
+        out = model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        dec.append(out.logits[:, -1].float())
+    return pre, torch.stack(dec, 1)
+
+
+@pytest.mark.parametrize("label", ["fp32", "bf16"])
+def test_load_compressed_holds_only_values_and_positions(ckpts, ids, label):
+    from cast_llm.deploy.compressed import load_compressed, read_index
+    from cast_llm.deploy.sparse24 import sparse24_memory
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[label]
+    index = read_index(ckpts[label])
+    model = loaded(ckpts[label])
+    dense = load_compressed(ckpts[label])
+    layers = dict(sparse24_layers(model))
+    assert set(layers) == set(index["targets"]) and len(layers) == 14
+    params = dict(model.named_parameters())
+    compressed = dense_bytes = 0
+    for fqn, layer in layers.items():
+        out_f, in_f = index["targets"][fqn]["shape"]
+        assert layer.dense_weight is None and list(layer.states) == ["cpu24"]
+        st = layer.states["cpu24"]
+        assert set(st) == {"values", "meta"} and st["values"].dtype == dtype and st["meta"].dtype == torch.uint8
+        assert st["meta"].shape == (out_f, math.ceil(in_f / 8))
+        assert list(layer.parameters()) == [] and fqn + ".weight" not in params
+        assert layer.bias is not None and layer.bias.dtype == dtype
+        # the file's bytes are the kernel's form: equal to compressing the dense model's weight
+        w = dense.get_submodule(fqn).weight
+        ref = cpu24.compress(w)
+        assert torch.equal(st["values"], ref["values"]) and torch.equal(st["meta"], ref["meta"]), fqn
+        compressed += sum(t.numel() * t.element_size() for t in st.values())
+        dense_bytes += out_f * in_f * w.element_size()
+        if in_f % 8 == 0 and dtype == torch.bfloat16:
+            assert sum(t.numel() * t.element_size() for t in st.values()) == out_f * in_f * 2 * 0.5625
+    assert any(index["targets"][f]["shape"][1] % 8 == 4 for f in layers)  # the odd-tail shape is among them
+    ratio = compressed / dense_bytes
+    assert ratio <= (0.57 if dtype == torch.bfloat16 else 0.54), ratio  # 0.5625 / 0.53125 + the odd-tail rows
+    assert sparse24_memory(model)["compressed"] == compressed and sparse24_memory(model)["dense_fallback"] == 0
+    assert not [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, once
+    with torch.no_grad():
+        y, ref = model(ids).logits, dense(ids).logits
+    bound = 1e-5 if dtype == torch.float32 else max(0.01, 3 * bf16_floor(dense, ids))
+    assert rel(y, ref) <= bound, (rel(y, ref), bound)
+
+
+def bf16_floor(dense, ids):
+    with torch.no_grad():
+        ref = dense(ids).logits
+        with fp32_accumulated(dense):
+            return rel(dense(ids).logits, ref)
+
+
+def test_an_fp16_checkpoint_loads_as_fp32_exactly(ckpts, ids):
+    from cast_llm.deploy.compressed import load_compressed
+
+    model = loaded(ckpts["fp16"])
+    layers = sparse24_layers(model)
+    assert layers and all(layer.dtype == torch.float32 and layer.states["cpu24"]["values"].dtype == torch.float32
+                          for _, layer in layers)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    dense = load_compressed(ckpts["fp16"], dtype=torch.float32)
+    with torch.no_grad():
+        assert rel(model(ids).logits, dense(ids).logits) <= 1e-5
+    bf = loaded(ckpts["fp16"], dtype=torch.bfloat16)
+    assert all(layer.dtype == torch.bfloat16 for _, layer in sparse24_layers(bf))
+
+
+def test_load_compressed_with_a_dispatcher_chooses_per_token_count(ckpts, ids):
+    from cast_llm.deploy.compressed import load_compressed
+
+    fake = FakeTimes(lambda k, t: {"cpu-unpack": 0.1 if t >= 8 else 9.0}.get(k, 1.0))
+    model = load_compressed(ckpts["bf16"], sparse24=True, dispatch=Dispatcher(measure=fake, device="cpu"))
+    dense = load_compressed(ckpts["bf16"])
+    with torch.no_grad():
+        y = model(ids).logits  # 22 tokens: unpack
+    assert "dense" not in {k for k, _ in fake.asked}
+    _, layer = sparse24_layers(model)[0]
+    assert layer.kernel_for(22) == "cpu-unpack" and layer.kernel_for(1).startswith("cpu-avx")
+    assert rel(y, dense(ids).logits) <= max(0.01, 3 * bf16_floor(dense, ids))
+
+
+# ---------------------------------------------------------------------------------------- 5. generation
+PROMPT = "The quick brown fox"
+
+
+def test_greedy_tokens_equal_the_dense_model_for_64_tokens_in_fp32(ckpts):
+    from cast_llm.deploy.compressed import load_compressed
+    from cast_llm.deploy.inference import generate
+
+    tok = tiny.tokenizer()
+    sparse, dense = loaded(ckpts["fp32"]), load_compressed(ckpts["fp32"])
+    g_sparse = generate(sparse, tok, PROMPT, max_new_tokens=64)
+    g_dense = generate(dense, tok, PROMPT, max_new_tokens=64)
+    assert g_sparse.new_tokens == 64 and g_sparse.text == g_dense.text
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tok.eos_token_id,
+                  attention_mask=torch.ones_like(ids))
+        assert torch.equal(sparse.generate(ids, **kw), dense.generate(ids, **kw))
+    assert g_sparse.prefill_s > 0 and g_sparse.decode_tokens_per_s > 0
+
+
+def test_bf16_kv_cache_decode_logits_within_the_noise_floor(ckpts, ids):
+    from cast_llm.deploy.compressed import load_compressed
+
+    sparse, dense = loaded(ckpts["bf16"]), load_compressed(ckpts["bf16"])
+    tokens = torch.randint(0, tiny.VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    ref_pre, ref_dec = prefill_and_decode(dense, ids, tokens)
+    with fp32_accumulated(dense):
+        f_pre, f_dec = prefill_and_decode(dense, ids, tokens)
+    floor = max(rel(f_pre, ref_pre), rel(f_dec, ref_dec))
+    bound = max(0.01, 3 * floor)
+    pre, dec = prefill_and_decode(sparse, ids, tokens)
+    assert rel(pre, ref_pre) <= bound and rel(dec, ref_dec) <= bound, (rel(pre, ref_pre), rel(dec, ref_dec), floor)
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(ckpts):
+    from cast_llm.deploy.inference import generate
+
+    tok, model = tiny.tokenizer(), loaded(ckpts["bf16"])
+    a = generate(model, tok, PROMPT, max_new_tokens=24, sample=True, seed=3)
+    b = generate(model, tok, PROMPT, max_new_tokens=24, sample=True, seed=3)
+    c = generate(model, tok, PROMPT, max_new_tokens=24, sample=True, seed=4)
+    assert a.text == b.text and a.text != c.text and a.new_tokens == 24
+
+
+@pytest.fixture
+def generate_env(monkeypatch, tmp_path):
+    """The command in this process: the dispatch cache in a fresh folder, measurements faked (the real ones
+    are tested above), the thread count and kernel mode the command sets put back."""
+    calls = []
+
+    def fake_measure(kernel, out_f, in_f, dtype, tokens, mode, device):
+        calls.append(kernel)
+        return {"cpu-unpack": 5.0, "dense": 4.0}.get(kernel, 1.0), None
+
+    monkeypatch.setattr(timing, "measure_gemm", fake_measure)
+    monkeypatch.setenv("CAST_LLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(cast_kernels.MODE_ENV, "auto")
+    threads = torch.get_num_threads()
+    yield calls, tmp_path / "cache"
+    torch.set_num_threads(threads)
+
+
+def test_generate_command_prints_text_and_tokens_per_s(ckpts, generate_env, capsys):
+    calls, cache = generate_env
+    assert cli("generate", "--model", ckpts["bf16"], "--prompt", PROMPT, "--max-new-tokens", "4") == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT) and "tokens/s" in out and "2:4 layers: 14 compressed targets" in out, out
+    assert calls and "dense" not in calls  # a compressed load holds no dense weight
+    assert (cache / "sparse24-dispatch-cpu.json").is_file()  # the plan was kept where the tests' cache is
+    n = len(calls)
+    assert cli("generate", "--model", ckpts["bf16"], "--prompt", PROMPT, "--max-new-tokens", "4") == 0
+    assert len(calls) == n  # the second run measures nothing: read from the cache
+
+
+def test_generate_command_json_and_dense(ckpts, generate_env, capsys):
+    assert cli("generate", "--model", ckpts["bf16"], "--prompt", PROMPT, "--max-new-tokens", "4", "--json") == 0
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.out.splitlines() if ln.strip()]
+    assert len(lines) == 1, captured.out
+    doc = json.loads(lines[0])
+    assert doc["new_tokens"] == 4 and doc["dtype"] == "bfloat16" and "2:4" in doc["how"] and "text" in doc
+    assert "decode_tokens_per_s" in doc and "tokens/s" in captured.err
+    assert cli("generate", "--model", ckpts["bf16"], "--prompt", PROMPT, "--max-new-tokens", "4", "--dense",
+               "--json") == 0
+    doc = json.loads(capsys.readouterr().out.strip())
+    assert doc["how"].startswith("dense") and doc["new_tokens"] == 4
+    # --kernels reference: the extension is never loaded, the compressed model runs dense
+    assert cli("generate", "--model", ckpts["bf16"], "--prompt", PROMPT, "--max-new-tokens", "4", "--kernels",
+               "reference", "--json") == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out.strip())
+    assert doc["how"].startswith("dense: no layer could run 2:4") and "no CPU 2:4 kernel runs here" in captured.err
+
+
+def test_generate_command_without_a_prompt_is_one_line_exit_2(ckpts, generate_env, capsys):
+    assert cli("generate", "--model", ckpts["bf16"]) == 2
+    assert "--prompt is required" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------- 6. the measured payoff
+def seed_dispatch_cache(model_dir: Path, cache_file: Path) -> None:
+    """Decisions for every layer of ``model_dir`` at the payoff's token counts and every thread count the child
+    may run at, from a fake timer: the children measure their decode, not the dispatch (~1 s a candidate at
+    these tiny shapes: the weights are cycled through thousands of copies past the last-level cache)."""
+    import os
+
+    from cast_llm.deploy.compressed import read_index
+    from cast_llm.machine import cpu_model
+
+    shapes = {tuple(t["shape"]) for t in read_index(model_dir)["targets"].values()}
+    ok, _ = available_kernels("cpu", torch.bfloat16, CPU_KERNELS)
+    versions = D.default_identity(torch.device("cpu"))[1]
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        d = Dispatcher(measure=lambda k, *a: (1.0, None), device="cpu", cache_path=cache_file,
+                       gpu=f"cpu {cpu_model()} x{n} threads", versions=versions)
+        for (out_f, in_f), tokens in itertools.product(shapes, (1, 2, 4, 8)):
+            d.decide(out_f, in_f, torch.bfloat16, tokens, "eager", ok)
+        d.save()
+
+
+@pytest.mark.slow
+def test_payoff_measures_both_paths_in_fresh_processes(ckpts, monkeypatch, tmp_path):
+    from cast_llm.deploy.inference import format_payoff, payoff
+
+    monkeypatch.setenv("CAST_LLM_CACHE", str(tmp_path / "cache"))
+    seed_dispatch_cache(ckpts["bf16"], tmp_path / "cache" / "sparse24-dispatch-cpu.json")
+    p = payoff(ckpts["bf16"], tokens=4, prompt_tokens=8, timeout=120)
+    for path in ("dense", "sparse24"):
+        assert p[path]["path"] == path and p[path]["decode_tokens_per_s"] > 0 and p[path]["held_bytes"] > 0
+        assert p[path]["resident_bytes"] > 0, p[path]
+    assert "2:4 layers: 14" in p["sparse24"]["how"] and p["dense"]["how"].startswith("dense")
+    assert p["sparse24"]["held_bytes"] < p["dense"]["held_bytes"]
+    assert p["sparse24"]["plan_s"] < 10  # read from the seeded cache, nothing measured
+    assert p["decode_ratio"] > 0 and p["resident_ratio"] > 0
+    line = format_payoff(p)
+    assert "\n" not in line and "tokens/s" in line and f"{p['decode_ratio']:.2f}x" in line
+
+
+def test_measure_speed_measures_nothing_without_a_24_check(monkeypatch, capsys):
+    from cast_llm.cli import train
+    from cast_llm.deploy import inference
+    from cast_llm.errors import CastError
+
+    def fail(*a, **k):
+        raise AssertionError("payoff must not run")
+
+    monkeypatch.setattr(inference, "payoff", fail)
+    assert train.measure_speed({}) is False
+    assert train.measure_speed({"nm_check": {"pattern": "4:8"}, "output_dir": "x"}) is False
+
+    def broken(*a, **k):
+        raise CastError("the sparse24 decode measurement failed: boom")
+
+    monkeypatch.setattr(inference, "payoff", broken)
+    assert train.measure_speed({"nm_check": {"pattern": "2:4"}, "output_dir": "x"}) is False
+    assert "warning: the sparse24 decode measurement failed: boom" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- 7. benchmarks/cpu24.py
+def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
+    if "avx512-bf16" not in PATHS:
+        pytest.skip("the benchmark needs the avx512-bf16 path")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("cpu24_benchmark", BENCHMARKS / "cpu24.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    out = tmp_path / "cpu24.json"
+    try:
+        assert bench.main(["--tiny", "--repeats", "1", "--min-time", "0.001", "--threads", "1", "--rows", "1,4",
+                           "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "machine:" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert {"benchmark", "command", "machine", "l3_bytes", "when", "results", "goals", "max_rel_err"} <= set(doc)
+    assert doc["benchmark"] == "cpu24" and doc["max_rel_err"] <= BOUND[torch.bfloat16]
+    assert len(doc["results"]) == len(bench.TINY) * 2 and {g["rows"] for g in doc["goals"]} == {1, 4}
+    for r in doc["results"]:
+        assert {"out", "in", "rows", "bytes", "ms", "gbps", "max_rel_err", "x_torch", "x_careful", "w8_x_torch",
+                "careful_x_torch", "shape", "threads"} <= set(r)
+        assert set(r["ms"]) == {"torch", "careful", "2:4", "2:4+W8"} and all(v > 0 for v in r["ms"].values())
+        assert r["bytes"]["2:4"] == r["bytes"]["dense_bf16"] * 0.5625
+        assert r["bytes"]["2:4+W8"] == r["bytes"]["dense_bf16"] * 0.3125 + 4 * r["out"]  # + the fp32 row scales
+        assert max(r["max_rel_err"].values()) <= BOUND[torch.bfloat16]
