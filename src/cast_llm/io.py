@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 __all__ = ["RunDir", "FILE_MODE", "cache_dir", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes",
            "atomic_write_text", "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into",
            "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json", "read_json_object", "umask_mode",
-           "is_plain_name", "remove_entry", "resolved", "overlap"]
+           "is_plain_name", "remove_entry", "resolved", "overlap", "pretrained_kwargs"]
 
 FILE_MODE = 0o644  # the mode of a file under the usual umask 022 (files get 0o666 & ~umask: umask_mode)
 
@@ -160,6 +160,14 @@ def read_json_object(path: str | Path, what: str, *, fix: str = "") -> dict[str,
     if not isinstance(obj, dict):
         raise CastError(f"{p} ({what}) holds a JSON {type(obj).__name__}, not an object{fix}")
     return obj
+
+
+def pretrained_kwargs(**kwargs) -> dict:
+    """The keyword arguments of every ``from_pretrained`` of the package: ``kwargs`` with
+    ``trust_remote_code=False``, so that no code from a model folder or hub repository ever runs (transformers
+    then refuses such a model at once instead of asking "run custom code? [y/N]"). Here, below every user of
+    it (deploy, models, plan), so that each imports it from one place."""
+    return {**kwargs, "trust_remote_code": False}
 
 
 def is_plain_name(name: Any) -> bool:

@@ -244,7 +244,7 @@ def model_from_state_dict(folder: str | Path, state_dict: dict[str, torch.Tensor
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from cast_llm.models.loading import pretrained_kwargs
+    from cast_llm.io import pretrained_kwargs
 
     config = AutoConfig.from_pretrained(folder, **pretrained_kwargs())
     for key in ("sparsity", "quantization_config"):  # our metadata; a quantization_config would trigger a quantizer

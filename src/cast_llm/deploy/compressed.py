@@ -186,8 +186,8 @@ def _load_sparse24(path: Path, index: dict[str, Any], dtype: torch.dtype, dispat
 
     from cast_llm.deploy.sparse24 import cpu as cpu24
     from cast_llm.deploy.sparse24.kernels import CPU_KERNELS, available_kernels
+    from cast_llm.io import pretrained_kwargs  # (from the core layer: deploy sits below models)
     from cast_llm.layers import set_submodule
-    from cast_llm.models.loading import pretrained_kwargs
 
     if index["n"] != 2 or index["m"] != 4:
         raise CastError(f"{path}: a {index['n']}:{index['m']} checkpoint; the 2:4 layers load 2:4 ones only "

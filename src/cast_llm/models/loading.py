@@ -31,7 +31,7 @@ import torch
 from cast_llm.deploy.compressed import is_compressed_checkpoint, load_compressed
 from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint, load_compressed_tensors
 from cast_llm.errors import CastError
-from cast_llm.io import cache_dir, publish_dir, staging_dir
+from cast_llm.io import cache_dir, pretrained_kwargs, publish_dir, staging_dir
 from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
 from cast_llm.quant.pack import load_quantized
 
@@ -130,13 +130,6 @@ def export_format(path: str | Path) -> str | None:
 COMPRESSED_TENSORS_FORMATS = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
                               "naive-quantized", "pack-quantized", "marlin-24", "mixed-precision",
                               "nvfp4-pack-quantized", "mxfp4-pack-quantized")
-
-
-def pretrained_kwargs(**kwargs) -> dict:
-    """The keyword arguments of every ``from_pretrained`` of the package: ``kwargs`` with
-    ``trust_remote_code=False``, so that no code from a model folder or hub repository ever runs (transformers
-    then refuses such a model at once instead of asking "run custom code? [y/N]")."""
-    return {**kwargs, "trust_remote_code": False}
 
 
 def _quant_methods() -> set[str]:

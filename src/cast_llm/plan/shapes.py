@@ -98,7 +98,8 @@ def model_config(name: str):
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise CastError(f"{p} holds no config.json: pass a Hugging Face model folder, a config.json or a hub id")
-        from cast_llm.models.loading import check_model_folder, pretrained_kwargs
+        from cast_llm.io import pretrained_kwargs
+        from cast_llm.models.loading import check_model_folder
 
         check_model_folder(p)  # custom code (auto_map), unknown quantization formats: refused before transformers
         return AutoConfig.from_pretrained(str(p), **pretrained_kwargs()), f"folder {p}"
@@ -114,7 +115,7 @@ def model_config(name: str):
 
     offline = hub_offline_reason(timeout=2.0)
     try:
-        from cast_llm.models.loading import pretrained_kwargs
+        from cast_llm.io import pretrained_kwargs
 
         cfg = AutoConfig.from_pretrained(name, **pretrained_kwargs(local_files_only=bool(offline)))
         return cfg, ("hub cache" if offline else "hub") + f" {name}"
