@@ -35,6 +35,8 @@ MODEL, WORKLOAD, TIMING, OUTPUT = "model and kernels", "workload", "timing", "ou
 class BenchInferenceConfig:
     model: str = option("", "model folder, hub id, alias (smollm2-135m) or random:llama-2-7b / random:llama-2-13b")
     batch_size: int = option(1, "sequences per batch", section=WORKLOAD)
+    batch_sizes: str = option("", "several batch sizes, one run each on the same model (e.g. 1,4,16; overrides "
+                                  "--batch-size): the tables one after another, --json a list", section=WORKLOAD)
     prompt_len: int = option(128, "prompt tokens per sequence (prefill)", section=WORKLOAD)
     gen_len: int = option(64, "tokens generated per sequence (decode, greedy, KV cache)", section=WORKLOAD)
     dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
@@ -105,17 +107,35 @@ def run(args: argparse.Namespace) -> int:
         model = random_model(cfg.model.split(":", 1)[1], dtype, device, cfg.seed)
     else:
         model = load_model(cfg.model, dtype=dtype, device=device)
-    bench = BenchConfig(batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
-                        warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
-                        linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache,
-                        dense_copy=cfg.dense_copy)
-    report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
-    doc = {**report.to_dict(), "kernels": kernels.taken()}  # which 2:4 kernels passed their checks here
-    print(json.dumps(doc) if cfg.json else format_report(report))
-    if cfg.plot:
-        from cast_llm.deploy.bench import plot_report
+    try:
+        sizes = [int(b) for b in cfg.batch_sizes.split(",")] if cfg.batch_sizes else [cfg.batch_size]
+    except ValueError:
+        raise CastError(f"--batch-sizes {cfg.batch_sizes!r}: give whole numbers separated by commas, e.g. 1,4,16") from None
+    if min(sizes) < 1:
+        raise CastError("--batch-sizes: every batch size must be at least 1")
+    from cast_llm.deploy.sparse24 import from_sparse24_
+    from cast_llm.deploy.sparse24.dense_cpu import restore_head_
 
-        plot_report(report, cfg.plot)
+    docs = []
+    for size in sizes:
+        bench = BenchConfig(batch_size=size, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
+                            warmup=cfg.warmup, repeats=cfg.repeats, backend=cfg.backend,
+                            linear_repeats=cfg.linear_repeats, dispatch_cache=cfg.dispatch_cache,
+                            dense_copy=cfg.dense_copy)
+        report = run_bench(model, name=cfg.model, cfg=bench, seed=cfg.seed)
+        from_sparse24_(model)  # the next batch size starts from the dense model again
+        restore_head_(model)
+        docs.append({**report.to_dict(), "kernels": kernels.taken()})  # which 2:4 kernels passed their checks
+        if not cfg.json:
+            print(format_report(report))
+        if cfg.plot:
+            from cast_llm.deploy.bench import plot_report
+
+            stem = Path(cfg.plot)
+            plot_report(report, str(stem if len(sizes) == 1 else stem.with_name(f"{stem.stem}-b{size}{stem.suffix}")))
+    doc = docs[0] if len(docs) == 1 else docs
+    if cfg.json:
+        print(json.dumps(doc))
     if cfg.json_out:
         from cast_llm.io import atomic_write_text
 

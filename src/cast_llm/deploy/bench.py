@@ -203,15 +203,21 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 def time_one(kernel, w=w, x=x):
                     return timed(gemm_fn(kernel, w, x), device, warmup=warmup, repeats=repeats)
             dense_s = time_one("dense")
+            dense_bytes = w.numel() * w.element_size()
             row = {"layers": ",".join(names), "out": out_f, "in": in_f, "regime": regime, "tokens": tokens,
-                   "dense_us": dense_s * 1e6}
+                   "dense_us": dense_s * 1e6, "dense_gbps": dense_bytes / dense_s / 1e9}
             best = None
             for k in kernels:
                 s = time_one(k)
                 if best is None or s < best[1]:
                     best = (k, s)
             if best is not None:
-                row.update(sparse_us=best[1] * 1e6, speedup=dense_s / best[1], kernel=best[0])
+                from cast_llm.deploy.sparse24.kernels import KERNELS
+
+                held = sum(t.numel() * t.element_size() for t in KERNELS[best[0]].compress(w).values())
+                # the weight bytes each form reads per call, and the speed-up those bytes allow (dense / held)
+                row.update(sparse_us=best[1] * 1e6, speedup=dense_s / best[1], kernel=best[0],
+                           sparse_gbps=held / best[1] / 1e9, byte_limit=dense_bytes / held)
             rows.append(row)
     return rows
 
@@ -323,12 +329,14 @@ def format_report(r: BenchReport) -> str:
                      f"/ max|logit| = {r.logits_rel_err:.3g}")
     for case, kernels in r.plan.items():
         lines.append(f"  layers per kernel at {case} tokens: " + ", ".join(f"{k} {n}" for k, n in kernels.items()))
-    lines.append("  per-linear latency (us): dense F.linear vs the fastest 2:4 kernel")
+    lines.append("  per-linear latency (us) and weight GB/s: dense F.linear vs the fastest 2:4 kernel, the speed-up and "
+                 "the byte limit (dense bytes / 2:4 bytes)")
     for p in r.per_linear:
-        sp = (f"{p['sparse_us']:>10.1f} {p['speedup']:>6.2f}x {p['kernel']}" if "sparse_us" in p
+        sp = (f"{p['sparse_us']:>10.1f} {p.get('sparse_gbps', 0):>6.1f} GB/s {p['speedup']:>6.2f}x "
+              f"(limit {p.get('byte_limit', float('nan')):.2f}x) {p['kernel']}" if "sparse_us" in p
               else f"{'skipped':>10}")
         lines.append(f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
-                     f"{p['dense_us']:>10.1f} {sp}")
+                     f"{p['dense_us']:>10.1f} {p.get('dense_gbps', 0):>6.1f} GB/s {sp}")
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(lines)
 

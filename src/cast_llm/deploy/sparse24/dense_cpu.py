@@ -17,7 +17,7 @@ from torch import nn
 
 from cast_llm.deploy.sparse24 import cpu as cpu24
 
-__all__ = ["CarefulDenseLinear", "use_careful_head_"]
+__all__ = ["CarefulDenseLinear", "restore_head_", "use_careful_head_"]
 
 
 class CarefulDenseLinear(nn.Module):
@@ -33,6 +33,12 @@ class CarefulDenseLinear(nn.Module):
         if x.numel() == self.in_features and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
             return self._op(x.reshape(1, -1), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def to_linear(self) -> nn.Linear:
+        """The plain ``nn.Linear`` again (the same Parameters)."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, careful dense GEMV at 1 token"
@@ -90,3 +96,12 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
         return f"LM head: torch's F.linear ({torch_s * 1e3:.2f} ms against the careful GEMV's {careful_s * 1e3:.2f})"
     model.set_output_embeddings(CarefulDenseLinear(head))
     return f"LM head: the careful GEMV ({careful_s * 1e3:.2f} ms a token against torch's {torch_s * 1e3:.2f})"
+
+
+def restore_head_(model: nn.Module) -> bool:
+    """Undo :func:`use_careful_head_` (True if there was something to undo)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, CarefulDenseLinear):
+        model.set_output_embeddings(head.to_linear())
+        return True
+    return False

@@ -131,6 +131,9 @@ def l3_bytes() -> int:
     return max(sizes) if sizes else 32 << 20
 
 
+MAX_COPIES = 512  # tiny layers (tests) would need thousands of copies to fill the cache: their timing is host-bound
+
+
 def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, *,
                    repeats: int = 5, min_time: float = 0.02) -> float:
     """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU, cycling through copies of
@@ -144,13 +147,13 @@ def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torc
     x = torch.randn(tokens, in_features, generator=gen).to(dtype)
     if kernel == "dense":
         one = weight.numel() * weight.element_size()
-        copies = [weight.clone() for _ in range(max(2, -(-2 * l3_bytes() // one)))]
+        copies = [weight.clone() for _ in range(min(MAX_COPIES, max(2, -(-2 * l3_bytes() // one))))]
         fns = [lambda w=w: F.linear(x, w) for w in copies]
     else:
         k = KERNELS[kernel]
         state = k.compress(weight)
         one = sum(t.numel() * t.element_size() for t in state.values())
-        copies = [{n: t.clone() for n, t in state.items()} for _ in range(max(2, -(-2 * l3_bytes() // one)))]
+        copies = [{n: t.clone() for n, t in state.items()} for _ in range(min(MAX_COPIES, max(2, -(-2 * l3_bytes() // one))))]
         fns = [lambda s=s: sparse_linear(k, x, s, None, out_features) for s in copies]
     for fn in fns[:2]:
         fn()
