@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-deps compressed-tensors==0.14.0.1 loguru
 	# the CPU 2:4 kernels (a C++ extension, ~20-40 s once; cached by source hash): built here so that no later
 	# command pays for it; where it cannot build, this prints one line and the 2:4 layers run dense
-	$(PY) -m cast_llm.deploy.sparse24.cpu
+	$(PY) -m cast_llm.deploy.sparse24.build
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,7 +15,7 @@ Three instruction paths, chosen per CPU at run time from one build (``PATHS``):
 * ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512.
 
 The extension is built by :mod:`torch.utils.cpp_extension` (ninja, the compiler torch was built for) the first
-time a process needs it — ``make install`` does it once — into a cache folder keyed by a hash of the source,
+time a process needs it — ``make install`` does it once (``python -m cast_llm.deploy.sparse24.build``) — into a cache folder keyed by a hash of the source,
 the flags and the torch version (``CAST_LLM_EXTENSIONS_DIR``, default ``~/.cache/cast-llm/extensions``). One
 line says when it compiles; where it cannot be built or loaded, :func:`unavailable_reason` says why in one
 line and the layers run dense. ``CAST_LLM_KERNELS=reference`` (``--kernels reference``) never loads it.
@@ -227,11 +227,3 @@ def scratch_bytes() -> int:
 def dense_mm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The dense bf16 GEMM of the same build (vdpbf16ps, same threading): the careful dense baseline."""
     return load_extension().dense_mm(x2d, weight, bias)
-
-
-if __name__ == "__main__":  # `python -m cast_llm.deploy.sparse24.cpu`: build now (make install does)
-    why = extension_reason()
-    if why:
-        print(f"cast-llm: {why}; 2:4 layers will run dense on this CPU", file=sys.stderr)
-        raise SystemExit(0)
-    print(f"cast-llm: CPU 2:4 kernels ready ({', '.join(available_paths()) or 'no instruction path on this CPU'})")
