@@ -417,11 +417,20 @@ def test_data_files_that_are_not_what_they_say_are_one_line(tmp_path, capsys):
         assert says in line and name in line, line
 
 
+def _drop_marker_config(run):
+    """The report reads config.yaml when the marker holds no config (as older runs wrote it)."""
+    marker = json.loads((run / "cast_run.json").read_text())
+    marker.pop("config", None)
+    (run / "cast_run.json").write_text(json.dumps(marker))
+
+
 @pytest.mark.parametrize("edit, says", [
     (lambda r: (r / "results.json").write_text("[]"), "results.json"),
     (lambda r: (r / "results.json").write_bytes(b"\xff\xfe"), "not UTF-8"),
     (lambda r: (r / "results.json").write_text('{"perplexity": 5, "steps": "x"}'), "edited by hand"),
     (lambda r: (r / "dynamics.json").write_text("[1]"), "dynamics.json"),
+    (lambda r: (_drop_marker_config(r), (r / "config.yaml").write_text("- a list\n")), "not a mapping"),
+    (lambda r: (_drop_marker_config(r), (r / "config.yaml").write_text("lr: [\n")), "not valid YAML"),
 ])
 def test_report_on_hand_edited_files_is_one_line(finished_run, tmp_path, capsys, edit, says):
     import shutil
