@@ -66,10 +66,9 @@ class OutputDir:
         for name, given in (inputs or {}).items():
             if not given or not Path(given).expanduser().exists():
                 continue  # a hub id, an alias, a data set name: not a path here
-            how = overlap(self.path, given)
+            how = overlap(self.path, given)  # "is", "is inside" or "contains"
             if how is not None:
-                where = {"is": "is", "is inside": "is inside", "contains": "contains"}[how]
-                raise CastError(f"{flag} {self.path} {where} {name} {given}: writing there could destroy "
+                raise CastError(f"{flag} {self.path} {how} {name} {given}: writing there could destroy "
                                 f"{'it' if how != 'contains' else 'what it holds'}; choose another {flag}")
         if _lexists(self.path) and not self.path.is_dir():
             raise CastError(f"{flag} {self.path} exists and is not a folder; choose another {flag}")
