@@ -570,3 +570,17 @@ def test_finetune_resume_auto_on_a_finished_run_changes_nothing(finished_run, tm
     assert cli(*argv, "--resume", "auto") == 0
     assert "already finished: " in capsys.readouterr().out
     assert snapshot(out) == before
+
+
+def test_prepare_data_refuses_a_cache_inside_its_data(inputs, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "texts"
+    data.mkdir()
+    shutil.copy(inputs / "corpus.jsonl", data / "corpus.jsonl")
+    before = snapshot(data)
+    assert cli("prepare-data", "--model", inputs / "llama", "--data", data, "--data-cache", data / "cache",
+               "--seq-len", "32", "--no-progress") == 2
+    line = one_line_error(capsys)
+    assert "--data-cache" in line and "--data" in line, line
+    assert snapshot(data) == before

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
 
@@ -21,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve_options(PrepareDataConfig, args)
     cfg.validate()
+    refuse_cache_in_inputs(cfg.data_cache, {"--data": cfg.data, "--model": cfg.model})
     tokenizer = load_tokenizer(cfg.model)
     windows = None if cfg.tokens is None else math.ceil(cfg.tokens / cfg.seq_len)  # prepare() rounds the read up
     data = prepare(cfg.data, tokenizer, cfg.seq_len, train_sequences=windows, val_sequences=cfg.val_sequences,
@@ -32,6 +34,21 @@ def run(args: argparse.Namespace) -> int:
           f"{data.test.shape[0]} windows; {data.split_note}")
     print(f"cache: {data.cache_dir} (split {data.split_sha256[:12]})")
     return 0
+
+
+def refuse_cache_in_inputs(cache: str | None, inputs: dict[str, str | None]) -> None:
+    """The token cache is written, its inputs only read: a ``--data-cache`` that is, lies inside or contains
+    the data or the model is refused (a cache inside a data folder would be read back as data)."""
+    from cast_llm.errors import CastError
+    from cast_llm.io import overlap
+
+    if not cache:
+        return
+    for flag, given in inputs.items():
+        how = overlap(cache, given) if given and Path(given).expanduser().exists() else None
+        if how is not None:
+            raise CastError(f"--data-cache {cache} {how} {flag} {given}: the cache would be written into what it "
+                            "is read from; choose another --data-cache")
 
 
 def register(sub) -> None:
