@@ -572,7 +572,7 @@ def test_finetune_resume_auto_on_a_finished_run_changes_nothing(finished_run, tm
     assert snapshot(out) == before
 
 
-def test_prepare_data_refuses_a_cache_inside_its_data(inputs, tmp_path, capsys):
+def test_prepare_data_and_train_refuse_a_cache_inside_their_data(inputs, tmp_path, capsys):
     import shutil
 
     data = tmp_path / "texts"
@@ -583,4 +583,6 @@ def test_prepare_data_refuses_a_cache_inside_its_data(inputs, tmp_path, capsys):
                "--seq-len", "32", "--no-progress") == 2
     line = one_line_error(capsys)
     assert "--data-cache" in line and "--data" in line, line
-    assert snapshot(data) == before
+    assert cli(*train_argv(inputs, tmp_path / "run"), "--data", data, "--data-cache", data / "cache") == 2
+    assert "--data-cache" in one_line_error(capsys)
+    assert snapshot(data) == before and not (tmp_path / "run").exists()

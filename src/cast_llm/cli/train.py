@@ -16,6 +16,7 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from cast_llm.cli.prepare_data import refuse_cache_in_inputs
     from cast_llm.io import atomic_write_json
     from cast_llm.train.rundir import say_if_finished
     from cast_llm.train.summary import summary_table
@@ -24,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if say_if_finished(args):  # --resume on a finished run: nothing to do, nothing touched
         return 0
     cfg = build_config(args)
+    refuse_cache_in_inputs(cfg.data_cache, {"--data": cfg.data, "--model": cfg.model})
     results = train(cfg)
     if results.get("output_dir"):  # the main process, once the run is complete
         if cfg.speed_check and measure_speed(results):
