@@ -7,7 +7,8 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
 * ``careful`` — a dense bf16 kernel written with the same care as the 2:4 one (``cast_llm_cpu24.dense_mm``:
   vdpbf16ps, four rows and up to four tokens a block, the same threading): what sparsity itself buys;
 * ``2:4`` — ``cpu-avx512-bf16`` (kept values + 2-bit positions, read directly: 0.5625 of the dense bytes);
-* ``2:4+W8`` — ``cpu-w8-avx512`` (int8 kept values + fp32 row scales, fp32 activations: 0.3125 of dense bf16).
+* ``2:4+W8`` — ``cpu-w8-avx512-bf16`` (int8 kept values widened to bf16 in registers + fp32 row scales, bf16
+  activations: 0.3125 of the dense bf16 bytes plus 4 bytes a row).
 
 Each output is checked against a float64 product (max|Δ|/max|y|). Reported: ms per call (median of
 ``--repeats``), GB/s of the bytes each form reads, the byte limit (1.78× for 2:4 over dense bf16) and the
@@ -69,8 +70,8 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.double() @ w.double().t()
     s24 = KERNELS["cpu-avx512-bf16"].compress(w)
-    w8 = KERNELS["cpu-w8-avx512"].compress(w)
-    ref8 = x.float().double() @ cpu24.decompress(w8, out_f, in_f).double().t()
+    w8 = KERNELS["cpu-w8-avx512-bf16"].compress(w)
+    ref8 = x.double() @ cpu24.decompress(w8, out_f, in_f).double().t()
     dense_b, s24_b, w8_b = w.numel() * 2, nbytes(s24), nbytes(w8)
     need = 2 * l3_bytes()
     row = {"out": out_f, "in": in_f, "rows": rows, "bytes": {"dense_bf16": dense_b, "2:4": s24_b, "2:4+W8": w8_b}}
@@ -78,7 +79,7 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
         "torch": (lambda w_: F.linear(x, w_), w, dense_b, None),
         "careful": (lambda w_: cpu24.dense_mm(x, w_), w, dense_b, None),
         "2:4": (lambda s: cpu24.sparse24_mm("avx512-bf16", x, s, None), s24, s24_b, None),
-        "2:4+W8": (lambda s: cpu24.sparse24_mm("avx512", x.float(), s, None), w8, w8_b, ref8),
+        "2:4+W8": (lambda s: cpu24.sparse24_mm("avx512-bf16", x, s, None), w8, w8_b, ref8),
     }
     row["ms"], row["gbps"], row["max_rel_err"] = {}, {}, {}
     for name, (fn, held, b, r) in forms.items():

@@ -142,8 +142,8 @@ def unavailable_reason(path: str, device: torch.device, dtype: torch.dtype, valu
         return f"the CPU 2:4 kernels run on the CPU, not {torch.device(device).type}"
     if dtype not in (torch.bfloat16, torch.float32):
         return f"the CPU 2:4 kernels take bfloat16 or float32 layers, not {dtype}"
-    if path == "avx512-bf16" and (dtype != torch.bfloat16 or values != "same"):
-        return "the avx512-bf16 path takes bf16 activations and bf16 values"
+    if path == "avx512-bf16" and dtype != torch.bfloat16:
+        return "the avx512-bf16 path takes bf16 activations (bf16 or int8 values)"
     why = extension_reason()
     if why:
         return why

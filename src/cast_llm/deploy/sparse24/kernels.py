@@ -364,12 +364,12 @@ class CpuUnpackKernel(CpuKernel):
 KERNELS: dict[str, Kernel] = {k.name: k for k in (CusparseltDirectKernel(), CusparseltOpKernel(), CutlassKernel(),
                                                   EmulatedKernel(), *(CpuKernel(p) for p in cpu24.PATHS),
                                                   CpuUnpackKernel(),
-                                                  *(CpuKernel(p, w8=True) for p in cpu24.PATHS if p != "avx512-bf16"))}
+                                                  *(CpuKernel(p, w8=True) for p in cpu24.PATHS))}
 # preference order when measurements tie (or are not taken): the direct cuSPARSELt path has the least host cost
 GPU_KERNELS = ("cusparselt-direct", "cusparselt", "cutlass")
 # the exact CPU kernels, widest instructions first (the dispatcher times those that run here)
 CPU_KERNELS = tuple(f"cpu-{p}" for p in cpu24.PATHS) + ("cpu-unpack",)
-CPU_W8_KERNELS = ("cpu-w8-avx512", "cpu-w8-avx2")
+CPU_W8_KERNELS = ("cpu-w8-avx512-bf16", "cpu-w8-avx512", "cpu-w8-avx2")
 
 
 def default_kernels(device) -> tuple[str, ...]:

@@ -14,6 +14,7 @@
 //   avx512-bf16  bf16 x and values: 64 inputs a step; the 32 positions become 16-bit permute indices with
 //                vpmultishiftqb (AVX512-VBMI) + and + add, vpermt2w gathers x, vdpbf16ps multiplies pairs
 //                and accumulates in fp32 (bf16 x bf16 products are exact in fp32);
+//                int8 values (2:4 + W8) widened to bf16 exactly in registers, the row scale applied once at the end;
 //   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
 //                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
 //   avx2         the same as avx512 on 16 inputs a step (two vpermps + blend), for CPUs without AVX-512.
@@ -101,11 +102,23 @@ CAST_AVX512_BF16 inline __m512i bf16_indices_at(const uint8_t* p, __m512i ctrl, 
   return bf16_indices(static_cast<uint64_t>(bits), ctrl, base, three);
 }
 
-template <int R, int T>
-CAST_AVX512_BF16 void block_avx512_bf16(const uint16_t* values, const uint8_t* meta, const uint16_t* x,
+// 32 kept values j.. of a row as bf16 pairs: bf16 as they are; int8 widened exactly (|v| <= 127 is exact in bf16)
+template <int Kind>
+CAST_AVX512_BF16 inline __m512i load32_bf16(const void* row, int64_t j, __mmask32 m) {
+  if (Kind == kBF16) return _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(row) + j);
+  const __m256i b = _mm256_maskz_loadu_epi8(m, static_cast<const int8_t*>(row) + j);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // values 0..15 from lo, 16..31 from hi
+}
+
+template <int R, int T, int Kind>
+CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta, const uint16_t* x,
                                         float* out, int64_t n0, int64_t t0, int64_t K, int64_t N) {
-  // out: (T, R) fp32 results for rows n0.. and tokens t0..
+  // out: (T, R) fp32 results for rows n0.. and tokens t0..; values bf16 (Kind kBF16) or int8 (kI8)
   const int64_t half = K / 2;
+  const int64_t vsize = Kind == kBF16 ? 2 : 1;
+  const char* vbase = static_cast<const char*>(values);
   const int64_t mbytes = (K + 7) / 8;
   alignas(64) uint8_t ctrl_b[64];
   alignas(64) uint16_t base_w[32];
@@ -127,11 +140,11 @@ CAST_AVX512_BF16 void block_avx512_bf16(const uint16_t* values, const uint8_t* m
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
 #if CAST_PF > 0
-      _mm_prefetch(reinterpret_cast<const char*>(values + n * half + (s + CAST_PF) * 32), _MM_HINT_T0);
+      _mm_prefetch(vbase + (n * half + (s + CAST_PF) * 32) * vsize, _MM_HINT_T0);
       if ((s & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 8), _MM_HINT_T0);
 #endif
       const __m512i idx = bf16_indices_at(meta + n * mbytes + s * 8, ctrl, base, three);
-      const __m512i v = _mm512_loadu_si512(values + n * half + s * 32);
+      const __m512i v = load32_bf16<Kind>(vbase + n * half * vsize, s * 32, 0xffffffffu);
       for (int t = 0; t < T; ++t) {
         const __m512i g = _mm512_permutex2var_epi16(xlo[t], idx, xhi[t]);
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)v, (__m512bh)g);
@@ -154,7 +167,7 @@ CAST_AVX512_BF16 void block_avx512_bf16(const uint16_t* values, const uint8_t* m
       const int64_t n = n0 + r;
       const uint64_t bits = read_meta(meta + n * mbytes, full * 32, kept);
       const __m512i idx = bf16_indices(bits, ctrl, base, three);
-      const __m512i v = _mm512_maskz_loadu_epi16(vm, values + n * half + full * 32);
+      const __m512i v = load32_bf16<Kind>(vbase + n * half * vsize, full * 32, vm);
       for (int t = 0; t < T; ++t) {
         const __m512i g = _mm512_permutex2var_epi16(xlo[t], idx, xhi[t]);
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)v, (__m512bh)g);
@@ -311,10 +324,10 @@ bool isa_supported(int64_t isa) {
 
 using BlockFn = void (*)(const void*, const uint8_t*, const void*, float*, int64_t, int64_t, int64_t, int64_t);
 
-template <int R, int T>
+template <int Kind, int R, int T>
 void bf16_block(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
                 int64_t N) {
-  block_avx512_bf16<R, T>(static_cast<const uint16_t*>(v), m, static_cast<const uint16_t*>(x), o, n0, t0, K, N);
+  block_avx512_bf16<R, T, Kind>(v, m, static_cast<const uint16_t*>(x), o, n0, t0, K, N);
 }
 template <int Kind, int R, int T>
 void f32_block512(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
@@ -342,17 +355,18 @@ Table make_table() {
   return t;
 }
 
-template <int R, int T> struct MakeBf16 { static constexpr BlockFn f = &bf16_block<R, T>; };
+template <int Kind> struct MakeBf16 { template <int R, int T> struct M { static constexpr BlockFn f = &bf16_block<Kind, R, T>; }; };
 template <int Kind> struct Make512 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block512<Kind, R, T>; }; };
 template <int Kind> struct Make256 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block256<Kind, R, T>; }; };
 
 const Table& table_for(int64_t isa, int kind) {
-  static const Table bf16 = make_table<MakeBf16>();
+  static const Table bf16[3] = {make_table<MakeBf16<kBF16>::M>(), make_table<MakeBf16<kBF16>::M>(),
+                                make_table<MakeBf16<kI8>::M>()};  // (no fp32 values on this path)
   static const Table a512[3] = {make_table<Make512<kBF16>::M>(), make_table<Make512<kF32>::M>(),
                                 make_table<Make512<kI8>::M>()};
   static const Table a256[3] = {make_table<Make256<kBF16>::M>(), make_table<Make256<kF32>::M>(),
                                 make_table<Make256<kI8>::M>()};
-  if (isa == kAvx512Bf16) return bf16;
+  if (isa == kAvx512Bf16) return bf16[kind];
   if (isa == kAvx512) return a512[kind];
   return a256[kind];
 }
@@ -386,8 +400,8 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   }
   TORCH_CHECK(kind != kI8 || (scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N),
               "sparse24_mm: int8 values need an fp32 scale of out entries");
-  TORCH_CHECK(isa != kAvx512Bf16 || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
-              "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 values");
+  TORCH_CHECK(isa != kAvx512Bf16 || (kind != kF32 && x.scalar_type() == at::kBFloat16),
+              "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 or int8 values");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == N, "sparse24_mm: bias must have out entries");
 
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
