@@ -153,7 +153,7 @@ LAYERS = {
     0: ("errors", "io", "config", "machine", "sparsity", "layers", "targets", "triton_support", "kernels"),  # core
     1: ("nn", "optim", "distill", "data", "models", "prune", "quant", "deploy", "export", "eval", "analysis"),
     2: ("plan",),  # a run's needs, from its config alone
-    3: ("train", "finetune", "integrations"),  # training
+    3: ("train", "finetune", "integrations", "inference"),  # training; running a model for text
     4: ("scaling", "report", "doctor"),  # what runs, reads or checks training
     5: ("cli",),
 }

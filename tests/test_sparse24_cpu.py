@@ -548,7 +548,7 @@ PROMPT = "The quick brown fox"
 
 def test_greedy_tokens_equal_the_dense_model_for_64_tokens_in_fp32(ckpts):
     from cast_llm.deploy.compressed import load_compressed
-    from cast_llm.deploy.inference import generate
+    from cast_llm.inference import generate
 
     tok = tiny.tokenizer()
     sparse, dense = loaded(ckpts["fp32"]), load_compressed(ckpts["fp32"])
@@ -578,7 +578,7 @@ def test_bf16_kv_cache_decode_logits_within_the_noise_floor(ckpts, ids):
 
 
 def test_sampled_generation_is_reproducible_with_a_seed(ckpts):
-    from cast_llm.deploy.inference import generate
+    from cast_llm.inference import generate
 
     tok, model = tiny.tokenizer(), loaded(ckpts["bf16"])
     a = generate(model, tok, PROMPT, max_new_tokens=24, sample=True, seed=3)
@@ -665,7 +665,8 @@ def seed_dispatch_cache(model_dir: Path, cache_file: Path) -> None:
 
 @pytest.mark.slow
 def test_payoff_measures_both_paths_in_fresh_processes(ckpts, monkeypatch, tmp_path):
-    from cast_llm.deploy.inference import format_payoff, payoff
+    from cast_llm.inference import payoff
+    from cast_llm.train.summary import format_payoff
 
     monkeypatch.setenv("CAST_LLM_CACHE", str(tmp_path / "cache"))
     seed_dispatch_cache(ckpts["bf16"], tmp_path / "cache" / "sparse24-dispatch-cpu.json")
@@ -682,8 +683,8 @@ def test_payoff_measures_both_paths_in_fresh_processes(ckpts, monkeypatch, tmp_p
 
 
 def test_measure_speed_measures_nothing_without_a_24_check(monkeypatch, capsys):
+    from cast_llm import inference
     from cast_llm.cli import train
-    from cast_llm.deploy import inference
     from cast_llm.errors import CastError
 
     def fail(*a, **k):

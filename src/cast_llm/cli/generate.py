@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cast_llm import kernels
-    from cast_llm.deploy.inference import generate, load_for_inference, plan
+    from cast_llm.inference import generate, load_for_inference, plan
     from cast_llm.train.threads import setup_threads
 
     kernels.apply_flag(cfg.kernels)

@@ -43,9 +43,9 @@ def measure_speed(results: dict) -> bool:
     nm = results.get("nm_check") or {}
     if nm.get("pattern") != "2:4":
         return False
-    from cast_llm.deploy.inference import payoff
     from cast_llm.deploy.model_card import refresh_run_card
     from cast_llm.errors import CastError
+    from cast_llm.inference import payoff
 
     print("measuring the exported model's decode speed, dense and 2:4 (two fresh processes) ...", flush=True)
     try:

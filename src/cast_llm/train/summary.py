@@ -88,15 +88,14 @@ def summary_table(results: dict[str, Any]) -> str:
     if moved:
         lines.append(moved)
     if results.get("decode_payoff"):
-        from cast_llm.deploy.inference import format_payoff
-
         lines.append(format_payoff(results["decode_payoff"]))
     out = results.get("output_dir")
     lines.append(f"model:   {out}   (transformers: AutoModelForCausalLM.from_pretrained('{out}'))")
     if results.get("report"):
         lines.append(f"report:  {results['report']}")
     lines += [f"next:    cast-llm eval ppl --model {out}   # WikiText-2, every window (the full protocol)",
-              f"         cast-llm export {out} --format compressed --dtype fp16 --output-dir {out}-c",
+              f"         cast-llm generate --model {out} --prompt \"The history of\"   # text through the 2:4 layers, tokens/s",
+              f"         cast-llm export {out} --format compressed --dtype bf16 --output-dir {out}-c   # 2:4 on CPU and GPU",
               f"         cast-llm quantize {out} --method awq --bits 4 --output-dir {out}-w4",
               f"         cast-llm finetune {out} --mode lora --data train.jsonl --output-dir {out}-ft"]
     return "\n".join(lines)
@@ -181,3 +180,13 @@ def reading(results: dict[str, Any]) -> str | None:
 
 def _num(v) -> str:
     return "n/a" if v is None else f"{v:.2f}"
+
+
+def format_payoff(p: dict) -> str:
+    """The ``speed:`` line of a run's last screen, from :func:`cast_llm.inference.payoff`'s result."""
+    d, s = p["dense"], p["sparse24"]
+    mib = 1 / 2**20
+    return (f"speed:   decode {s['decode_tokens_per_s']:.1f} tokens/s 2:4 against {d['decode_tokens_per_s']:.1f} dense "
+            f"(bf16, {s['threads']} threads, this CPU): {p['decode_ratio']:.2f}x; resident memory "
+            f"{s['resident_bytes'] * mib:.0f} MiB against {d['resident_bytes'] * mib:.0f} MiB "
+            f"({p['resident_ratio']:.2f}x) — measured now, `cast-llm generate --model <this folder> --prompt ...`")

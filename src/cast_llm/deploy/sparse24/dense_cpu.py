@@ -78,7 +78,7 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
         return f"LM head: torch's F.linear (the careful GEMV failed its check: max|Δ|/max|y| = {err:.3g})"
     # the head is read once per token, after the whole model: time it from DRAM (the calls alternate with a
     # buffer larger than the cache being streamed, as the decoder layers would)
-    from cast_llm.deploy.sparse24.timing import l3_bytes
+    from cast_llm.deploy.sparse24.cycles import l3_bytes
 
     flush = torch.empty(2 * l3_bytes() // 4, dtype=torch.float32)
 

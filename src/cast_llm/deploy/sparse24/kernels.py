@@ -47,6 +47,7 @@ from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.deploy.sparse24.buckets import token_bucket
 from cast_llm.deploy.sparse24.capture import capturing
+from cast_llm.deploy.sparse24.cycles import cycled
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = [
@@ -461,10 +462,14 @@ def _cpu_gemm_probe(impl: Kernel, device: torch.device, variant: tuple) -> kerne
 
 def _cpu_gemm_timer(impl: Kernel | None, device: torch.device, variant: tuple) -> float:
     """Seconds per batch-1 call at a LLaMA-7B shape (4096 x 4096), weights cycled past the L3 cache."""
-    from cast_llm.deploy.sparse24.timing import cycled_seconds
-
     (dtype,) = variant
-    return cycled_seconds("dense" if impl is None else impl.name, 4096, 4096, dtype, 1)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 4096, generator=gen)
+    w = w.masked_fill_(~nm_mask(w, 2, 4), 0).to(dtype)
+    x = torch.randn(1, 4096, generator=gen).to(dtype)
+    if impl is None:
+        return cycled(lambda w_: F.linear(x, w_), w)
+    return cycled(lambda s: sparse_linear(impl, x, s, None, 4096), impl.compress(w))
 
 
 def _cpu_runs_on(name: str, dtype: torch.dtype):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cast_llm.deploy.sparse24.cycles import cycled, l3_bytes
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "random_24_weight", "time_call"]
@@ -116,60 +117,20 @@ def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], 
     return lambda: sparse_linear(k, x, state, None, out_features)
 
 
-def l3_bytes() -> int:
-    """This CPU's last-level cache size (Linux sysfs; 32 MiB where it cannot be read)."""
-    import glob
-
-    sizes = []
-    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            text = open(f).read().strip()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KM")) * mult)
-    return max(sizes) if sizes else 32 << 20
-
-
-MAX_COPIES = 512  # tiny layers (tests) would need thousands of copies to fill the cache: their timing is host-bound
-
-
 def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, *,
                    repeats: int = 5, min_time: float = 0.02) -> float:
-    """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU, cycling through copies of
-    the weight that together hold at least 2× the last-level cache: as in a model's forward, every layer's
-    weight comes from DRAM, not from a cache warmed by the call before (which would flatter the smaller
-    compressed form most)."""
+    """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU at this shape, the weight
+    cycled past the last-level cache (:func:`cast_llm.deploy.sparse24.cycles.cycled`)."""
     from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
 
     weight = random_24_weight(out_features, in_features, dtype, "cpu")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, in_features, generator=gen).to(dtype)
     if kernel == "dense":
-        one = weight.numel() * weight.element_size()
-        copies = [weight.clone() for _ in range(min(MAX_COPIES, max(2, -(-2 * l3_bytes() // one))))]
-        fns = [lambda w=w: F.linear(x, w) for w in copies]
-    else:
-        k = KERNELS[kernel]
-        state = k.compress(weight)
-        one = sum(t.numel() * t.element_size() for t in state.values())
-        copies = [{n: t.clone() for n, t in state.items()} for _ in range(min(MAX_COPIES, max(2, -(-2 * l3_bytes() // one))))]
-        fns = [lambda s=s: sparse_linear(k, x, s, None, out_features) for s in copies]
-    for fn in fns[:2]:
-        fn()
-    t0 = time.perf_counter()
-    for fn in fns:
-        fn()
-    once = (time.perf_counter() - t0) / len(fns)
-    rounds = max(1, int(min_time / max(once * len(fns), 1e-9)))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-        times.append((time.perf_counter() - t0) / (rounds * len(fns)))
-    return statistics.median(times)
+        return cycled(lambda w: F.linear(x, w), weight, repeats=repeats, min_time=min_time)
+    k = KERNELS[kernel]
+    return cycled(lambda s: sparse_linear(k, x, s, None, out_features), k.compress(weight), repeats=repeats,
+                  min_time=min_time)
 
 
 def measure_gemm(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,

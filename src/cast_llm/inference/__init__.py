@@ -1,5 +1,8 @@
 """Running a cast-llm model for text, dense or 2:4, on the CPU: load, plan, generate, and the measured payoff.
 
+(A package above ``models`` and ``deploy``, beside ``train``: it loads any model folder and uses the free-core
+thread choice of :mod:`cast_llm.train.threads`.)
+
 * :func:`load_for_inference` — a model folder (``--format compressed``: loaded straight into 2:4 layers,
   no dense copy of a target; a dense Hugging Face folder or alias: loaded, and its exactly-2:4 targets
   compressed into 2:4 layers that keep no dense copy), with its tokenizer;
@@ -9,7 +12,7 @@
 * :func:`generate` — ``transformers``' ``generate`` (KV cache; greedy or sampled) timed as prefill + decode;
 * :func:`payoff` — what ``make run``'s last screen reports: decode tokens/s of the same exported model dense
   and 2:4 on this CPU, and the resident memory each path added (each measured in a fresh process by
-  ``python -m cast_llm.deploy.inference``, so that nothing the caller allocated before is reused).
+  ``python -m cast_llm.inference``, so that nothing the caller allocated before is reused).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from cast_llm.errors import CastError
 
-__all__ = ["Generation", "dispatch_cache_path", "format_payoff", "generate", "load_for_inference", "payoff", "plan"]
+__all__ = ["Generation", "dispatch_cache_path", "generate", "load_for_inference", "payoff", "plan"]
 
 
 def dispatch_cache_path() -> Path:
@@ -190,7 +193,7 @@ def _measure(model_dir: str, path: str, tokens: int, prompt_tokens: int) -> dict
 
 
 def _run_measure(model_dir, path, tokens, prompt_tokens, env, timeout) -> dict:
-    cmd = [sys.executable, "-m", "cast_llm.deploy.inference", str(model_dir), path, str(tokens), str(prompt_tokens)]
+    cmd = [sys.executable, "-m", "cast_llm.inference", str(model_dir), path, str(tokens), str(prompt_tokens)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -214,25 +217,3 @@ def payoff(model_dir: str | Path, *, tokens: int = 32, prompt_tokens: int = 32, 
     return {"model": str(model_dir), "dense": dense, "sparse24": sparse,
             "decode_ratio": sparse["decode_tokens_per_s"] / max(dense["decode_tokens_per_s"], 1e-9),
             "resident_ratio": sparse["resident_bytes"] / max(dense["resident_bytes"], 1)}
-
-
-def format_payoff(p: dict) -> str:
-    """One line for a run's last screen."""
-    d, s = p["dense"], p["sparse24"]
-    mib = 1 / 2**20
-    return (f"speed:   decode {s['decode_tokens_per_s']:.1f} tokens/s 2:4 against {d['decode_tokens_per_s']:.1f} dense "
-            f"(bf16, {s['threads']} threads, this CPU): {p['decode_ratio']:.2f}x; resident memory "
-            f"{s['resident_bytes'] * mib:.0f} MiB against {d['resident_bytes'] * mib:.0f} MiB "
-            f"({p['resident_ratio']:.2f}x) — measured now, `cast-llm generate --model <this folder> --prompt ...`")
-
-
-if __name__ == "__main__":  # python -m cast_llm.deploy.inference MODEL_DIR [TOKENS] [PROMPT_TOKENS]
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    args = sys.argv[1:]
-    print(json.dumps(_measure(args[0], args[1], int(args[2]), int(args[3]))))
