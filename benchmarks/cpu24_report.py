@@ -60,6 +60,7 @@ def linear_rows() -> tuple[list[dict], dict]:
              "careful_ms": round(r["ms"]["careful"], 3), "sparse_ms": round(r["ms"]["2:4"], 3),
              "w8_ms": round(r["ms"]["2:4+W8"], 3), "x_torch": round(r["x_torch"], 2),
              "x_careful": round(r["x_careful"], 2), "careful_x_torch": round(r["careful_x_torch"], 2),
+             "w8_x_torch": round(r["w8_x_torch"], 2), "w8_x_24": round(r["ms"]["2:4"] / r["ms"]["2:4+W8"], 2),
              "gbps_24": round(r["gbps"]["2:4"], 1), "gbps_torch": round(r["gbps"]["torch"], 1)} for r in d["results"]]
     return rows, {"command": d["command"], "machine": d["machine"], "when": d["when"], "goals": d["goals"],
                   "max_rel_err": d["max_rel_err"]}
@@ -79,10 +80,11 @@ def main() -> int:
            "(predictions, misses) is in [cpu24-notes.md](cpu24-notes.md).", "",
            f"## Per linear, LLaMA-7B shapes, weights cycled past L3 (`{meta['command']}`)", "",
            f"{meta['machine']}; {meta['when']}. Max |Δ|/max|y| against a float64 product: {meta['max_rel_err']:.2e}.", "",
-           "| shape | threads | rows | torch dense bf16 ms | careful dense ms | 2:4 ms | 2:4+W8 ms | 2:4 GB/s | 2:4 / torch | 2:4 / careful |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| shape | threads | rows | torch dense bf16 ms | careful dense ms | 2:4 ms | 2:4+W8 ms | 2:4 GB/s | 2:4 / torch | 2:4 / careful | 2:4+W8 / torch |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     out += [f"| {r['shape']} | {r['threads']} | {r['rows']} | {r['torch_ms']:.3f} | {r['careful_ms']:.3f} | "
-            f"{r['sparse_ms']:.3f} | {r['w8_ms']:.3f} | {r['gbps_24']:.1f} | {r['x_torch']:.2f}× | {r['x_careful']:.2f}× |"
+            f"{r['sparse_ms']:.3f} | {r['w8_ms']:.3f} | {r['gbps_24']:.1f} | {r['x_torch']:.2f}× | {r['x_careful']:.2f}× | "
+            f"{r['w8_x_torch']:.2f}× |"
             for r in lin]
     out += ["", "Goals of issue 48 (worst cell): " + "; ".join(
         f"{g['rows']} row{'s' if g['rows'] > 1 else ''}: {g['min_x_torch']:.2f}× torch (goal {g['goal_x_torch']}×)"
