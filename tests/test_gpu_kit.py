@@ -481,7 +481,9 @@ def test_every_stage_dry_run_on_cpu(tmp_path):
                                                               "-profile" if b.profile else ""))
         assert f"{fakes}/{b.script} {shlex.join(b.dry_args)} --json" in steps[f"perf/{b.name}"]["command"]
     assert all(e["measured"] is None and e["pass"] is None for e in res["targets"].values())
-    assert steps["speed/inference-llama7b"]["result"]["sparse_skipped"]  # no semi-structured kernels on CPU
+    # on the CPU the dry run's 2:4 side runs the CPU extension's kernels (or says why not)
+    inf = steps["speed/inference-llama7b"]["result"]
+    assert inf["sparse_skipped"] or inf["sparse_decode_tok_s"] > 0
     assert steps["speed/linear-2to4"]["result"]["skipped"]
     rows = {r["key"]: r for r in steps["quality/rows"]["result"]["rows"]}
     assert set(rows) == {"dense", "naive", "cast"} and all(r["status"] == "ok" for r in rows.values())

@@ -187,6 +187,6 @@ def format_payoff(p: dict) -> str:
     d, s = p["dense"], p["sparse24"]
     mib = 1 / 2**20
     return (f"speed:   decode {s['decode_tokens_per_s']:.1f} tokens/s 2:4 against {d['decode_tokens_per_s']:.1f} dense "
-            f"(bf16, {s['threads']} threads, this CPU): {p['decode_ratio']:.2f}x; resident memory "
+            f"(bf16, {s['threads']} thread{'s' if s['threads'] != 1 else ''}, this CPU): {p['decode_ratio']:.2f}x; resident memory "
             f"{s['resident_bytes'] * mib:.0f} MiB against {d['resident_bytes'] * mib:.0f} MiB "
             f"({p['resident_ratio']:.2f}x) — measured now, `cast-llm generate --model <this folder> --prompt ...`")
