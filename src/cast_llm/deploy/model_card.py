@@ -78,8 +78,11 @@ FORMAT_LOADS: dict[str, tuple[str, str, str]] = {
         "(`cast_llm.deploy.compressed.load_compressed`) and runs it with its 2:4 layers "
         "(`cast_llm.deploy.sparse24`) on CPU and GPU: this is the export that runs faster than dense "
         "(cast-llm's docs/deployment.md). `load_compressed(path)` alone gives back the dense model, "
-        "bit-identical to the weights exported.",
-        "from cast_llm.deploy.compressed import load_compressed\n\nmodel = load_compressed(\"PATH\")",
+        "bit-identical to the weights exported; `load_compressed(path, sparse24=True)` loads it on the CPU "
+        "straight into the 2:4 layers (no dense copy of a target), and `cast-llm generate --model PATH "
+        "--prompt ...` generates text through them.",
+        "from cast_llm.deploy.compressed import load_compressed\n\nmodel = load_compressed(\"PATH\", sparse24=True)  "
+        "# CPU 2:4 layers; without sparse24: the dense model",
     ),
     "compressed-tensors": (
         "cast-llm",
