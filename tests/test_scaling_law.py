@@ -305,6 +305,35 @@ def test_sweep_command_end_to_end(tmp_path, capsys, monkeypatch):
     ] == 3
 
 
+def test_sweep_keeps_files_it_did_not_write_and_follows_no_link(tmp_path, capsys, monkeypatch):
+    """The fit writes points.csv / scaling.json / scaling.png: a user's file of that name in --output-dir, or a
+    link planted there, is refused in one line before any training; the sweep's own files (listed in its
+    marker) are replaced on a second sweep."""
+    import cast_llm.scaling.budget_sweep as scaling_law
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    mine = out / "points.csv"
+    mine.write_text("my own data\n")
+    fake = FakeTrainer()
+    monkeypatch.setattr(scaling_law, "run_command", fake)
+    argv = ["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "points.csv" in err and "did not write" in err and len(err.strip().splitlines()) == 1
+    assert fake.calls == [] and mine.read_text() == "my own data\n"  # nothing trained, nothing touched
+    mine.unlink()
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep")
+    (out / "scaling.json").symlink_to(victim)
+    assert main(argv) == 2 and "scaling.json" in capsys.readouterr().err and victim.read_text() == "keep"
+    (out / "scaling.json").unlink()
+    assert main(argv) == 0  # the sweep's own files from now on
+    assert json.loads((out / scaling_law.SWEEP_MARKER).read_text())["files"] == list(scaling_law.SWEEP_FILES)
+    assert main(argv) == 0  # and replaced by the next sweep
+    assert victim.read_text() == "keep"
+
+
 def test_sweep_dry_run(tmp_path, capsys, monkeypatch):
     import cast_llm.scaling.budget_sweep as scaling_law
 

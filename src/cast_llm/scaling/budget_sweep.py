@@ -117,18 +117,48 @@ def run_sweep(
 
 
 
+SWEEP_MARKER = "cast_sweep.json"  # written last: the files the sweep wrote into --output-dir, and only those
+SWEEP_FILES = ("points.csv", "scaling.json", "scaling.png")
+
+
+def check_sweep_outputs(output_dir: Path, plot: str | Path | None = None) -> list[str]:
+    """The names the fit will write into ``output_dir``; a CastError (before any training) when one of them is
+    there and was not written by a sweep (not in the folder's :data:`SWEEP_MARKER`), or is a link."""
+    import os
+
+    from cast_llm.io import read_json_object
+
+    names = [n for n in SWEEP_FILES if not (n == "scaling.png" and plot)]
+    marker = output_dir / SWEEP_MARKER
+    ours: list = []
+    if os.path.lexists(marker):
+        ours = read_json_object(marker, "the scaling-law sweep's marker",
+                                fix="move it away or choose another --output-dir").get("files", [])
+    links = [n for n in names if (output_dir / n).is_symlink()]
+    foreign = [n for n in names if os.path.lexists(output_dir / n) and n not in ours]
+    if links or foreign:
+        bad = sorted(set(links) | set(foreign))
+        raise CastError(f"--output-dir {output_dir} holds {', '.join(bad)}, which the scaling-law sweep did not write "
+                        f"and would replace; move {'it' if len(bad) == 1 else 'them'} away or choose another --output-dir")
+    return names
+
+
 def sweep(budgets: list[int], output_dir: Path, train_args: list[str], *, metric: str = "wikitext2",
           metric_given: bool = False, dense_ppl: float | None = None, beta: float = CHINCHILLA_BETA,
           plot: str | Path | None = None, dry_run: bool = False, log=print,
           runner: Callable[[list[str]], int] | None = None) -> FitReport | None:
     """Train every budget (:func:`run_sweep`), then fit the finished runs: writes ``points.csv``,
     ``scaling.png`` (or ``plot``) and ``scaling.json`` into ``output_dir``. None with ``dry_run``."""
+    names = check_sweep_outputs(output_dir, plot)  # before hours of training, not after
     runs = run_sweep(budgets, output_dir, train_args, runner=runner, dry_run=dry_run, log=log)
     if dry_run:
         return None
+    check_sweep_outputs(output_dir, plot)  # (and again: the folder may have changed meanwhile)
     points, dense = read_runs(runs, metric, metric_given, note=log)
     log(f"points: {write_points_csv(points, output_dir / 'points.csv')}")
     report = fit_report(points, dense_ppl if dense_ppl is not None else dense, beta,
                         plot=plot or output_dir / "scaling.png")
     atomic_write_text(output_dir / "scaling.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    atomic_write_text(output_dir / SWEEP_MARKER, json.dumps({"written_by": "cast-llm scaling-law sweep",
+                                                             "files": names}, indent=2) + "\n")
     return report
