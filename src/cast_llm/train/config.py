@@ -93,10 +93,14 @@ class RunConfig(PatternSettings):
     output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)", section=RUN)
     resume: str | None = option(None, "continue the run in --output-dir from its newest complete checkpoint, with "
                                       "its own config.yaml (flags typed with it must agree); 'auto': start "
-                                      "afresh when there is none (re-run the same command after a preemption)",
+                                      "afresh when there is none (re-run the same command after a preemption); "
+                                      "a finished run: 'already finished', exit 0, nothing touched (--overwrite "
+                                      "starts it afresh)",
                                 choices=RESUME, parse=_resume, nargs="?", const="latest", section=RUN)
     overwrite: bool = option(False, "replace an earlier run in --output-dir (only files that run wrote are "
-                                    "removed; never the model's own folder or a folder of model weights)",
+                                    "removed, and only once the new run has finished: until then they wait in "
+                                    ".cast-llm-previous/; never the model's own folder or a folder of model "
+                                    "weights)",
                              section=RUN)
     seed: int = option(0, "seed for data order, sampling and initialisation", section=RUN)
     device: str = option("auto", "auto (CUDA when visible), cpu or cuda; accelerate launch sets it per process",
