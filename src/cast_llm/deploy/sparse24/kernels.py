@@ -130,6 +130,10 @@ class Kernel:
         """``(n, in)`` contiguous rows (``n`` a multiple of :meth:`row_multiple`) → ``(n, out)`` contiguous."""
         raise NotImplementedError
 
+    def bind(self, state: dict[str, torch.Tensor], bias: torch.Tensor | None, in_features: int, out_features: int):
+        """``x -> x Wᵀ + b`` for one layer's compressed weight: the callable its forward runs (the hot path)."""
+        return lambda x: sparse_linear(self, x, state, bias, out_features)
+
 
 def _multiple_error(out_features: int, in_features: int, rows: int, cols: int, what: str) -> str | None:
     if out_features % rows or in_features % cols or out_features < rows or in_features < cols:
@@ -346,6 +350,13 @@ class CpuKernel(Kernel):
     def mm(self, x2d, state, bias, out_features):
         return cpu24.sparse24_mm(self.path, x2d, state, bias)
 
+    def bind(self, state, bias, in_features, out_features):
+        # the extension's op called directly: no row padding, the bias in the kernel (~2 µs a call)
+        op, isa = cpu24.load_extension().sparse24_mm, cpu24.PATHS[self.path]
+        values, meta, scale = state["values"], state["meta"], state.get("scale")
+        return lambda x: op(x.reshape(-1, in_features), values, meta, scale, bias, isa).view(*x.shape[:-1],
+                                                                                            out_features)
+
 
 class CpuUnpackKernel(CpuKernel):
     """Rebuild the dense weight from the CPU compressed form into a shared scratch buffer, then torch's dense
@@ -360,6 +371,9 @@ class CpuUnpackKernel(CpuKernel):
 
     def mm(self, x2d, state, bias, out_features):
         return cpu24.unpack_mm(x2d, state, bias, out_features)
+
+    def bind(self, state, bias, in_features, out_features):
+        return Kernel.bind(self, state, bias, in_features, out_features)
 
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (CusparseltDirectKernel(), CusparseltOpKernel(), CutlassKernel(),

@@ -37,7 +37,6 @@ from cast_llm.deploy.sparse24.kernels import (
     available_kernels,
     default_kernels,
     padded_rows,
-    sparse_linear,
 )
 from cast_llm.errors import CastError
 from cast_llm.layers import is_linear_like, linear_features
@@ -204,19 +203,9 @@ class Sparse24Linear(nn.Module):
         if kernel == DENSE:
             weight, bias = self.dense_weight, self.bias
             run = lambda x: F.linear(x, weight, bias)  # noqa: E731
-        elif kernel.startswith("cpu-") and kernel != "cpu-unpack":
-            # the CPU extension's op called directly: no row padding, bias in the kernel (~2 µs a call)
-            from cast_llm.deploy.sparse24.cpu import PATHS, load_extension
-
-            k = KERNELS[kernel]
-            op, isa = load_extension().sparse24_mm, PATHS[k.path]
-            st, bias, in_f, out_f = self.states[k.fmt], self.bias, self.in_features, self.out_features
-            values, meta, scale = st["values"], st["meta"], st.get("scale")
-            run = lambda x: op(x.reshape(-1, in_f), values, meta, scale, bias, isa).view(*x.shape[:-1], out_f)  # noqa: E731
         else:
-            k = KERNELS[kernel]
-            state, bias, out_f = self.states[k.fmt], self.bias, self.out_features
-            run = lambda x: sparse_linear(k, x, state, bias, out_f)  # noqa: E731
+            run = KERNELS[kernel].bind(self.states[KERNELS[kernel].fmt], self.bias, self.in_features,
+                                       self.out_features)
         if not capturing():
             if len(self._runs) > 512:  # many distinct prompt lengths: forget, decisions stay cached per bucket
                 self._runs.clear()
