@@ -1,7 +1,9 @@
 """2:4 inference that is never slower than dense and exact (method.md §7, docs/deployment.md).
 
 * :mod:`.kernels` — the 2:4 GEMMs (torch's cuSPARSELt op, cuSPARSELt with cached plans, CUTLASS on Ampere,
-  a pure-torch emulation for CPU tests), their shape and padding rules;
+  the CPU extension's kernels, a pure-torch emulation), their shape and padding rules;
+* :mod:`.cpu` — the CPU extension (csrc/sparse24_cpu.cpp): build, compressed form, ops; :mod:`.cycles` — CPU
+  timing with weights cycled past the cache; :mod:`.dense_cpu` — the careful dense GEMV for the LM head;
 * :mod:`.cusparselt_direct` — the cached-plan cuSPARSELt binding and its crash-safe probe;
 * :mod:`.dispatch` — measured per-(shape, dtype, token bucket, mode) choice between dense and 2:4, cached in
   memory and in a JSON file;

@@ -24,6 +24,9 @@ padding off again — a view, no copy.
   ``(values, meta) = torch._to_sparse_semi_structured(W)``. These are Ampere (sm8x) kernels and torch refuses
   them on any other compute capability, so on Hopper this kernel is unavailable. The op writes ``W xᵀ``
   row-major, so ``y`` needs one transpose copy.
+* ``cpu-avx512-bf16`` / ``cpu-avx512`` / ``cpu-avx2`` / ``cpu-unpack`` (and the lossy ``cpu-w8-*``) — the CPU
+  extension's kernels (:mod:`.cpu`, docs/deployment.md "On the CPU"): they read kept values + 2-bit positions
+  directly; checked paths ``sparse24.cpu_gemm.bfloat16`` / ``.float32`` against a float64 product;
 * ``emulated`` — a pure-torch reference of the compressed form (kept values + 2-bit positions, decompressed,
   accumulated in fp32, rounded once): it runs on the CPU so that the padding, slicing, bias and layout logic
   around the real kernels is tested without a GPU.

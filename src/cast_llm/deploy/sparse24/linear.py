@@ -1,5 +1,6 @@
 """:class:`Sparse24Linear`: a linear layer whose exactly-2:4 weight is compressed once at load and multiplied
-by a 2:4 tensor-core kernel, or by dense ``F.linear`` where that measures faster (method.md §7).
+by a 2:4 kernel — tensor-core kernels on a GPU, the CPU extension's kernels that read the compressed form on a
+CPU (:mod:`.cpu`) — or by dense ``F.linear`` where that measures faster (method.md §7).
 
 What it holds (plain attributes, not Parameters — the compressed bytes must never be cast by ``model.to``):
 
