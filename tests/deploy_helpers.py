@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import tiny
 import torch
+import torch.nn.functional as F
 
 
 def prune24_(model):
@@ -57,3 +59,32 @@ def one_line_error(capsys) -> str:
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cast-llm")]
     assert len(err) == 1, err
     return err[0]
+
+
+@contextlib.contextmanager
+def fp32_accumulated(model):
+    """Every target GEMM accumulated in fp32 and rounded once: the noise-floor variant of the dense model."""
+    from cast_llm.targets import find_targets
+
+    def forward_of(m):
+        return lambda x: F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype)
+
+    targets = find_targets(model)
+    for t in targets:
+        t.module.forward = forward_of(t.module)
+    try:
+        yield
+    finally:
+        for t in targets:
+            del t.module.forward
+
+
+@torch.inference_mode()
+def prefill_and_decode(model, ids, tokens):
+    out = model(ids, use_cache=True)
+    pre, cache, dec = out.logits.float(), out.past_key_values, []
+    for i in range(tokens.shape[1]):
+        out = model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        dec.append(out.logits[:, -1].float())
+    return pre, torch.stack(dec, 1)

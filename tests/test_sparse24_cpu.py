@@ -22,7 +22,7 @@ import pytest
 import tiny
 import torch
 import torch.nn.functional as F
-from deploy_helpers import cli, one_line_error, sparse_model
+from deploy_helpers import cli, fp32_accumulated, one_line_error, prefill_and_decode, sparse_model
 from torch import nn
 
 from cast_llm import kernels as cast_kernels
@@ -434,35 +434,6 @@ def loaded(path, **kw):
     from cast_llm.deploy.compressed import load_compressed
 
     return load_compressed(path, sparse24=True, dispatch=False, **kw)
-
-
-@contextlib.contextmanager
-def fp32_accumulated(model):
-    """Every target GEMM accumulated in fp32 and rounded once: the noise-floor variant of the dense model."""
-    from cast_llm.targets import find_targets
-
-    def forward_of(m):
-        return lambda x: F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()).to(x.dtype)
-
-    targets = find_targets(model)
-    for t in targets:
-        t.module.forward = forward_of(t.module)
-    try:
-        yield
-    finally:
-        for t in targets:
-            del t.module.forward
-
-
-@torch.inference_mode()
-def prefill_and_decode(model, ids, tokens):
-    out = model(ids, use_cache=True)
-    pre, cache, dec = out.logits.float(), out.past_key_values, []
-    for i in range(tokens.shape[1]):
-        out = model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        dec.append(out.logits[:, -1].float())
-    return pre, torch.stack(dec, 1)
 
 
 @pytest.mark.parametrize("label", ["fp32", "bf16"])
