@@ -377,8 +377,37 @@ const Table& table_for(int64_t isa, int kind) {
 // 24-28 GB/s; at 4 and 16 tokens one row a block recomputes the indices and reloads x for every row and ran
 // 0.5-0.7x the four-row block
 constexpr int64_t kRows = 4;
-inline int64_t rows_per_block(int64_t tokens) { return tokens == 1 ? 1 : kRows; }
 constexpr int64_t kTokens = 4;  // rows of x a block
+inline int64_t rows_per_block(int64_t tokens) { return tokens == 1 ? 1 : kRows; }
+
+// The loop both GEMMs share: threads over blocks of output rows, token blocks inside; ``block(res, n0, t0, R, T)``
+// fills res[t * R + r] with fp32 sums, which are scaled (int8 values), biased and rounded once into y (M, N).
+template <class Block>
+void run_blocks(int64_t M, int64_t N, int64_t grain, const Block& block, const float* scale, const float* bias,
+                bool out_bf16, void* y) {
+  const int64_t rb = rows_per_block(M);
+  const int64_t blocks = (N + rb - 1) / rb;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    float res[kRows * kTokens];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * rb;
+      const int64_t R = std::min(rb, N - n0);
+      for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
+        const int64_t T = std::min(kTokens, M - t0);
+        block(res, n0, t0, R, T);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t n = n0 + r;
+            float v = res[t * R + r];
+            if (scale) v *= scale[n];
+            if (bias) v += bias[n];
+            if (out_bf16) static_cast<uint16_t*>(y)[(t0 + t) * N + n] = f32_to_bf16(v);
+            else static_cast<float*>(y)[(t0 + t) * N + n] = v;
+          }
+      }
+    }
+  });
+}
 
 at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
                        const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias, int64_t isa) {
@@ -421,30 +450,11 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   const float* sptr = scale.has_value() ? scale_f.data_ptr<float>() : nullptr;
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
   void* yptr = y.data_ptr();
-  const int64_t rb = rows_per_block(M);
-  const int64_t blocks = (N + rb - 1) / rb;
   // a thread's share should be worth the fork: ~64 rows of a 4096-input layer
   const int64_t grain = std::max<int64_t>(1, (16 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float res[kRows * kTokens];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * rb;
-      const int64_t R = std::min(rb, N - n0);
-      for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
-        const int64_t T = std::min(kTokens, M - t0);
-        table.fn[R - 1][T - 1](vptr, mptr, xptr, res, n0, t0, K, N);
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t n = n0 + r;
-            float v = res[t * R + r];
-            if (sptr) v *= sptr[n];
-            if (bptr) v += bptr[n];
-            if (out_bf16) static_cast<uint16_t*>(yptr)[(t0 + t) * N + n] = f32_to_bf16(v);
-            else static_cast<float*>(yptr)[(t0 + t) * N + n] = v;
-          }
-      }
-    }
-  });
+  run_blocks(M, N, grain, [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
+    table.fn[R - 1][T - 1](vptr, mptr, xptr, res, n0, t0, K, N);
+  }, sptr, bptr, out_bf16, yptr);
   return y;
 }
 
@@ -485,32 +495,16 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t rb = rows_per_block(M);
-  const int64_t blocks = (N + rb - 1) / rb;
   const int64_t grain = std::max<int64_t>(1, (8 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float res[kRows * kTokens];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * rb;
-      const int64_t R = std::min(rb, N - n0);
-      for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
-        const int64_t T = std::min(kTokens, M - t0);
+  run_blocks(M, N, grain, [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
 #define CAST_DENSE_CASE(RR, TT) \
   if (R == RR && T == TT) dense_block_bf16<RR, TT>(wp, xp, res, n0, t0, K);
-        CAST_DENSE_CASE(4, 4) CAST_DENSE_CASE(4, 3) CAST_DENSE_CASE(4, 2) CAST_DENSE_CASE(4, 1)
-        CAST_DENSE_CASE(3, 4) CAST_DENSE_CASE(3, 3) CAST_DENSE_CASE(3, 2) CAST_DENSE_CASE(3, 1)
-        CAST_DENSE_CASE(2, 4) CAST_DENSE_CASE(2, 3) CAST_DENSE_CASE(2, 2) CAST_DENSE_CASE(2, 1)
-        CAST_DENSE_CASE(1, 4) CAST_DENSE_CASE(1, 3) CAST_DENSE_CASE(1, 2) CAST_DENSE_CASE(1, 1)
+    CAST_DENSE_CASE(4, 4) CAST_DENSE_CASE(4, 3) CAST_DENSE_CASE(4, 2) CAST_DENSE_CASE(4, 1)
+    CAST_DENSE_CASE(3, 4) CAST_DENSE_CASE(3, 3) CAST_DENSE_CASE(3, 2) CAST_DENSE_CASE(3, 1)
+    CAST_DENSE_CASE(2, 4) CAST_DENSE_CASE(2, 3) CAST_DENSE_CASE(2, 2) CAST_DENSE_CASE(2, 1)
+    CAST_DENSE_CASE(1, 4) CAST_DENSE_CASE(1, 3) CAST_DENSE_CASE(1, 2) CAST_DENSE_CASE(1, 1)
 #undef CAST_DENSE_CASE
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t r = 0; r < R; ++r) {
-            float v = res[t * R + r] + (bp ? bp[n0 + r] : 0.f);
-            yp[(t0 + t) * N + n0 + r] = f32_to_bf16(v);
-          }
-      }
-    }
-  });
+  }, nullptr, bp, true, y.data_ptr());
   return y;
 }
 
