@@ -1,0 +1,199 @@
+"""The experiment queue: `compare_methods.py` invocations run one at a time in the background, each finished
+row's JSON committed to the repository at once (``runs/`` does not survive a new machine; the commits do).
+
+    python benchmarks/evidence_queue.py start QUEUE_FILE      # clone HEAD, restore the committed rows, run
+    python benchmarks/evidence_queue.py pause | resume         # stop / continue it (kill -STOP / -CONT)
+    python benchmarks/evidence_queue.py quiet CMD ...          # run CMD with the queue stopped, pauses recorded
+
+(``--state DIR`` goes before the action.)
+
+QUEUE_FILE holds one `compare_methods.py` argument line per row group (``#`` comments). The queue runs from its
+own clone of the committed HEAD (``<state>/clone``), so edits in this checkout never change a row under way and
+every row's ``code`` is a commit in the history. Its runs folder starts from the committed rows
+(``docs/results/compare-rows``: a finished grid point or seed is not run again). Every 30 s, a
+``compare_row.json`` / ``tuning.json`` / ``forecast.json`` that is new or changed is copied under
+``docs/results/compare-rows/<budget>/`` and committed alone (``git commit --only``: nothing else of this
+checkout's index goes with it); a row that was paused gets a ``queue.json`` listing the pauses (its wall time
+includes them). State (pid, log, pauses) lives in ``--state`` (default ``/work/runs/queue``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = REPO / "docs" / "results" / "compare-rows"
+RECORDS = ("compare_row.json", "tuning.json", "forecast.json")
+
+
+def _git(*args: str, cwd: Path = REPO, check: bool = True) -> str:
+    for attempt in range(20):  # another git process of this checkout may hold the index lock for a moment
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+        if r.returncode == 0 or "index.lock" not in r.stderr:
+            break
+        time.sleep(1 + attempt)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def _pauses(state: Path) -> list[dict]:
+    f = state / "pauses.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+
+
+def _describe(rel: Path, row: dict) -> str:
+    """The commit message of one finished row: what ran, what it scored, its final prune and wall time."""
+    bits = [f"{rel.parts[0].removeprefix('smollm2-135m-')} {'/'.join(rel.parts[1:-1])}:"]
+    if row.get("test") is not None:
+        bits.append(f"test {row['test']:.2f} / WikiText-2 {row['wikitext2']:.2f}, validation "
+                    f"{row.get('validation') or float('nan'):.2f};")
+    if row.get("prune_validation_before") is not None:
+        bits.append(f"final prune (validation) {row['prune_validation_before']:.2f} → "
+                    f"{row['prune_validation_after']:.2f};")
+    if row.get("sparse_weight_ratio") is not None:
+        bits.append(f"S_T {row['sparse_weight_ratio']:.3f};")
+    hp = row.get("hyperparameters") or {}
+    if hp:
+        bits.append(", ".join(f"{k} {v:g}" for k, v in hp.items() if isinstance(v, (int, float))) + ";")
+    bits.append(f"{row.get('wall_s', 0):.0f} s at {row.get('threads') or '?'} thread(s), code {row.get('code')}")
+    return " ".join(bits)
+
+
+def sync(state: Path, runs: Path) -> None:
+    """Copy each new or changed record of the queue's runs folder into ``docs/results/compare-rows`` and commit
+    it alone; a row whose run overlapped a pause gets ``queue.json`` beside it."""
+    pauses = _pauses(state)
+    for src in sorted(p for name in RECORDS for p in runs.rglob(name)):
+        rel = src.relative_to(runs)
+        if rel.parts[1:2] in (("_eval",),) or "model" in rel.parts:
+            continue
+        dst = ROWS / rel
+        text = src.read_text()
+        if dst.is_file() and dst.read_text() == text:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text)
+        paths = [dst]
+        msg = f"{'/'.join(rel.parts[:-1])}: {rel.name} updated"
+        if src.name == "compare_row.json":
+            row = json.loads(text)
+            end = src.stat().st_mtime
+            start = end - float(row.get("wall_s") or 0)
+            hit = [p for p in pauses if p["from"] < end and p.get("to", time.time()) > start]
+            if hit:
+                q = {"paused_s": round(sum(min(p.get("to", end), end) - max(p["from"], start) for p in hit), 1),
+                     "pauses": hit, "note": "the queue was stopped (kill -STOP) during this row: its wall_s and "
+                                            "train_wall_s include the pause"}
+                (dst.parent / "queue.json").write_text(json.dumps(q, indent=2) + "\n")
+                paths.append(dst.parent / "queue.json")
+            msg = _describe(rel, row) + (f"; paused {q['paused_s']:.0f} s during it (wall time includes it, "
+                                         "queue.json)" if hit else "")
+        rels = [str(p.relative_to(REPO)) for p in paths]
+        _git("add", "--", *rels)
+        _git("commit", "-q", "--only", "-m", msg, "--", *rels)
+        print(f"[queue] committed {msg}", flush=True)
+
+
+def run(queue_file: Path, state: Path) -> int:
+    clone, runs = state / "clone", state / "runs"
+    done_file = state / "done.json"
+    done = json.loads(done_file.read_text()) if done_file.is_file() else []
+    while True:  # the file is read again after each line: lines may be added or edited while the queue runs
+        lines = [x.strip() for x in queue_file.read_text().splitlines()
+                 if x.strip() and not x.lstrip().startswith("#")]
+        line = next((x for x in lines if x not in done), None)
+        if line is None:
+            return 0
+        proc = subprocess.Popen([sys.executable, str(clone / "benchmarks" / "compare_methods.py"), *shlex.split(line),
+                                 "--runs-dir", str(runs), "--docs-dir", str(state / "docs")], cwd=clone,
+                                env={**os.environ, "PYTHONPATH": str(clone / "src")})
+        print(f"[queue] {time.strftime('%H:%M:%S')} started: {line}", flush=True)
+        while proc.poll() is None:
+            time.sleep(30)
+            sync(state, runs)
+        sync(state, runs)
+        print(f"[queue] {time.strftime('%H:%M:%S')} ended rc {proc.returncode}: {line}", flush=True)
+        if proc.returncode != 0:
+            return proc.returncode
+        done.append(line)
+        done_file.write_text(json.dumps(done, indent=2))
+
+
+def start(queue_file: Path, state: Path) -> None:
+    state.mkdir(parents=True, exist_ok=True)
+    clone = state / "clone"
+    head = _git("rev-parse", "HEAD").strip()
+    if not clone.is_dir():
+        _git("clone", "-q", "--no-hardlinks", str(REPO), str(clone), cwd=state)
+    _git("fetch", "-q", str(REPO), "HEAD", cwd=clone)
+    _git("checkout", "-q", "--detach", head, cwd=clone)
+    runs = state / "runs"
+    for budget in ROWS.iterdir():  # the committed rows: what finished is not run again
+        shutil.copytree(budget, runs / budget.name, dirs_exist_ok=True)
+    log = open(state / "queue.log", "a")
+    p = subprocess.Popen([sys.executable, __file__, "--state", str(state), "_run", str(queue_file.resolve())],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    (state / "queue.pgid").write_text(str(p.pid))
+    print(f"queue started at {head[:12]} (pgid {p.pid}); log {state / 'queue.log'}")
+
+
+def _signal(state: Path, sig: int) -> None:
+    try:
+        os.killpg(int((state / "queue.pgid").read_text()), sig)
+    except (FileNotFoundError, ProcessLookupError):
+        print("no queue running", file=sys.stderr)
+
+
+def pause(state: Path) -> None:
+    _signal(state, signal.SIGSTOP)
+    with (state / "pauses.jsonl").open("a") as f:
+        t = time.time()
+        f.write(json.dumps({"from": t, "from_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))}) + "\n")
+
+
+def resume(state: Path) -> None:
+    f = state / "pauses.jsonl"
+    rows = _pauses(state)
+    if rows and "to" not in rows[-1]:
+        t = time.time()
+        rows[-1].update(to=t, paused_s=round(t - rows[-1]["from"], 1),
+                        to_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)))
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _signal(state, signal.SIGCONT)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["start", "pause", "resume", "quiet", "_run"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--state", type=Path, default=Path("/work/runs/queue"))
+    opts = p.parse_args(argv)
+    if opts.action == "start":
+        start(Path(opts.rest[0]), opts.state)
+    elif opts.action == "_run":
+        return run(Path(opts.rest[0]), opts.state)
+    elif opts.action == "pause":
+        pause(opts.state)
+    elif opts.action == "resume":
+        resume(opts.state)
+    else:
+        cmd = opts.rest[1:] if opts.rest[:1] == ["--"] else opts.rest
+        pause(opts.state)
+        try:
+            return subprocess.call(cmd)
+        finally:
+            resume(opts.state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
