@@ -5,10 +5,14 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
 
 * ``torch`` — ``F.linear`` on the dense bf16 weight with zeros (what a user runs today);
 * ``careful`` — a dense bf16 kernel written with the same care as the 2:4 one (``cast_llm_cpu24.dense_mm``:
-  vdpbf16ps, four rows and up to four tokens a block, the same threading): what sparsity itself buys;
-* ``2:4`` — ``cpu-avx512-bf16`` (kept values + 2-bit positions, read directly: 0.5625 of the dense bytes);
-* ``2:4+W8`` — ``cpu-w8-avx512-bf16`` (int8 kept values widened to bf16 in registers + fp32 row scales, bf16
-  activations: 0.3125 of the dense bf16 bytes plus 4 bytes a row).
+  the same blocks and threading): what sparsity itself buys;
+* ``2:4`` — the widest CPU 2:4 path this CPU runs (``cpu-avx512-bf16``, else ``cpu-avx512``, else ``cpu-avx2``;
+  kept values + 2-bit positions, read directly: 0.5625 of the dense bytes);
+* ``2:4+W8`` — the same path on int8 kept values widened in registers + fp32 row scales, bf16 activations:
+  0.3125 of the dense bf16 bytes plus 4 bytes a row.
+
+The careful dense kernel runs vdpbf16ps where the CPU has AVX512-BF16, else AVX2 FMA on the bf16 weight widened
+in registers (``cast_llm.deploy.sparse24.cpu.dense_path``); the JSON names both paths.
 
 Each output is checked against a float64 product (max|Δ|/max|y|). Reported: ms per call (median of
 ``--repeats``), GB/s of the bytes each form reads, the byte limit (1.78× for 2:4 over dense bf16) and the
@@ -65,12 +69,18 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).abs().max() / ref.abs().max())
 
 
-def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float) -> dict:
+def best_path() -> str | None:
+    """The widest 2:4 path this CPU runs for bf16 layers (None: none)."""
+    paths = cpu24.available_paths()
+    return next((p for p in ("avx512-bf16", "avx512", "avx2") if p in paths), None)
+
+
+def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float, path: str = "avx512-bf16") -> dict:
     w = random_24_weight(out_f, in_f, torch.bfloat16, "cpu")
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.double() @ w.double().t()
-    s24 = KERNELS["cpu-avx512-bf16"].compress(w)
-    w8 = KERNELS["cpu-w8-avx512-bf16"].compress(w)
+    s24 = KERNELS[f"cpu-{path}"].compress(w)
+    w8 = KERNELS[f"cpu-w8-{path}"].compress(w)
     ref8 = x.double() @ cpu24.decompress(w8, out_f, in_f).double().t()
     dense_b, s24_b, w8_b = w.numel() * 2, nbytes(s24), nbytes(w8)
     need = 2 * l3_bytes()
@@ -78,8 +88,8 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     forms = {
         "torch": (lambda w_: F.linear(x, w_), w, dense_b, None),
         "careful": (lambda w_: cpu24.dense_mm(x, w_), w, dense_b, None),
-        "2:4": (lambda s: cpu24.sparse24_mm("avx512-bf16", x, s, None), s24, s24_b, None),
-        "2:4+W8": (lambda s: cpu24.sparse24_mm("avx512-bf16", x, s, None), w8, w8_b, ref8),
+        "2:4": (lambda s: cpu24.sparse24_mm(path, x, s, None), s24, s24_b, None),
+        "2:4+W8": (lambda s: cpu24.sparse24_mm(path, x, s, None), w8, w8_b, ref8),
     }
     row["ms"], row["gbps"], row["max_rel_err"] = {}, {}, {}
     for name, (fn, held, b, r) in forms.items():
@@ -108,20 +118,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a bar chart of the ratios here (PNG)")
     args = ap.parse_args(argv)
-    why = cpu24.unavailable_reason("avx512-bf16", torch.device("cpu"), torch.bfloat16)
+    path = best_path()
+    why = cpu24.extension_reason() or (None if path else "this CPU runs no 2:4 path") or cpu24.dense_unavailable_reason()
     if why:
-        print(f"cpu24: the avx512-bf16 2:4 kernel cannot run here ({why}); nothing measured", file=sys.stderr)
+        print(f"cpu24: the CPU 2:4 kernels cannot run here ({why}); nothing measured", file=sys.stderr)
         return 2
     shapes = TINY if args.tiny else SHAPES
     results = []
-    print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB")
+    print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB; 2:4 path {path}, careful dense path "
+          f"{cpu24.dense_path()}")
     print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'careful':>9}{'2:4':>8}{'2:4+W8':>8} ms | "
           f"{'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}{'W8/torch':>9}")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for label, (out_f, in_f) in shapes.items():
             for rows in [int(r) for r in args.rows.split(",")]:
-                r = measure_shape(out_f, in_f, rows, args.repeats, args.min_time)
+                r = measure_shape(out_f, in_f, rows, args.repeats, args.min_time, path)
                 r.update(shape=label, threads=threads)
                 results.append(r)
                 ms, gb = r["ms"], r["gbps"]
@@ -143,7 +155,7 @@ def main(argv=None) -> int:
         print(f"rows {rows}: worst 2:4/torch {lo_t:.2f}x (goal ≥ {g_torch}x), worst 2:4/careful {lo_c:.2f}x"
               + (f" (goal ≥ {g_careful}x)" if g_careful else "") + f": {'met' if ok else 'NOT met'}")
     doc = {"benchmark": "cpu24", "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]),
-           "machine": machine(), "l3_bytes": l3_bytes(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "machine": machine(), "l3_bytes": l3_bytes(), "path": path, "dense_path": cpu24.dense_path(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "results": results, "goals": goals, "max_rel_err": worst}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

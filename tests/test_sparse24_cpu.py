@@ -120,6 +120,31 @@ def test_every_path_matches_a_float64_product_on_every_pattern_tail_bias_and_row
     assert not bad, f"{path} {dtype}: max|Δ|/max|y| over {BOUND[dtype]}: {bad[:5]}"
 
 
+def test_careful_dense_gemm_matches_float64_on_tails_bias_and_row_counts():
+    """The careful dense kernel (vdpbf16ps or AVX2, whichever this CPU has) is the benchmarks' honest baseline
+    and the LM head's GEMV: it is checked as the 2:4 paths are, and it can fail (a changed weight breaks it)."""
+    assert cpu24.dense_path() in ("avx512-bf16", "avx2")
+    g = torch.Generator().manual_seed(7)
+    bad = []
+    for out_f, in_f in ((1, 8), (7, 100), (33, 512), (129, 520)):
+        w = torch.randn(out_f, in_f, generator=g).bfloat16()
+        bias = torch.randn(out_f, generator=g).bfloat16()
+        for rows in ROWS:
+            x = torch.randn(rows, in_f, generator=g).bfloat16()
+            for b in (None, bias):
+                y = cpu24.dense_mm(x, w, b)
+                assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+                if not (err := rel(y, ref64(x, w, b))) <= BOUND[torch.bfloat16]:
+                    bad.append((out_f, in_f, rows, b is not None, err))
+    assert not bad, f"dense_mm ({cpu24.dense_path()}): max|Δ|/max|y| over the bound: {bad[:5]}"
+    x = torch.randn(3, 520, generator=g).bfloat16()
+    w = torch.randn(129, 520, generator=g).bfloat16()
+    y = cpu24.dense_mm(x, w)
+    w2 = w.clone()
+    w2[5, 517] += 64  # in the scalar tail of the AVX2 path
+    assert rel(y, ref64(x, w2, None)) > BOUND[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_bound_catches_a_wrong_position(dtype):
     """The tests above can fail: one group's pattern changed in the metadata breaks the bound on every path."""
@@ -675,8 +700,6 @@ def test_measure_speed_measures_nothing_without_a_24_check(monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------- 7. benchmarks/cpu24.py
 def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
-    if "avx512-bf16" not in PATHS:
-        pytest.skip("the benchmark needs the avx512-bf16 path")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("cpu24_benchmark", BENCHMARKS / "cpu24.py")
     bench = importlib.util.module_from_spec(spec)
@@ -692,6 +715,7 @@ def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert {"benchmark", "command", "machine", "l3_bytes", "when", "results", "goals", "max_rel_err"} <= set(doc)
     assert doc["benchmark"] == "cpu24" and doc["max_rel_err"] <= BOUND[torch.bfloat16]
+    assert doc["path"] == bench.best_path() and doc["dense_path"] == cpu24.dense_path() is not None
     assert len(doc["results"]) == len(bench.TINY) * 2 and {g["rows"] for g in doc["goals"]} == {1, 4}
     for r in doc["results"]:
         assert {"out", "in", "rows", "bytes", "ms", "gbps", "max_rel_err", "x_torch", "x_careful", "w8_x_torch",

@@ -35,8 +35,9 @@ import torch
 
 from cast_llm.sparsity.mask import nm_mask
 
-__all__ = ["PATHS", "available_paths", "compress", "decompress", "dense_mm", "scratch_bytes", "unpack_mm", "extension_reason", "load_extension",
-           "quantize_values", "sparse24_mm", "unavailable_reason"]
+__all__ = ["PATHS", "available_paths", "compress", "decompress", "dense_mm", "dense_path", "dense_unavailable_reason",
+           "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
+           "unpack_mm"]
 
 PATHS = {"avx512-bf16": 0, "avx512": 1, "avx2": 2}  # name -> the extension's isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
@@ -224,6 +225,23 @@ def scratch_bytes() -> int:
     return sum(b.numel() * b.element_size() for b in _SCRATCH.values())
 
 
+def dense_path() -> str | None:
+    """The instruction path the careful dense GEMM runs here (``avx512-bf16``: vdpbf16ps; ``avx2``: bf16 weights
+    widened in registers, fp32 FMA), None where it cannot run."""
+    paths = available_paths()
+    return next((p for p in ("avx512-bf16", "avx2") if p in paths), None)
+
+
+def dense_unavailable_reason() -> str | None:
+    """Why the careful dense GEMM cannot run here (None: it can)."""
+    why = extension_reason()
+    if why:
+        return why
+    return None if dense_path() else "this CPU has neither AVX512-BF16 nor AVX2+FMA"
+
+
 def dense_mm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense bf16 GEMM of the same build (vdpbf16ps, same threading): the careful dense baseline."""
+    """The dense bf16 GEMM of the same build, written with the same care as the 2:4 one (same threading and
+    blocks; vdpbf16ps where the CPU has AVX512-BF16, else AVX2 FMA on weights widened in registers): the careful
+    dense baseline, and the LM head's GEMV where it measures faster (:mod:`.dense_cpu`)."""
     return load_extension().dense_mm(x2d, weight, bias)

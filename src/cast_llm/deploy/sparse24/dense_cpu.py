@@ -1,5 +1,5 @@
 """The careful dense CPU GEMV for the layers that stay dense (the LM head): the CPU extension's ``dense_mm``
-(vdpbf16ps, one row a block, torch's threads) — at one token it reads the dense bf16 weight ~1.5-2× faster than
+(vdpbf16ps, or AVX2 FMA on weights widened in registers; one row a block, torch's threads) — at one token it reads the dense bf16 weight ~1.5-2× faster than
 torch's ``F.linear`` on the CPUs measured (docs/results/cpu24-notes.md §3-4), and the head of a small model is a
 large share of each decode step's bytes (SmolLM2-135M: 28 M of its 135 M parameters).
 
@@ -67,8 +67,7 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
         return None
-    if kernels.mode() == kernels.REFERENCE or cpu24.unavailable_reason("avx512-bf16", torch.device("cpu"),
-                                                                        torch.bfloat16):
+    if kernels.mode() == kernels.REFERENCE or cpu24.dense_unavailable_reason():
         return "LM head: torch's F.linear (the careful GEMV cannot run here)"
     x = torch.randn(1, head.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
     ref = x.double() @ head.weight.double().t() + (0 if head.bias is None else head.bias.double())

@@ -17,7 +17,9 @@
 //                int8 values (2:4 + W8) widened to bf16 exactly in registers, the row scale applied once at the end;
 //   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
 //                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
-//   avx2         the same as avx512 on 16 inputs a step (two vpermps + blend), for CPUs without AVX-512.
+//   avx2         fp32 x, 16 inputs a step: the values' pairs shuffled once per row and step, two in-lane
+//                vpermilps + a blend per token (no lane-crossing permute), tiles of at most 2 rows x 2 tokens
+//                (AVX2 has 16 registers), two accumulators at one row and token; for CPUs without AVX-512.
 // A single token is processed one row at a time (two memory streams per thread: values and positions); more
 // tokens four rows and up to four tokens a block (the indices are computed once per row and step and reused
 // for every token, each activation load serves four rows);
@@ -238,17 +240,6 @@ CAST_AVX512 void block_avx512(const void* values, const uint8_t* meta, const flo
 // ------------------------------------------------------------------------------- AVX2, fp32 x, any values
 #define CAST_AVX2 __attribute__((target("avx2,fma")))
 
-template <int Kind>
-CAST_AVX2 inline __m256 load8_avx2(const void* values_row, int64_t j) {
-  if (Kind == kF32) return _mm256_loadu_ps(static_cast<const float*>(values_row) + j);
-  if (Kind == kBF16) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values_row) + j));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values_row) + j));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-
 CAST_AVX2 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -256,50 +247,105 @@ CAST_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The 8 kept values of a 16-input step in the order the in-lane permutes produce them: lane e holds kept value
+// order[e], order = [0 1 4 5 | 2 3 6 7] (pairs 0, 2, 1, 3: one shuffle of the pairs, per row and step, reused
+// for every token).
+template <int Kind>
+CAST_AVX2 inline __m256 load8_lanes_avx2(const void* values_row, int64_t j) {
+  if (Kind == kF32) {
+    const __m256 v = _mm256_loadu_ps(static_cast<const float*>(values_row) + j);
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
+  }
+  if (Kind == kBF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values_row) + j));
+    h = _mm_shuffle_epi32(h, 0xD8);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values_row) + j));
+  b = _mm_shufflelo_epi16(b, 0xD8);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
 template <int Kind, int R, int T>
-CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
-                          int64_t t0, int64_t K, int64_t N) {
+CAST_AVX2 inline __attribute__((always_inline)) void tile_step_avx2(const void* values, const uint8_t* meta,
+                                                                    const float* x, __m256 (&acc)[R][T], int64_t s,
+                                                                    int64_t n0, int64_t t0, int64_t K) {
   const int64_t half = K / 2;
   const int64_t mbytes = (K + 7) / 8;
   const int64_t vsize = Kind == kF32 ? 4 : (Kind == kBF16 ? 2 : 1);
-  // kept value j (0..7) of a 16-input step: position bits 2j, index into its 8-input half = 4 ((j/2) % 2) + p
-  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  const __m256i base = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4);
-  const __m256i three = _mm256_set1_epi32(3);
-  __m256 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  const int64_t full = K / 16;
-  for (int64_t s = 0; s < full; ++s) {
-    __m256 x0[T], x1[T];
-    for (int t = 0; t < T; ++t) {
-      const float* xt = x + (t0 + t) * K + s * 16;
-      x0[t] = _mm256_loadu_ps(xt);
-      x1[t] = _mm256_loadu_ps(xt + 8);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t n = n0 + r;
-      uint16_t bits;
-      std::memcpy(&bits, meta + n * mbytes + s * 2, 2);
-      const __m256i idx = _mm256_add_epi32(
-          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three), base);
-      const __m256 v = load8_avx2<Kind>(static_cast<const char*>(values) + n * half * vsize, s * 8);
-      for (int t = 0; t < T; ++t) {
-        // kept values 0..3 come from inputs 0..7, 4..7 from inputs 8..15
-        const __m256 g = _mm256_blend_ps(_mm256_permutevar8x32_ps(x0[t], idx), _mm256_permutevar8x32_ps(x1[t], idx),
-                                         0xF0);
-        acc[r][t] = _mm256_fmadd_ps(v, g, acc[r][t]);
-      }
-    }
-  }
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14);
+  __m256i idx[R];
+  __m256 v[R];
   for (int r = 0; r < R; ++r) {
     const int64_t n = n0 + r;
-    const void* vrow = static_cast<const char*>(values) + n * half * vsize;
-    for (int t = 0; t < T; ++t) {
-      float tail = dot_tail<Kind>(vrow, meta + n * mbytes, x + (t0 + t) * K, full * 8, half);
-      out[t * R + r] = hsum256(acc[r][t]) + tail;
+    uint16_t bits;
+#if CAST_PF > 0
+    // a 64-byte line of values every 64 / (8 vsize) steps, of positions every 32 steps, CAST_PF steps ahead
+    if ((s & (64 / (8 * vsize) - 1)) == 0)
+      _mm_prefetch(static_cast<const char*>(values) + (n * half + (s + CAST_PF) * 8) * vsize, _MM_HINT_T0);
+    if ((s & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 2), _MM_HINT_T0);
+#endif
+    std::memcpy(&bits, meta + n * mbytes + s * 2, 2);
+    idx[r] = _mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts);
+    v[r] = load8_lanes_avx2<Kind>(static_cast<const char*>(values) + n * half * vsize, s * 8);
+  }
+  for (int t = 0; t < T; ++t) {
+    const float* xt = x + (t0 + t) * K + s * 16;
+    const __m256 x0 = _mm256_loadu_ps(xt), x1 = _mm256_loadu_ps(xt + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 g = _mm256_blend_ps(_mm256_permutevar_ps(x0, idx[r]), _mm256_permutevar_ps(x1, idx[r]), 0xCC);
+      acc[r][t] = _mm256_fmadd_ps(v[r], g, acc[r][t]);
     }
   }
+}
+
+// One tile of at most two rows and two tokens (its accumulators, indices, values and activations fit AVX2's 16
+// registers); a single row and token keeps two accumulators (two steps in flight: the FMA's latency hidden).
+// Kept value j belongs to group j / 2 (inputs 4(j/2)..+3) and its position is bits 2j..2j+1: lane e takes
+// order[e], so lanes 0,1 | 4,5 come from groups 0 | 1 (the step's first 8 inputs x0, low | high 128-bit lane)
+// and lanes 2,3 | 6,7 from groups 2 | 3 (x1): vpermilps on each half (within 128-bit lanes; it reads only the low
+// 2 bits of each control lane, so one shift by 2 order[e] makes the control) and one blend, no lane-crossing
+// permute.
+template <int Kind, int R, int T>
+CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
+                         int64_t t0, int64_t K, int R_all, int r_off, int t_off) {
+  constexpr int U = (R == 1 && T == 1) ? 2 : 1;
+  const int64_t half = K / 2;
+  const int64_t mbytes = (K + 7) / 8;
+  const int64_t vsize = Kind == kF32 ? 4 : (Kind == kBF16 ? 2 : 1);
+  __m256 acc[U][R][T];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[u][r][t] = _mm256_setzero_ps();
+  const int64_t full = K / 16;
+  int64_t s = 0;
+  for (; s + U <= full; s += U)
+    for (int u = 0; u < U; ++u) tile_step_avx2<Kind, R, T>(values, meta, x, acc[u], s + u, n0 + r_off, t0 + t_off, K);
+  for (; s < full; ++s) tile_step_avx2<Kind, R, T>(values, meta, x, acc[0], s, n0 + r_off, t0 + t_off, K);
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r_off + r;
+    const void* vrow = static_cast<const char*>(values) + n * half * vsize;
+    for (int t = 0; t < T; ++t) {
+      __m256 a = acc[0][r][t];
+      if (U == 2) a = _mm256_add_ps(a, acc[U - 1][r][t]);
+      const float tail = dot_tail<Kind>(vrow, meta + n * mbytes, x + (t0 + t_off + t) * K, full * 8, half);
+      out[(t_off + t) * R_all + r_off + r] = hsum256(a) + tail;
+    }
+  }
+}
+
+// A block of R rows and T tokens (the driver's) as tiles of at most 2 x 2.
+template <int Kind, int R, int T>
+CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
+                          int64_t t0, int64_t K, int64_t N) {
+  for (int r = 0; r < R; r += 2)
+    for (int t = 0; t < T; t += 2) {
+      const bool r2 = r + 1 < R, t2 = t + 1 < T;
+      if (r2 && t2) tile_avx2<Kind, 2, 2>(values, meta, x, out, n0, t0, K, R, r, t);
+      else if (r2) tile_avx2<Kind, 2, 1>(values, meta, x, out, n0, t0, K, R, r, t);
+      else if (t2) tile_avx2<Kind, 1, 2>(values, meta, x, out, n0, t0, K, R, r, t);
+      else tile_avx2<Kind, 1, 1>(values, meta, x, out, n0, t0, K, R, r, t);
+    }
   (void)N;
 }
 
@@ -481,24 +527,81 @@ CAST_AVX512_BF16 void dense_block_bf16(const uint16_t* w, const uint16_t* x, flo
     for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+// The same on AVX2 (CPUs without AVX512-BF16): bf16 W widened to fp32 in registers, fp32 x (converted once per
+// call), FMA; tiles of at most 2 rows x 2 tokens, two accumulators at one row and token, as the 2:4 AVX2 path.
+template <int R, int T>
+CAST_AVX2 inline __attribute__((always_inline)) void dense_step_avx2(const uint16_t* w, const float* x,
+                                                                     __m256 (&acc)[R][T], int64_t k, int64_t n0,
+                                                                     int64_t t0, int64_t K) {
+  __m256 wv[R];
+  for (int r = 0; r < R; ++r) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + r) * K + k));
+    wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m256 xv = _mm256_loadu_ps(x + (t0 + t) * K + k);
+    for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+  }
+}
+
+template <int R, int T>
+CAST_AVX2 void dense_tile_avx2(const uint16_t* w, const float* x, float* out, int64_t n0, int64_t t0, int64_t K,
+                               int R_all, int r_off, int t_off) {
+  constexpr int U = (R == 1 && T == 1) ? 2 : 1;
+  __m256 acc[U][R][T];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[u][r][t] = _mm256_setzero_ps();
+  const int64_t full = K / 8;
+  int64_t s = 0;
+  for (; s + U <= full; s += U)
+    for (int u = 0; u < U; ++u) dense_step_avx2<R, T>(w, x, acc[u], (s + u) * 8, n0 + r_off, t0 + t_off, K);
+  for (; s < full; ++s) dense_step_avx2<R, T>(w, x, acc[0], s * 8, n0 + r_off, t0 + t_off, K);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      __m256 a = acc[0][r][t];
+      if (U == 2) a = _mm256_add_ps(a, acc[U - 1][r][t]);
+      float tail = 0.f;
+      for (int64_t k = full * 8; k < K; ++k)
+        tail += bf16_to_f32(w[(n0 + r_off + r) * K + k]) * x[(t0 + t_off + t) * K + k];
+      out[(t_off + t) * R_all + r_off + r] = hsum256(a) + tail;
+    }
+}
+
+template <int R, int T>
+CAST_AVX2 void dense_block_avx2(const uint16_t* w, const float* x, float* out, int64_t n0, int64_t t0, int64_t K) {
+  for (int r = 0; r < R; r += 2)
+    for (int t = 0; t < T; t += 2) {
+      const bool r2 = r + 1 < R, t2 = t + 1 < T;
+      if (r2 && t2) dense_tile_avx2<2, 2>(w, x, out, n0, t0, K, R, r, t);
+      else if (r2) dense_tile_avx2<2, 1>(w, x, out, n0, t0, K, R, r, t);
+      else if (t2) dense_tile_avx2<1, 2>(w, x, out, n0, t0, K, R, r, t);
+      else dense_tile_avx2<1, 1>(w, x, out, n0, t0, K, R, r, t);
+    }
+}
+
 at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "dense_mm: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "dense_mm: bf16 only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "dense_mm: (M, K) x (N, K)");
-  TORCH_CHECK(isa_supported(kAvx512Bf16), "dense_mm: this CPU lacks AVX512-BF16");
+  const bool bf16_path = isa_supported(kAvx512Bf16);
+  TORCH_CHECK(bf16_path || isa_supported(kAvx2), "dense_mm: this CPU has neither AVX512-BF16 nor AVX2+FMA");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const at::Tensor xc = bf16_path ? x.contiguous() : x.contiguous().to(at::kFloat), wc = weight.contiguous();
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const void* xp = xc.data_ptr();
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, (8 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
   run_blocks(M, N, grain, [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
-#define CAST_DENSE_CASE(RR, TT) \
-  if (R == RR && T == TT) dense_block_bf16<RR, TT>(wp, xp, res, n0, t0, K);
+#define CAST_DENSE_CASE(RR, TT)                                                                          \
+  if (R == RR && T == TT) {                                                                               \
+    if (bf16_path) dense_block_bf16<RR, TT>(wp, static_cast<const uint16_t*>(xp), res, n0, t0, K);       \
+    else dense_block_avx2<RR, TT>(wp, static_cast<const float*>(xp), res, n0, t0, K);                    \
+  }
     CAST_DENSE_CASE(4, 4) CAST_DENSE_CASE(4, 3) CAST_DENSE_CASE(4, 2) CAST_DENSE_CASE(4, 1)
     CAST_DENSE_CASE(3, 4) CAST_DENSE_CASE(3, 3) CAST_DENSE_CASE(3, 2) CAST_DENSE_CASE(3, 1)
     CAST_DENSE_CASE(2, 4) CAST_DENSE_CASE(2, 3) CAST_DENSE_CASE(2, 2) CAST_DENSE_CASE(2, 1)
