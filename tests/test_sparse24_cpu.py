@@ -751,3 +751,34 @@ def test_embedded_smollm2_greedy_64_tokens_identical_to_dense_with_zeros(tmp_pat
         want = model.generate(ids, max_new_tokens=64, do_sample=False, min_new_tokens=64)
         got = sparse.generate(ids, max_new_tokens=64, do_sample=False, min_new_tokens=64)
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ the careful LM head: decided, checked, undone
+@pytest.mark.parametrize("decide", ["swap", "keep", "reference"])
+def test_the_careful_head_is_swapped_only_when_it_measures_faster_and_is_undone(monkeypatch, decide):
+    """``use_careful_head_`` swaps the head for the careful GEMV only past its speed margin (forced both ways
+    here), keeps the same Parameter (a tied head stays tied), gives the same logits, and ``restore_head_``
+    gives back a plain ``nn.Linear``; in reference mode it never swaps."""
+    from cast_llm.deploy.sparse24.dense_cpu import CarefulDenseLinear, restore_head_, use_careful_head_
+
+    model = tiny.model("llama", 0).to(torch.bfloat16).eval()
+    head = model.get_output_embeddings()
+    weight = head.weight
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        before = model(ids[:, :1]).logits
+    if decide == "reference":
+        monkeypatch.setenv("CAST_LLM_KERNELS", "reference")
+        cast_kernels.reset()
+    note = use_careful_head_(model, min_speedup={"swap": 0.0, "keep": 1e9, "reference": 0.0}[decide])
+    now = model.get_output_embeddings()
+    if decide == "swap":
+        assert isinstance(now, CarefulDenseLinear) and now.weight is weight and "careful GEMV (" in note
+        with torch.no_grad():
+            after = model(ids[:, :1]).logits  # one token: the careful GEMV runs
+        assert rel(after, before.double()) <= BOUND[torch.bfloat16]
+        assert restore_head_(model) and type(model.get_output_embeddings()) is nn.Linear
+        assert model.get_output_embeddings().weight is weight and not restore_head_(model)
+    else:
+        assert now is head and "torch's F.linear" in note, note
+        assert ("cannot run here" in note) == (decide == "reference")
