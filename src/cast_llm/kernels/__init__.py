@@ -30,6 +30,7 @@ from cast_llm.kernels.registry import (
     record,
     register,
     reset,
+    reset_mode,
     restricted,
     seconds_per_call,
     set_mode,
@@ -38,5 +39,5 @@ from cast_llm.kernels.registry import (
 )
 
 __all__ = ["COMPILE_ENV", "MODE_ENV", "MODES", "REFERENCE", "REGISTRY", "Candidate", "Check", "CheckedPath",
-           "apply_flag", "choose", "compile_enabled", "examine", "implementation", "mode", "record", "register", "reset", "restricted",
+           "apply_flag", "choose", "compile_enabled", "examine", "implementation", "mode", "record", "register", "reset", "reset_mode", "restricted",
            "seconds_per_call", "set_mode", "taken", "why_not"]

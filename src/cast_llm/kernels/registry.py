@@ -46,13 +46,14 @@ from cast_llm.kernels.switch import (
     host_runs_on,
     interpreting,
     mode,
+    reset_mode,
     set_mode,
     triton_runs_on,
 )
 from cast_llm.kernels.verdicts import VerdictFile, identity
 
 __all__ = ["MODES", "MODE_ENV", "COMPILE_ENV", "REFERENCE", "Candidate", "Check", "CheckedPath", "REGISTRY",
-           "register", "mode", "set_mode", "apply_flag", "compile_enabled", "choose", "record", "implementation", "taken",
+           "register", "mode", "set_mode", "reset_mode", "apply_flag", "compile_enabled", "choose", "record", "implementation", "taken",
            "reset", "seconds_per_call", "describe_device", "interpreting", "triton_runs_on", "host_runs_on",
            "compiled_runs_on", "probing", "why_not", "examine", "restricted"]
 
@@ -127,7 +128,9 @@ def _verdicts() -> VerdictFile:
 
 
 def reset() -> None:
-    """Forget this process's decisions (the next use decides again, from the verdict file if it has them)."""
+    """Forget this process's decisions (the next use decides again, from the verdict file if it has them) and
+    its ``set_mode`` (back to the default mode: the environment's, as the user set it)."""
+    reset_mode()
     for d in (_CHOICES, _TAKEN, _IMPLS):
         d.clear()
     _WARNED.clear()
