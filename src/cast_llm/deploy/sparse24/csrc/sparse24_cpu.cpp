@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifndef CAST_PF
 #define CAST_PF 32
@@ -334,18 +335,28 @@ CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x
   }
 }
 
-// A block of R rows and T tokens (the driver's) as tiles of at most 2 x 2.
-template <int Kind, int R, int T>
-CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
-                          int64_t t0, int64_t K, int64_t N) {
+// A block of R rows and T tokens (the driver's) as tiles of at most 2 x 2: ``tile(Rt, Tt, r, t)`` runs the tile
+// of Rt rows from r and Tt tokens from t (Rt, Tt as std::integral_constant, so the tile is a template instance).
+template <class Tile>
+inline void in_tiles_2x2(int R, int T, const Tile& tile) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
   for (int r = 0; r < R; r += 2)
     for (int t = 0; t < T; t += 2) {
       const bool r2 = r + 1 < R, t2 = t + 1 < T;
-      if (r2 && t2) tile_avx2<Kind, 2, 2>(values, meta, x, out, n0, t0, K, R, r, t);
-      else if (r2) tile_avx2<Kind, 2, 1>(values, meta, x, out, n0, t0, K, R, r, t);
-      else if (t2) tile_avx2<Kind, 1, 2>(values, meta, x, out, n0, t0, K, R, r, t);
-      else tile_avx2<Kind, 1, 1>(values, meta, x, out, n0, t0, K, R, r, t);
+      if (r2 && t2) tile(Two{}, Two{}, r, t);
+      else if (r2) tile(Two{}, One{}, r, t);
+      else if (t2) tile(One{}, Two{}, r, t);
+      else tile(One{}, One{}, r, t);
     }
+}
+
+template <int Kind, int R, int T>
+CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
+                          int64_t t0, int64_t K, int64_t N) {
+  in_tiles_2x2(R, T, [&](auto rt, auto tt, int r, int t) {
+    tile_avx2<Kind, decltype(rt)::value, decltype(tt)::value>(values, meta, x, out, n0, t0, K, R, r, t);
+  });
   (void)N;
 }
 
@@ -570,14 +581,9 @@ CAST_AVX2 void dense_tile_avx2(const uint16_t* w, const float* x, float* out, in
 
 template <int R, int T>
 CAST_AVX2 void dense_block_avx2(const uint16_t* w, const float* x, float* out, int64_t n0, int64_t t0, int64_t K) {
-  for (int r = 0; r < R; r += 2)
-    for (int t = 0; t < T; t += 2) {
-      const bool r2 = r + 1 < R, t2 = t + 1 < T;
-      if (r2 && t2) dense_tile_avx2<2, 2>(w, x, out, n0, t0, K, R, r, t);
-      else if (r2) dense_tile_avx2<2, 1>(w, x, out, n0, t0, K, R, r, t);
-      else if (t2) dense_tile_avx2<1, 2>(w, x, out, n0, t0, K, R, r, t);
-      else dense_tile_avx2<1, 1>(w, x, out, n0, t0, K, R, r, t);
-    }
+  in_tiles_2x2(R, T, [&](auto rt, auto tt, int r, int t) {
+    dense_tile_avx2<decltype(rt)::value, decltype(tt)::value>(w, x, out, n0, t0, K, R, r, t);
+  });
 }
 
 at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
