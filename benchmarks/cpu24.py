@@ -8,7 +8,10 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
   the same blocks and threading): what sparsity itself buys;
 * ``2:4`` — the widest CPU 2:4 path this CPU runs (``cpu-avx512-bf16``, else ``cpu-avx512``, else ``cpu-avx2``;
   kept values + 2-bit positions, read directly: 0.5625 of the dense bytes);
-* ``2:4+W8`` — the same path on int8 kept values widened in registers + fp32 row scales, bf16 activations:
+* ``2:4 amx`` — where the CPU has AMX, the ``cpu-amx-bf16`` path as well (the same bytes, expanded into a dense
+  panel in L1 and multiplied on AMX tiles): the goals are judged on the faster 2:4 path of each cell (``best``),
+  which is what the dispatcher picks;
+* ``2:4+W8`` — the gather path on int8 kept values widened in registers + fp32 row scales, bf16 activations:
   0.3125 of the dense bf16 bytes plus 4 bytes a row.
 
 The careful dense kernel runs vdpbf16ps where the CPU has AVX512-BF16, else AVX2 FMA on the bf16 weight widened
@@ -75,7 +78,8 @@ def best_path() -> str | None:
     return next((p for p in ("avx512-bf16", "avx512", "avx2") if p in paths), None)
 
 
-def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float, path: str = "avx512-bf16") -> dict:
+def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float, path: str = "avx512-bf16",
+                  amx: bool = False) -> dict:
     w = random_24_weight(out_f, in_f, torch.bfloat16, "cpu")
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.double() @ w.double().t()
@@ -91,6 +95,8 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
         "2:4": (lambda s: cpu24.sparse24_mm(path, x, s, None), s24, s24_b, None),
         "2:4+W8": (lambda s: cpu24.sparse24_mm(path, x, s, None), w8, w8_b, ref8),
     }
+    if amx:
+        forms["2:4 amx"] = (lambda s: cpu24.sparse24_mm("amx-bf16", x, s, None), s24, s24_b, None)
     row["ms"], row["gbps"], row["max_rel_err"] = {}, {}, {}
     for name, (fn, held, b, r) in forms.items():
         copies = [held] + [({k: t.clone() for k, t in held.items()} if isinstance(held, dict) else held.clone())
@@ -105,6 +111,9 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     row["x_careful"] = ms["careful"] / ms["2:4"]
     row["w8_x_torch"] = ms["torch"] / ms["2:4+W8"]
     row["careful_x_torch"] = ms["torch"] / ms["careful"]
+    row["best"] = "2:4 amx" if amx and ms["2:4 amx"] < ms["2:4"] else "2:4"
+    row["best_x_torch"] = ms["torch"] / ms[row["best"]]
+    row["best_x_careful"] = ms["careful"] / ms[row["best"]]
     return row
 
 
@@ -124,38 +133,41 @@ def main(argv=None) -> int:
         print(f"cpu24: the CPU 2:4 kernels cannot run here ({why}); nothing measured", file=sys.stderr)
         return 2
     shapes = TINY if args.tiny else SHAPES
+    amx = "amx-bf16" in cpu24.available_paths()
     results = []
-    print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB; 2:4 path {path}, careful dense path "
-          f"{cpu24.dense_path()}")
-    print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'careful':>9}{'2:4':>8}{'2:4+W8':>8} ms | "
-          f"{'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}{'W8/torch':>9}")
+    print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB; 2:4 path {path}"
+          f"{' and amx-bf16' if amx else ''}, careful dense path {cpu24.dense_path()}")
+    print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'careful':>9}{'2:4':>8}{'2:4+W8':>8}"
+          f"{'2:4 amx':>8} ms | {'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}{'W8/torch':>9}"
+          f"{'best/torch':>11}{'best/careful':>13}")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for label, (out_f, in_f) in shapes.items():
             for rows in [int(r) for r in args.rows.split(",")]:
-                r = measure_shape(out_f, in_f, rows, args.repeats, args.min_time, path)
+                r = measure_shape(out_f, in_f, rows, args.repeats, args.min_time, path, amx)
                 r.update(shape=label, threads=threads)
                 results.append(r)
                 ms, gb = r["ms"], r["gbps"]
                 print(f"{label:<22}{threads:>4}{rows:>5} | {ms['torch']:>8.3f}{ms['careful']:>9.3f}{ms['2:4']:>8.3f}"
-                      f"{ms['2:4+W8']:>8.3f}    | {gb['torch']:>6.1f}{gb['2:4']:>6.1f}      | "
-                      f"{r['x_torch']:>8.2f}x{r['x_careful']:>11.2f}x{r['w8_x_torch']:>8.2f}x", flush=True)
-    worst = max(max(r["max_rel_err"]["2:4"], r["max_rel_err"]["2:4+W8"]) for r in results)
+                      f"{ms['2:4+W8']:>8.3f}{ms.get('2:4 amx', float('nan')):>8.3f}    | {gb['torch']:>6.1f}"
+                      f"{gb['2:4']:>6.1f}      | {r['x_torch']:>8.2f}x{r['x_careful']:>11.2f}x{r['w8_x_torch']:>8.2f}x"
+                      f"{r['best_x_torch']:>10.2f}x{r['best_x_careful']:>12.2f}x", flush=True)
+    worst = max(max(v for k, v in r["max_rel_err"].items() if k.startswith("2:4")) for r in results)
     print(f"max|Δ|/max|y| against float64: {worst:.2e} (bf16 output rounding: ≤ 3.9e-3)")
     goals = []
     for rows, (g_torch, g_careful) in GOALS.items():
         sel = [r for r in results if r["rows"] == rows]
         if not sel:
             continue
-        lo_t = min(r["x_torch"] for r in sel)
-        lo_c = min(r["x_careful"] for r in sel)
+        lo_t = min(r["best_x_torch"] for r in sel)
+        lo_c = min(r["best_x_careful"] for r in sel)
         ok = lo_t >= g_torch and (g_careful is None or lo_c >= g_careful)
         goals.append({"rows": rows, "min_x_torch": lo_t, "min_x_careful": lo_c, "goal_x_torch": g_torch,
                       "goal_x_careful": g_careful, "met": ok})
-        print(f"rows {rows}: worst 2:4/torch {lo_t:.2f}x (goal ≥ {g_torch}x), worst 2:4/careful {lo_c:.2f}x"
+        print(f"rows {rows}: worst best-2:4/torch {lo_t:.2f}x (goal ≥ {g_torch}x), worst 2:4/careful {lo_c:.2f}x"
               + (f" (goal ≥ {g_careful}x)" if g_careful else "") + f": {'met' if ok else 'NOT met'}")
     doc = {"benchmark": "cpu24", "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]),
-           "machine": machine(), "l3_bytes": l3_bytes(), "path": path, "dense_path": cpu24.dense_path(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "machine": machine(), "l3_bytes": l3_bytes(), "path": path, "amx_path": amx, "dense_path": cpu24.dense_path(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "results": results, "goals": goals, "max_rel_err": worst}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ BOUND = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
 PATTERNS = list(itertools.combinations(range(4), 2))  # the 6 ways to keep 2 of 4
 # (out, in): in % 64, % 32, % 16 != 0 and in % 8 == 4 tails, one 64-multiple, odd out counts
 SHAPES = [(37, 4), (5, 12), (37, 36), (16, 64), (37, 100), (3, 136), (33, 176), (64, 1540)]
-ROWS = (1, 2, 3, 4, 5, 7, 16, 33, 64)
+ROWS = (1, 2, 3, 4, 5, 7, 16, 33, 64, 97)  # 33: three token tiles on AMX, 97: two groups of them
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -74,7 +74,7 @@ def ref64(x, w, b=None):
 
 
 def paths_for(dtype):
-    return [p for p in PATHS if dtype == torch.bfloat16 or p != "avx512-bf16"]
+    return [p for p in PATHS if dtype == torch.bfloat16 or p not in cpu24.BF16_PATHS]
 
 
 def bitwise_equal(a, b):
@@ -90,15 +90,17 @@ def test_this_cpu_runs_at_least_one_path_and_the_kernel_lists_are_consistent():
     ok, why = available_kernels("cpu", torch.bfloat16, CPU_KERNELS)
     assert ok == [f"cpu-{p}" for p in PATHS] + ["cpu-unpack"], (ok, why)
     ok32, why32 = available_kernels("cpu", torch.float32, CPU_KERNELS)
-    assert "cpu-avx512-bf16" not in ok32 and "bf16" in why32["cpu-avx512-bf16"]
+    for p in cpu24.BF16_PATHS:
+        assert f"cpu-{p}" not in ok32 and "bf16" in why32[f"cpu-{p}"]
     w8, _ = available_kernels("cpu", torch.float32, CPU_W8_KERNELS)
-    assert w8 == [f"cpu-w8-{p}" for p in PATHS if p != "avx512-bf16"]
+    assert w8 == [f"cpu-w8-{p}" for p in PATHS if p not in cpu24.BF16_PATHS]
+    assert not any(p in cpu24.NO_W8_PATHS for p in (KERNELS[n].path for n in CPU_W8_KERNELS))
     ok16, why16 = available_kernels("cpu", torch.float16, CPU_KERNELS)
     assert ok16 == [] and all("float16" in r for r in why16.values()), why16
 
 
 @pytest.mark.parametrize("path,dtype", [(p, d) for d in (torch.bfloat16, torch.float32) for p in cpu24.PATHS
-                                        if d == torch.bfloat16 or p != "avx512-bf16"])
+                                        if d == torch.bfloat16 or p not in cpu24.BF16_PATHS])
 def test_every_path_matches_a_float64_product_on_every_pattern_tail_bias_and_row_count(path, dtype):
     if path not in PATHS:
         pytest.skip(f"this CPU lacks the instructions of the {path} path")

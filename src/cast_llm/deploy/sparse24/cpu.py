@@ -7,10 +7,14 @@ dense weight. The compressed form (``values (out, in/2)``, ``meta (out, ceil(in/
 value) is bit for bit the ``positions`` stream of ``--format compressed`` checkpoints for rows of a multiple of
 8 inputs, so :func:`cast_llm.deploy.compressed.load_compressed` hands the file's tensors to the kernel as they are.
 
-Three instruction paths, chosen per CPU at run time from one build (``PATHS``):
+Four instruction paths, chosen per CPU at run time from one build (``PATHS``):
 
 * ``avx512-bf16`` — bf16 activations and values, vpermt2w gathers the kept activations, vdpbf16ps accumulates
   in fp32 (AVX512-BW/VBMI/BF16: AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+);
+* ``amx-bf16`` — bf16 activations and values on CPUs with AMX (Intel Sapphire Rapids+): 16 rows at a time
+  expanded into a dense panel in L1 (vpexpandw), multiplied on AMX tiles; reads each weight byte once per call
+  whatever the token count, so it is the multi-token path there (one token: ``avx512-bf16`` is faster). Linux
+  grants AMX's tile state on request (``arch_prctl``); where it refuses, the path is reported missing;
 * ``avx512`` — fp32 activations (a bf16 input is widened once per call), fp32 / bf16 / int8 values;
 * ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512.
 
@@ -39,7 +43,9 @@ __all__ = ["PATHS", "available_paths", "compress", "decompress", "dense_mm", "de
            "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
            "unpack_mm"]
 
-PATHS = {"avx512-bf16": 0, "avx512": 1, "avx2": 2}  # name -> the extension's isa id
+BF16_PATHS = ("avx512-bf16", "amx-bf16")  # bf16 activations only
+NO_W8_PATHS = ("amx-bf16",)  # no int8-values variant
+PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512": 1, "avx2": 2}  # name -> the extension's isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
 NAME = "cast_llm_cpu24"
@@ -143,8 +149,10 @@ def unavailable_reason(path: str, device: torch.device, dtype: torch.dtype, valu
         return f"the CPU 2:4 kernels run on the CPU, not {torch.device(device).type}"
     if dtype not in (torch.bfloat16, torch.float32):
         return f"the CPU 2:4 kernels take bfloat16 or float32 layers, not {dtype}"
-    if path == "avx512-bf16" and dtype != torch.bfloat16:
-        return "the avx512-bf16 path takes bf16 activations (bf16 or int8 values)"
+    if path in BF16_PATHS and dtype != torch.bfloat16:
+        return f"the {path} path takes bf16 activations"
+    if path in NO_W8_PATHS and values == "int8":
+        return f"the {path} path takes bf16 kept values, not int8 (2:4 + W8)"
     why = extension_reason()
     if why:
         return why

@@ -382,7 +382,8 @@ class CpuUnpackKernel(CpuKernel):
 KERNELS: dict[str, Kernel] = {k.name: k for k in (CusparseltDirectKernel(), CusparseltOpKernel(), CutlassKernel(),
                                                   EmulatedKernel(), *(CpuKernel(p) for p in cpu24.PATHS),
                                                   CpuUnpackKernel(),
-                                                  *(CpuKernel(p, w8=True) for p in cpu24.PATHS))}
+                                                  *(CpuKernel(p, w8=True) for p in cpu24.PATHS
+                                                    if p not in cpu24.NO_W8_PATHS))}
 # preference order when measurements tie (or are not taken): the direct cuSPARSELt path has the least host cost
 GPU_KERNELS = ("cusparselt-direct", "cusparselt", "cutlass")
 # the exact CPU kernels, widest instructions first (the dispatcher times those that run here)
@@ -496,9 +497,10 @@ def _cpu_runs_on(name: str, dtype: torch.dtype):
 
 
 def _cpu_path(dtype: torch.dtype) -> kernels.CheckedPath:
-    """One checked path per layer dtype (the avx512-bf16 kernel exists for bf16 layers only)."""
+    """One checked path per layer dtype (the avx512-bf16 and amx-bf16 kernels exist for bf16 layers only)."""
     short = str(dtype).removeprefix("torch.")
-    names = tuple(n for n in KERNELS_CHECKED_ON_CPU if dtype == torch.bfloat16 or KERNELS[n].path != "avx512-bf16")
+    names = tuple(n for n in KERNELS_CHECKED_ON_CPU
+                  if dtype == torch.bfloat16 or KERNELS[n].path not in cpu24.BF16_PATHS)
     return kernels.register(kernels.CheckedPath(
         name=f"sparse24.cpu_gemm.{short}",
         what=f"CPU 2:4 GEMM of a {short} Sparse24Linear layer, read from the compressed weight (deploy/sparse24/cpu.py)",

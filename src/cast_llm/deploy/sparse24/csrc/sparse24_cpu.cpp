@@ -17,6 +17,10 @@
 //                int8 values (2:4 + W8) widened to bf16 exactly in registers, the row scale applied once at the end;
 //   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
 //                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
+//   amx-bf16     bf16 x and values, CPUs with AMX: 16 rows at a time expanded (vpexpandw) into a dense bf16
+//                panel in L1, slice by slice, and multiplied on AMX tiles (tdpbf16ps); each weight byte read
+//                once per call whatever the token count — for several tokens (at one, the avx512-bf16 gather
+//                reads the bytes faster);
 //   avx2         fp32 x, 16 inputs a step: the values' pairs shuffled once per row and step, two in-lane
 //                vpermilps + a blend per token (no lane-crossing permute), tiles of at most 2 rows x 2 tokens
 //                (AVX2 has 16 registers), two accumulators at one row and token; for CPUs without AVX-512.
@@ -34,12 +38,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #ifndef CAST_PF
 #define CAST_PF 32
@@ -360,8 +368,221 @@ CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* 
   (void)N;
 }
 
+
+// ------------------------------------------------------------------------------- AMX-BF16 (Intel AMX)
+// For CPUs with AMX (amx_tile, amx_bf16; Sapphire Rapids and later): per block of 16 output rows, the rows'
+// compressed bytes are read once, row by row (two memory streams), and expanded into a dense bf16 panel in L2
+// (vpexpandw: a 32-bit mask per 32 inputs, made from the positions through a 256-entry table, places the 16 kept
+// values of a chunk at their positions, zeros elsewhere); then tdpbf16ps multiplies the panel's 16 x 32 tiles
+// against the activations, which were rearranged once per call into AMX's pair layout (16 tokens a tile, up to
+// four token tiles held in the accumulators at once). The weight bytes are read once whatever the token count,
+// and AMX's multiply (16 x 16 x 32 a tile instruction) makes the product cheap: one token costs the same as 16.
+#define CAST_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512bf16,amx-tile,amx-bf16")))
+
+bool amx_cpu() {  // CPUID leaf 7: AMX-TILE (EDX 24), AMX-BF16 (EDX 22), AVX512-VBMI2 (ECX 6)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 24 & 1u) && (d >> 22 & 1u) && (c >> 6 & 1u);
+}
+
+bool amx_permitted() {  // Linux hands out AMX's 8 KB tile state only on request (once per process)
+  static const bool ok = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct MaskLut {  // one meta byte (two groups' positions) -> the groups' 8-bit dense mask
+  uint8_t m[256];
+  constexpr MaskLut() : m() {
+    for (int b = 0; b < 256; ++b)
+      m[b] = static_cast<uint8_t>((1u << (b & 3)) | (1u << (b >> 2 & 3)) | (1u << (4 + (b >> 4 & 3))) |
+                                  (1u << (4 + (b >> 6 & 3))));
+  }
+};
+constexpr MaskLut kMaskLut;
+
+constexpr int64_t kAmxRows = 16;    // output rows a block (a tile's rows)
+constexpr int kAmxTokenTiles = 4;   // token tiles in the accumulators at once (tiles 0..3; 4: weights, 5-6: x)
+
+// A row's position bytes -> its dense mask bytes (bit k: input k kept), 64 bytes at a time: the 256-entry table
+// as two 128-entry vpermt2b lookups picked by each byte's top bit
+CAST_AMX void amx_row_mask(const uint8_t* m, int64_t mbytes, uint8_t* out) {
+  const __m512i t0 = _mm512_loadu_si512(kMaskLut.m), t1 = _mm512_loadu_si512(kMaskLut.m + 64);
+  const __m512i t2 = _mm512_loadu_si512(kMaskLut.m + 128), t3 = _mm512_loadu_si512(kMaskLut.m + 192);
+  for (int64_t b = 0; b < mbytes; b += 64) {
+    const int64_t n = std::min<int64_t>(64, mbytes - b);
+    const __mmask64 live = n == 64 ? ~0ULL : ((1ULL << n) - 1);
+    const __m512i idx = _mm512_maskz_loadu_epi8(live, m + b);
+    const __m512i lo = _mm512_permutex2var_epi8(t0, idx, t1), hi = _mm512_permutex2var_epi8(t2, idx, t3);
+    _mm512_mask_storeu_epi8(out + b, live, _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi));
+  }
+}
+
+constexpr int64_t kAmxSlice = 16;  // chunks of 32 inputs a panel slice: 16 rows x 512 inputs, 16 KB (in L1)
+
+// panel[r][0..32 (c1 - c0)): inputs 32 c0 .. 32 c1 of rows n0..n0+R-1 of W, dense (zeros past K and in rows
+// R..15); each row's slice read in order (its values and position bytes are contiguous)
+CAST_AMX void amx_panel(const uint16_t* values, const uint8_t* meta, int64_t n0, int64_t R, int64_t K,
+                        int64_t c0, int64_t c1, uint16_t* panel) {
+  const int64_t half = K / 2, mbytes = (K + 7) / 8, whole = K / 32, width = (c1 - c0) * 32;
+  const __m512i t0 = _mm512_loadu_si512(kMaskLut.m), t1 = _mm512_loadu_si512(kMaskLut.m + 64);
+  const __m512i t2 = _mm512_loadu_si512(kMaskLut.m + 128), t3 = _mm512_loadu_si512(kMaskLut.m + 192);
+  alignas(64) uint8_t mrow[64];
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    uint16_t* out = panel + r * width;
+    if (r >= R) {
+      for (int64_t c = c0; c < c1; ++c) _mm512_storeu_si512(out + (c - c0) * 32, _mm512_setzero_si512());
+      continue;
+    }
+    const uint16_t* v = values + (n0 + r) * half;
+    // the slice's position bytes -> dense mask bytes (bit k: input k kept): the 256-entry table as two
+    // 128-entry vpermt2b lookups picked by each byte's top bit
+    const int64_t b0 = 4 * c0, nb = std::min<int64_t>(4 * (c1 - c0), mbytes - b0);
+    const __mmask64 live = nb >= 64 ? ~0ULL : ((1ULL << nb) - 1);
+    const __m512i idx = _mm512_maskz_loadu_epi8(live, meta + (n0 + r) * mbytes + b0);
+    const __m512i lo = _mm512_permutex2var_epi8(t0, idx, t1), hi = _mm512_permutex2var_epi8(t2, idx, t3);
+    _mm512_store_si512(mrow, _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi));
+    const int64_t cw = std::min(c1, whole);
+    for (int64_t c = c0; c < cw; ++c) {
+#if CAST_PF > 0
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(v + 16 * (c + CAST_PF)), _MM_HINT_T0);
+#endif
+      uint32_t mask;
+      std::memcpy(&mask, mrow + 4 * (c - c0), 4);
+      const __m512i kept = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+      _mm512_storeu_si512(out + (c - c0) * 32, _mm512_maskz_expand_epi16(mask, kept));
+    }
+    if (cw < c1) {  // 4..28 inputs left: only their bytes are read, the mask cut to them
+      const int64_t kc = K - whole * 32;
+      uint32_t mask;
+      std::memcpy(&mask, mrow + 4 * (whole - c0), 4);
+      mask &= (1u << kc) - 1u;
+      _mm512_storeu_si512(out + (whole - c0) * 32, _mm512_maskz_expandloadu_epi16(mask, v + 16 * whole));
+    }
+  }
+}
+
+// Accumulator tile j (0..3) holds token tile j % nt of chunks c with c % chains == j / nt (chains = 4 / nt): a
+// tdpbf16ps waits for the previous one into the same tile (~50 cycles), so one token tile alone would be a
+// chain of dependent products; four tiles over alternate chunks keep four in flight. Tile 6 takes the last
+// token tile (its width may be partial), tile 5 the others.
+CAST_AMX void amx_zero(int used) {
+#define CAST_AMX_ZERO(J) if (J < used) _tile_zero(J);
+  CAST_AMX_ZERO(0) CAST_AMX_ZERO(1) CAST_AMX_ZERO(2) CAST_AMX_ZERO(3)
+#undef CAST_AMX_ZERO
+}
+
+// acc += the panel slice (chunks c0..c1) x token tiles tile0..tile0+nt-1
+CAST_AMX void amx_tiles(const uint16_t* panel, const uint32_t* xv, int64_t c0, int64_t c1, int64_t P,
+                        int64_t tile0, int nt) {
+  const int chains = 4 / nt, used = nt * chains;
+  const int64_t stride = (c1 - c0) * 64;
+  for (int64_t c = c0; c < c1; ++c) {
+    _tile_loadd(4, panel + (c - c0) * 32, stride);
+    const int chain = static_cast<int>(c % chains);
+#define CAST_AMX_STEP(J)                                                            \
+  if (J < used && J / nt == chain) {                                               \
+    const int i = J % nt;                                                           \
+    const uint32_t* b = xv + ((tile0 + i) * P + 16 * c) * 16;                       \
+    if (i == nt - 1) { _tile_loadd(6, b, 64); _tile_dpbf16ps(J, 4, 6); }           \
+    else { _tile_loadd(5, b, 64); _tile_dpbf16ps(J, 4, 5); }                       \
+  }
+    CAST_AMX_STEP(0) CAST_AMX_STEP(1) CAST_AMX_STEP(2) CAST_AMX_STEP(3)
+#undef CAST_AMX_STEP
+  }
+}
+
+// cbuf[j][row][token] <- tile j (16 x 16 floats a tile), the chains folded into tiles 0..nt-1
+CAST_AMX void amx_store(int nt, float* cbuf) {
+  const int used = nt * (4 / nt);
+#define CAST_AMX_STORE(J) if (J < used) _tile_stored(J, cbuf + J * 256, 64);
+  CAST_AMX_STORE(0) CAST_AMX_STORE(1) CAST_AMX_STORE(2) CAST_AMX_STORE(3)
+#undef CAST_AMX_STORE
+  for (int j = nt; j < used; ++j)
+    for (int e = 0; e < 256; ++e) cbuf[(j % nt) * 256 + e] += cbuf[j * 256 + e];
+}
+
+CAST_AMX void amx_load_config(const TileConfig* cfg) { _tile_loadconfig(cfg); }
+CAST_AMX void amx_release() { _tile_release(); }
+
+// y (M, N) bf16 = x (M, K) bf16 . W^T (+ bias fp32), W as bf16 values + meta
+void sparse24_mm_amx(const uint16_t* x, const uint16_t* values, const uint8_t* meta, const float* bias,
+                     uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t C = (K + 31) / 32, P = C * 16, tiles = (M + 15) / 16;
+  // x in AMX's pair layout: xv[tile][p][token] = the bf16 pair (x[t][2p], x[t][2p + 1]) of token 16 tile + token
+  std::vector<uint32_t> xv(static_cast<size_t>(tiles * P * 16), 0u);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t t = m0; t < m1; ++t) {
+      const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + t * K);
+      uint32_t* dst = xv.data() + (t / 16) * P * 16 + t % 16;
+      for (int64_t p = 0; p < K / 2; ++p) dst[p * 16] = xt[p];
+    }
+  });
+  const int groups = static_cast<int>((tiles + kAmxTokenTiles - 1) / kAmxTokenTiles);
+  std::vector<TileConfig> cfgs(groups);
+  for (int g = 0; g < groups; ++g) {
+    const int nt = static_cast<int>(std::min<int64_t>(kAmxTokenTiles, tiles - g * kAmxTokenTiles));
+    const int64_t last = std::min<int64_t>(16, M - 16 * (g * kAmxTokenTiles + nt - 1));  // tokens of the last tile
+    TileConfig& cfg = cfgs[g];
+    for (int j = 0; j < nt * (4 / nt); ++j) {
+      cfg.rows[j] = 16;
+      cfg.colsb[j] = static_cast<uint16_t>(j % nt == nt - 1 ? 4 * last : 64);
+    }
+    cfg.rows[4] = 16; cfg.colsb[4] = 64;
+    cfg.rows[5] = 16; cfg.colsb[5] = 64;
+    cfg.rows[6] = 16; cfg.colsb[6] = static_cast<uint16_t>(4 * last);
+  }
+  const int64_t blocks = (N + kAmxRows - 1) / kAmxRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    // the block's panel, slice after slice (16 KB each): expanded during the first token group, reused by the
+    // others (more than 64 tokens), so each weight byte is read from memory once per call
+    const int64_t slices = (C + kAmxSlice - 1) / kAmxSlice;
+    std::vector<uint16_t> panels(static_cast<size_t>(slices * kAmxRows * kAmxSlice * 32));
+    alignas(64) float cbuf[kAmxTokenTiles * 256];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kAmxRows, R = std::min(kAmxRows, N - n0);
+      for (int g = 0; g < groups; ++g) {
+        const int64_t tile0 = int64_t(g) * kAmxTokenTiles;
+        const int nt = static_cast<int>(std::min<int64_t>(kAmxTokenTiles, tiles - tile0));
+        if (b == b0 || groups > 1) amx_load_config(&cfgs[g]);
+        amx_zero(nt * (4 / nt));
+        for (int64_t c0 = 0; c0 < C; c0 += kAmxSlice) {
+          const int64_t c1 = std::min(C, c0 + kAmxSlice);
+          uint16_t* panel = panels.data() + (c0 / kAmxSlice) * kAmxRows * kAmxSlice * 32;
+          if (g == 0) amx_panel(values, meta, n0, R, K, c0, c1, panel);
+          amx_tiles(panel, xv.data(), c0, c1, P, tile0, nt);
+        }
+        amx_store(nt, cbuf);
+        for (int i = 0; i < nt; ++i)
+          for (int64_t tt = 0; tt < 16; ++tt) {
+            const int64_t t = 16 * (tile0 + i) + tt;
+            if (t >= M) break;
+            for (int64_t r = 0; r < R; ++r) {
+              float v = cbuf[i * 256 + r * 16 + tt];
+              if (bias) v += bias[n0 + r];
+              y[t * N + n0 + r] = f32_to_bf16(v);
+            }
+          }
+      }
+    }
+    amx_release();
+  });
+}
+
 // ----------------------------------------------------------------------------------------------- driver
-enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2 };
+enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3 };
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -375,6 +596,8 @@ bool isa_supported(int64_t isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     case kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAmxBf16:
+      return isa_supported(kAvx512Bf16) && amx_cpu() && amx_permitted();
     default:
       return false;
   }
@@ -489,6 +712,8 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
               "sparse24_mm: int8 values need an fp32 scale of out entries");
   TORCH_CHECK(isa != kAvx512Bf16 || (kind != kF32 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 or int8 values");
+  TORCH_CHECK(isa != kAmxBf16 || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
+              "sparse24_mm: the amx-bf16 path takes bf16 x and bf16 values");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == N, "sparse24_mm: bias must have out entries");
 
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
@@ -499,6 +724,12 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   if (scale.has_value()) scale_f = scale->contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  if (isa == kAmxBf16) {
+    sparse24_mm_amx(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
+                    mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                    static_cast<uint16_t*>(y.data_ptr()), M, N, K);
+    return y;
+  }
   const Table& table = table_for(isa, kind);
   const void* vptr = vc.data_ptr();
   const uint8_t* mptr = mc.data_ptr<uint8_t>();
