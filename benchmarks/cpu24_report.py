@@ -1,5 +1,5 @@
-"""The CPU 2:4 tables, from the committed measurements: ``docs/results/cpu24-linear.json`` (benchmarks/cpu24.py)
-and ``docs/results/cpu24-models/*.json`` (``cast-llm bench-inference --device cpu --dtype bf16 ... --json-out``).
+"""The CPU 2:4 tables, from the committed measurements: ``docs/results/cpu24-linear*.json`` (benchmarks/cpu24.py,
+one file a CPU: ``LINEAR``) and ``docs/results/cpu24-models/*.json`` (``cast-llm bench-inference --device cpu --dtype bf16 ... --json-out``).
 
 Writes ``docs/results/cpu24-summary.json`` (every ratio the tables print, rounded as printed, so that the README's
 figures can be checked against a file) and ``docs/results/cpu24.md``. Nothing is measured here.
@@ -54,16 +54,50 @@ def model_rows() -> list[dict]:
     return rows
 
 
-def linear_rows() -> tuple[list[dict], dict]:
-    d = json.loads((RESULTS / "cpu24-linear.json").read_text())
-    rows = [{"shape": r["shape"], "threads": r["threads"], "rows": r["rows"], "torch_ms": round(r["ms"]["torch"], 3),
-             "careful_ms": round(r["ms"]["careful"], 3), "sparse_ms": round(r["ms"]["2:4"], 3),
-             "w8_ms": round(r["ms"]["2:4+W8"], 3), "x_torch": round(r["x_torch"], 2),
-             "x_careful": round(r["x_careful"], 2), "careful_x_torch": round(r["careful_x_torch"], 2),
-             "w8_x_torch": round(r["w8_x_torch"], 2), "w8_x_24": round(r["ms"]["2:4"] / r["ms"]["2:4+W8"], 2),
-             "gbps_24": round(r["gbps"]["2:4"], 1), "gbps_torch": round(r["gbps"]["torch"], 1)} for r in d["results"]]
-    return rows, {"command": d["command"], "machine": d["machine"], "when": d["when"], "goals": d["goals"],
-                  "max_rel_err": d["max_rel_err"]}
+LINEAR = {  # file -> the CPU it was measured on (each machine's own table)
+    "cpu24-linear.json": "AMD EPYC with AVX-512 (BF16, VBMI)",
+    "cpu24-linear-avx2.json": "AMD EPYC (Zen 3), AVX2 only",
+    "cpu24-linear-amx.json": "Intel Xeon with AVX-512 and AMX",
+}
+
+
+def linear_rows(name: str = "cpu24-linear.json") -> tuple[list[dict], dict]:
+    d = json.loads((RESULTS / name).read_text())
+    rows = []
+    for r in d["results"]:
+        row = {"shape": r["shape"], "threads": r["threads"], "rows": r["rows"], "torch_ms": round(r["ms"]["torch"], 3),
+               "careful_ms": round(r["ms"]["careful"], 3), "sparse_ms": round(r["ms"]["2:4"], 3),
+               "w8_ms": round(r["ms"]["2:4+W8"], 3), "x_torch": round(r["x_torch"], 2),
+               "x_careful": round(r["x_careful"], 2), "careful_x_torch": round(r["careful_x_torch"], 2),
+               "w8_x_torch": round(r["w8_x_torch"], 2), "w8_x_24": round(r["ms"]["2:4"] / r["ms"]["2:4+W8"], 2),
+               "gbps_24": round(r["gbps"]["2:4"], 1), "gbps_torch": round(r["gbps"]["torch"], 1)}
+        if "2:4 amx" in r["ms"]:
+            row.update(amx_ms=round(r["ms"]["2:4 amx"], 3), amx_x_torch=round(r["ms"]["torch"] / r["ms"]["2:4 amx"], 2),
+                       best=r["best"], best_x_torch=round(r["best_x_torch"], 2))
+        rows.append(row)
+    return rows, {"file": name, "cpu": LINEAR.get(name, name), "command": d["command"], "machine": d["machine"],
+                  "when": d["when"], "goals": d["goals"], "max_rel_err": d["max_rel_err"]}
+
+
+def linear_table(lin: list[dict], meta: dict) -> list[str]:
+    amx = any("amx_ms" in r for r in lin)
+    out = [f"## Per linear, LLaMA-7B shapes, weights cycled past L3 — {meta['cpu']} (`{meta['command']}`)", "",
+           f"{meta['machine']}; {meta['when']}. Max |Δ|/max|y| against a float64 product: {meta['max_rel_err']:.2e}.", "",
+           "| shape | threads | rows | torch dense bf16 ms | careful dense ms | 2:4 ms | 2:4+W8 ms | "
+           + ("2:4 amx ms | " if amx else "") + "2:4 GB/s | 2:4 / torch | 2:4 / careful | 2:4+W8 / torch |"
+           + (" faster 2:4 / torch |" if amx else ""),
+           "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if amx else "") + "---:|---:|---:|---:|"
+           + ("---:|" if amx else "")]
+    out += [f"| {r['shape']} | {r['threads']} | {r['rows']} | {r['torch_ms']:.3f} | {r['careful_ms']:.3f} | "
+            f"{r['sparse_ms']:.3f} | {r['w8_ms']:.3f} | " + (f"{r['amx_ms']:.3f} | " if amx else "")
+            + f"{r['gbps_24']:.1f} | {r['x_torch']:.2f}× | {r['x_careful']:.2f}× | {r['w8_x_torch']:.2f}× |"
+            + (f" {r['best_x_torch']:.2f}× ({'amx' if r['best'] == '2:4 amx' else 'gather'}) |" if amx else "")
+            for r in lin]
+    out += ["", "Goals of issue 48 (worst cell" + (", the faster 2:4 path" if amx else "") + "): " + "; ".join(
+        f"{g['rows']} row{'s' if g['rows'] > 1 else ''}: {g['min_x_torch']:.2f}× torch (goal {g['goal_x_torch']}×)"
+        + (f", {g['min_x_careful']:.2f}× careful (goal {g['goal_x_careful']}×)" if g["goal_x_careful"] else "")
+        + (" — met" if g["met"] else " — not met") for g in meta["goals"]), ""]
+    return out
 
 
 def main() -> int:
@@ -74,23 +108,16 @@ def main() -> int:
                                   max(r["x_torch"] for r in lin if r["rows"] == 1)],
                "batch1_x_careful": [min(r["x_careful"] for r in lin if r["rows"] == 1),
                                     max(r["x_careful"] for r in lin if r["rows"] == 1)]}
-    (RESULTS / "cpu24-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     out = ["# CPU 2:4: measured tables", "",
            "Generated by `python benchmarks/cpu24_report.py` from the committed measurements; the kernel's history "
-           "(predictions, misses) is in [cpu24-notes.md](cpu24-notes.md).", "",
-           f"## Per linear, LLaMA-7B shapes, weights cycled past L3 (`{meta['command']}`)", "",
-           f"{meta['machine']}; {meta['when']}. Max |Δ|/max|y| against a float64 product: {meta['max_rel_err']:.2e}.", "",
-           "| shape | threads | rows | torch dense bf16 ms | careful dense ms | 2:4 ms | 2:4+W8 ms | 2:4 GB/s | 2:4 / torch | 2:4 / careful | 2:4+W8 / torch |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    out += [f"| {r['shape']} | {r['threads']} | {r['rows']} | {r['torch_ms']:.3f} | {r['careful_ms']:.3f} | "
-            f"{r['sparse_ms']:.3f} | {r['w8_ms']:.3f} | {r['gbps_24']:.1f} | {r['x_torch']:.2f}× | {r['x_careful']:.2f}× | "
-            f"{r['w8_x_torch']:.2f}× |"
-            for r in lin]
-    out += ["", "Goals of issue 48 (worst cell): " + "; ".join(
-        f"{g['rows']} row{'s' if g['rows'] > 1 else ''}: {g['min_x_torch']:.2f}× torch (goal {g['goal_x_torch']}×)"
-        + (f", {g['min_x_careful']:.2f}× careful (goal {g['goal_x_careful']}×)" if g["goal_x_careful"] else "")
-        + (" — met" if g["met"] else " — not met") for g in meta["goals"]), "",
-            "## Whole models: `cast-llm bench-inference --device cpu --dtype bf16` (batch 1, median of 3)", "",
+           "(predictions, misses) is in [cpu24-notes.md](cpu24-notes.md).", ""]
+    out += linear_table(lin, meta)
+    for name in LINEAR:
+        if name != "cpu24-linear.json" and (RESULTS / name).is_file():
+            other, other_meta = linear_rows(name)
+            summary.setdefault("linear_other", {})[name] = {"rows": other, "run": other_meta}
+            out += linear_table(other, other_meta)
+    out += ["## Whole models: `cast-llm bench-inference --device cpu --dtype bf16` (batch 1, median of 3)", "",
             "| model | workload | prefill tok/s dense → 2:4 | decode tok/s dense → 2:4 | decode without the head's gain | target weights held MiB |",
             "|---|---|---:|---:|---:|---:|"]
     out += [f"| {r['model']} | {r['workload']} | {r['prefill_dense']:,} → {r['prefill_24']:,} ({r['prefill_ratio']:.2f}×) | "
@@ -102,6 +129,7 @@ def main() -> int:
             "2:4 layers buy. \"target weights held\": with a dense copy kept for the token counts where dense is "
             "faster (prefill), the 2:4 side holds more, not less; `--no-dense-copy` holds 0.5625× (the SmolLM2 "
             "row) and pays for it in prefill.", ""]
+    (RESULTS / "cpu24-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (RESULTS / "cpu24.md").write_text("\n".join(out))
     print("\n".join(out))
     return 0

@@ -522,11 +522,15 @@ void sparse24_mm_amx(const uint16_t* x, const uint16_t* values, const uint8_t* m
                      uint16_t* y, int64_t M, int64_t N, int64_t K) {
   const int64_t C = (K + 31) / 32, P = C * 16, tiles = (M + 15) / 16;
   // x in AMX's pair layout: xv[tile][p][token] = the bf16 pair (x[t][2p], x[t][2p + 1]) of token 16 tile + token
-  std::vector<uint32_t> xv(static_cast<size_t>(tiles * P * 16), 0u);
+  // scratch kept per thread between calls (a fresh 128 KB+ vector is a fresh mmap: page faults every call)
+  thread_local std::vector<uint32_t> xv_scratch;
+  xv_scratch.resize(std::max(xv_scratch.size(), static_cast<size_t>(tiles * P * 16)));
+  uint32_t* const xv = xv_scratch.data();  // (the workers below see this thread's buffer through the pointer)
+  std::fill(xv, xv + tiles * P * 16, 0u);
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t t = m0; t < m1; ++t) {
       const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + t * K);
-      uint32_t* dst = xv.data() + (t / 16) * P * 16 + t % 16;
+      uint32_t* dst = xv + (t / 16) * P * 16 + t % 16;
       for (int64_t p = 0; p < K / 2; ++p) dst[p * 16] = xt[p];
     }
   });
@@ -549,7 +553,8 @@ void sparse24_mm_amx(const uint16_t* x, const uint16_t* values, const uint8_t* m
     // the block's panel, slice after slice (16 KB each): expanded during the first token group, reused by the
     // others (more than 64 tokens), so each weight byte is read from memory once per call
     const int64_t slices = (C + kAmxSlice - 1) / kAmxSlice;
-    std::vector<uint16_t> panels(static_cast<size_t>(slices * kAmxRows * kAmxSlice * 32));
+    thread_local std::vector<uint16_t> panels;
+    panels.resize(std::max(panels.size(), static_cast<size_t>(slices * kAmxRows * kAmxSlice * 32)));
     alignas(64) float cbuf[kAmxTokenTiles * 256];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kAmxRows, R = std::min(kAmxRows, N - n0);
@@ -562,7 +567,7 @@ void sparse24_mm_amx(const uint16_t* x, const uint16_t* values, const uint8_t* m
           const int64_t c1 = std::min(C, c0 + kAmxSlice);
           uint16_t* panel = panels.data() + (c0 / kAmxSlice) * kAmxRows * kAmxSlice * 32;
           if (g == 0) amx_panel(values, meta, n0, R, K, c0, c1, panel);
-          amx_tiles(panel, xv.data(), c0, c1, P, tile0, nt);
+          amx_tiles(panel, xv, c0, c1, P, tile0, nt);
         }
         amx_store(nt, cbuf);
         for (int i = 0; i < nt; ++i)
