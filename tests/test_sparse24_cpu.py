@@ -385,12 +385,52 @@ def test_dispatch_picks_the_fastest_and_never_a_slower_kernel_than_dense():
     assert layer.kernel_for(1) == best and layer.kernel_for(3) == best
     assert layer.kernel_for(16) == "dense" and layer.kernel_for(64) == "dense"
     assert "cpu-unpack" not in {k for k, _ in fake.asked}
-    assert {k for k, _ in fake.asked} == {"dense", *(f"cpu-{p}" for p in PATHS)}
+    careful = {"dense-careful"} if cpu24.dense_path() else set()
+    assert {k for k, _ in fake.asked} == {"dense", *careful, *(f"cpu-{p}" for p in PATHS)}
     ref = {t: ref64(v, lin.weight, lin.bias) for t, v in x.items()}
     with torch.no_grad():
         assert bitwise_equal(layer(x[3]), cpu24.sparse24_mm(PATHS[-1], x[3], layer.states["cpu24"], lin.bias))
         assert bitwise_equal(layer(x[64]), F.linear(x[64], lin.weight, lin.bias))
         assert all(rel(layer(v), ref[t]) <= BOUND[torch.bfloat16] for t, v in x.items())
+
+
+def test_the_careful_dense_gemm_is_a_candidate_for_a_held_dense_weight_and_runs_where_fastest():
+    """Where a layer holds its dense copy (bf16, CPU), the extension's careful dense GEMM is timed beside torch's
+    F.linear and the 2:4 kernels; chosen (by the same margin over F.linear) it runs the held weight, and
+    release_ keeps that weight. Not offered without a dense copy or for fp32 layers."""
+    if cpu24.dense_path() is None:
+        pytest.skip("this CPU runs no careful dense GEMM")
+
+    def table(kernel, tokens):
+        if kernel == "dense":
+            return 1.0
+        if kernel == "dense-careful":
+            return 0.5 if tokens >= 8 else 0.95  # 0.95: faster than F.linear, by less than the CPU margin
+        return 0.4 if tokens == 1 else 2.0
+
+    lin = bf16_linear()
+    layer = Sparse24Linear.from_linear(lin, dispatcher=Dispatcher(measure=FakeTimes(table), device="cpu"))
+    assert layer.candidates()[:2] == ["dense", "dense-careful"]
+    assert layer.kernel_for(1).startswith("cpu-") and layer.kernel_for(4) == "dense"
+    assert layer.kernel_for(16) == "dense-careful"
+    x = torch.randn(2, 8, 64).bfloat16()  # 16 tokens, 3-D as a model's hidden states
+    with torch.no_grad():
+        y = layer(x)
+        assert y.shape == (2, 8, 48)
+        assert bitwise_equal(y.reshape(16, 48), cpu24.dense_mm(x.reshape(16, 64), lin.weight, lin.bias))
+        assert rel(y.reshape(16, 48), ref64(x.reshape(16, 64), lin.weight, lin.bias)) <= BOUND[torch.bfloat16]
+    layer.release_({"dense-careful"})
+    assert layer.dense_weight is not None and layer.kernels == []
+    with torch.no_grad():
+        assert bitwise_equal(layer(x), y)
+    bare = Sparse24Linear.from_linear(lin, dispatcher=Dispatcher(measure=FakeTimes(table), device="cpu"),
+                                      keep_dense=False)
+    assert "dense-careful" not in bare.candidates()
+    lin32 = nn.Linear(64, 48)
+    with torch.no_grad():
+        lin32.weight.copy_(planted(48, 64)[0])
+    assert "dense-careful" not in Sparse24Linear.from_linear(
+        lin32, dispatcher=Dispatcher(measure=FakeTimes(table), device="cpu")).candidates()
 
 
 def test_without_a_dense_weight_unpack_is_a_candidate_and_wins_where_fastest():

@@ -40,6 +40,12 @@ CACHE_MARKER = "cast-llm sparse24 dispatch"
 CACHE_FORMAT = 1
 MODES = ("eager", "graph")
 DENSE = "dense"
+# the dense weight held by a layer, multiplied by the CPU extension's careful dense GEMM (cpu.dense_mm) instead of
+# torch's F.linear: a candidate where a layer holds its dense copy on a CPU (bf16); like a 2:4 kernel it must beat
+# F.linear by the margin to be chosen. Measured: on an AVX2-only CPU it beats both torch and the 2:4 kernel from 4
+# tokens (docs/results/cpu24-notes.md §7)
+DENSE_CAREFUL = "dense-careful"
+DENSE_FORMS = (DENSE, DENSE_CAREFUL)  # the candidates that run the held dense weight
 CPU_MIN_SPEEDUP = 1.10  # a 2:4 kernel on a CPU must measure 10 % faster than dense to be chosen over it
 
 # measure(kernel, out_features, in_features, dtype, tokens, mode) -> (seconds per call, note or None)

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.deploy.sparse24.capture import capturing
-from cast_llm.deploy.sparse24.dispatch import DENSE, Dispatcher, token_bucket
+from cast_llm.deploy.sparse24.dispatch import DENSE, DENSE_CAREFUL, DENSE_FORMS, Dispatcher, token_bucket
 from cast_llm.deploy.sparse24.kernels import (
     KERNELS,
     available_kernels,
@@ -159,9 +160,15 @@ class Sparse24Linear(nn.Module):
         kernels = self.kernels
         if mode == "graph" and "cusparselt-direct" in kernels:
             kernels = [k for k in kernels if k != "cusparselt"]
-        if self.dense_weight is not None:  # rebuilding the dense weight only pays when there is none held
-            kernels = [k for k in kernels if k != "cpu-unpack"]
-        return ([DENSE] if self.dense_weight is not None else []) + kernels
+        if self.dense_weight is None:
+            return list(kernels)
+        kernels = [k for k in kernels if k != "cpu-unpack"]  # rebuilding the dense weight only pays when none is held
+        return [DENSE, *([DENSE_CAREFUL] if self._careful_dense_runs() else []), *kernels]
+
+    def _careful_dense_runs(self) -> bool:
+        """Whether the held dense weight can also run on the CPU extension's careful dense GEMM (bf16, CPU)."""
+        return (self.dense_weight.device.type == "cpu" and self.dtype == torch.bfloat16
+                and cpu24.dense_unavailable_reason() is None)
 
     def kernel_for(self, tokens: int, mode: str | None = None) -> str:
         """The kernel this layer runs for ``tokens`` rows (``mode`` default: ``graph`` while capturing)."""
@@ -204,6 +211,9 @@ class Sparse24Linear(nn.Module):
         if kernel == DENSE:
             weight, bias = self.dense_weight, self.bias
             run = lambda x: F.linear(x, weight, bias)  # noqa: E731
+        elif kernel == DENSE_CAREFUL:
+            weight, bias, k, n = self.dense_weight, self.bias, self.in_features, self.out_features
+            run = lambda x: cpu24.dense_mm(x.reshape(-1, k), weight, bias).view(*x.shape[:-1], n)  # noqa: E731
         else:
             run = KERNELS[kernel].bind(self.states[KERNELS[kernel].fmt], self.bias, self.in_features,
                                        self.out_features)
@@ -238,9 +248,10 @@ class Sparse24Linear(nn.Module):
 
     # -- memory -------------------------------------------------------------------------------------------------
     def release_(self, keep: set[str]) -> None:
-        """Drop the forms no kernel of ``keep`` (names, ``"dense"`` included) uses; keeps at least one."""
+        """Drop the forms no kernel of ``keep`` (names, ``"dense"`` / ``"dense-careful"`` included) uses; keeps at
+        least one."""
         kernels = [k for k in self.kernels if k in keep]
-        dense = self.dense_weight if DENSE in keep else None
+        dense = self.dense_weight if keep & set(DENSE_FORMS) else None
         if not kernels and dense is None:
             return  # nothing chosen yet: keep everything
         self.kernels = kernels

@@ -22,7 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cast_llm.deploy.sparse24 import cpu
 from cast_llm.deploy.sparse24.cycles import cycled, l3_bytes
+from cast_llm.deploy.sparse24.dispatch import DENSE_CAREFUL
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "random_24_weight", "time_call"]
@@ -106,9 +108,12 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """``x Wᵀ`` by ``kernel`` (``"dense"`` = ``F.linear``) as a no-argument callable; compresses once."""
+    """``x Wᵀ`` by ``kernel`` (``"dense"`` = ``F.linear``, ``"dense-careful"`` = the CPU extension's dense GEMM) as a
+    no-argument callable; compresses once."""
     if kernel == "dense":
         return lambda: F.linear(x, weight)
+    if kernel == DENSE_CAREFUL:
+        return lambda: cpu.dense_mm(x, weight)
     from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
 
     k = KERNELS[kernel]
@@ -128,6 +133,8 @@ def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torc
     x = torch.randn(tokens, in_features, generator=gen).to(dtype)
     if kernel == "dense":
         return cycled(lambda w: F.linear(x, w), weight, repeats=repeats, min_time=min_time)
+    if kernel == DENSE_CAREFUL:
+        return cycled(lambda w: cpu.dense_mm(x, w), weight, repeats=repeats, min_time=min_time)
     k = KERNELS[kernel]
     return cycled(lambda s: sparse_linear(k, x, s, None, out_features), k.compress(weight), repeats=repeats,
                   min_time=min_time)
