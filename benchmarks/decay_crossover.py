@@ -47,7 +47,7 @@ def forecast_curve(budgets: list[int], tier: dict, seed: int = 0) -> list[dict]:
     from cast_llm.data import prepare, steps_for_tokens
     from cast_llm.models import load_model, load_tokenizer
     from cast_llm.optim.forecast import decay_state, forecast_from_layers
-    from cast_llm.optim.schedule import schedule_lrs
+    from cast_llm.optim.schedule import TRAIN_WARMUP, schedule_lrs
     from cast_llm.train.config import TrainConfig
     from cast_llm.train.methods import get_method
     from cast_llm.train.trainer import lm_loss
@@ -76,7 +76,7 @@ def forecast_curve(budgets: list[int], tier: dict, seed: int = 0) -> list[dict]:
     out = []
     for budget in budgets:
         steps = steps_for_tokens(budget * 3 // 4, per_step)
-        lrs = schedule_lrs(cfg, steps, cfg.lr, default_warmup=0.02)
+        lrs = schedule_lrs(cfg, steps, cfg.lr, default_warmup=TRAIN_WARMUP)
         layers = decay_state(opt, remaining_steps=steps, seed=seed)
         fc = forecast_from_layers(layers, lrs, step=0, total_steps=steps, l1_decay=float(group["l1_decay"]),
                                   betas=tuple(group["betas"]), eps=float(group["eps"]), suggest=False, seed=seed)

@@ -4,7 +4,6 @@ agreement with MaskStats, transposed (Conv1D) layers, and exact resume from a sa
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from torch import nn
 from cast_llm.analysis.files import DYNAMICS_FILE, LAYERS_FILE, RATIO_FILE, load_ratio_histograms, read_layers
 from cast_llm.analysis.observers import LayerMaskStats, RatioHistograms, WeightTracking, analysis_observers
 from cast_llm.sparsity.mask import nm_mask
+from cast_llm.train.config import TrainConfig
 from cast_llm.train.observers import MaskStats, StepContext
 
 T = 12  # steps of the scripted run
@@ -43,7 +43,7 @@ def _script(observers, run_dir, steps=range(1, T + 1), model=None, masks=None, l
     """Apply a seeded random walk to the weights and call the observers as the loop would. Returns the
     model, the last masks and the per-step mask history {step: masks}."""
     model = model or Toy()
-    cfg = SimpleNamespace(mask_interval=INTERVAL, track_every=0, m=4, seed=0)
+    cfg = TrainConfig(mask_interval=INTERVAL, track_every=0, m=4, seed=0)
     history = {}
     for step in steps:
         gen = torch.Generator().manual_seed(step)
@@ -61,7 +61,7 @@ def _script(observers, run_dir, steps=range(1, T + 1), model=None, masks=None, l
 
 
 def _end(observers, model, masks, run_dir):
-    cfg = SimpleNamespace(mask_interval=INTERVAL, track_every=0, m=4, seed=0)
+    cfg = TrainConfig(mask_interval=INTERVAL, track_every=0, m=4, seed=0)
     ctx = StepContext(step=T, total_steps=T, model=model, masks_fn=lambda: masks, is_log_step=False,
                       run_dir=run_dir, is_main=True, cfg=cfg)
     for ob in observers:
@@ -95,7 +95,7 @@ def test_layer_stats_sum_to_mask_stats_and_ratio_histograms_use_the_group_dim(tm
     layer = LayerMaskStats()
     hist = RatioHistograms("0.5,1.0", m=4)
     model = Toy()
-    cfg = SimpleNamespace(mask_interval=INTERVAL, m=4)
+    cfg = TrainConfig(mask_interval=INTERVAL, m=4)
     masks, from_mask_stats = None, {}
     for step in range(1, T + 1):
         with torch.no_grad():
@@ -129,7 +129,7 @@ def _run_files(d):
 
 
 def test_resume_from_saved_state_writes_the_same_files(tmp_path):
-    cfg = SimpleNamespace(layer_stats=True, track_weights=40, ratio_hist_steps="0.25,0.5,1.0", m=4, seed=7)
+    cfg = TrainConfig(layer_stats=True, track_weights=40, ratio_hist_steps="0.25,0.5,1.0", m=4, seed=7)
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     ref_dir.mkdir(), cut_dir.mkdir()
     ref = analysis_observers(cfg)
@@ -157,7 +157,7 @@ def test_fresh_run_drops_files_of_a_replaced_run(tmp_path):
     (tmp_path / LAYERS_FILE).write_text(json.dumps({"step": 5, "flip_rate": {}}) + "\n")
     (tmp_path / DYNAMICS_FILE).write_text(json.dumps({"weight_tracking": {"old": 1}, "ratio_histograms": {}}))
     (tmp_path / RATIO_FILE).write_bytes(b"stale")
-    obs = analysis_observers(SimpleNamespace(track_weights=5, ratio_hist_steps="1.0", m=4))
+    obs = analysis_observers(TrainConfig(track_weights=5, ratio_hist_steps="1.0", m=4))
     _script(obs, tmp_path, steps=range(1, 3))
     assert read_layers(tmp_path / LAYERS_FILE) is None  # no log step yet, the old record gone
     assert json.loads((tmp_path / DYNAMICS_FILE).read_text()) == {}
@@ -166,9 +166,9 @@ def test_fresh_run_drops_files_of_a_replaced_run(tmp_path):
 
 def test_analysis_observers_follow_the_config(tmp_path):
     names = lambda cfg: [ob.name for ob in analysis_observers(cfg)]  # noqa: E731
-    full = SimpleNamespace(layer_stats=True, track_weights=10, ratio_hist_steps="1.0", m=4)
+    full = TrainConfig(layer_stats=True, track_weights=10, ratio_hist_steps="1.0", m=4)
     assert names(full) == ["layer_stats", "weight_tracking", "ratio_hist"]
-    off = SimpleNamespace(layer_stats=False, track_weights=0, ratio_hist_steps="")
+    off = TrainConfig(layer_stats=False, track_weights=0, ratio_hist_steps="")
     assert names(off) == ["analysis_cleanup"]
     # a fresh run with everything off drops what an earlier run of the folder wrote
     (tmp_path / LAYERS_FILE).write_text("{}\n")
@@ -213,7 +213,7 @@ def test_log_step_statistics_equal_the_reference_functions_with_no_per_layer_hos
 
     model = Toy()
     agg, layer = MaskStats(), LayerMaskStats()
-    cfg = SimpleNamespace(mask_interval=INTERVAL, m=4)
+    cfg = TrainConfig(mask_interval=INTERVAL, m=4)
     first = _masks(model)
     ctx = StepContext(step=1, total_steps=T, model=model, masks_fn=lambda: first, is_log_step=False,
                       run_dir=tmp_path, is_main=True, cfg=cfg)

@@ -103,6 +103,53 @@ def test_run_dir_names_the_files_the_trainer_writes(tmp_path):
     assert Path(run) == tmp_path / "run"
 
 
+# the one spelling of a run folder's file names outside io.RunDir that is not one: the HTML report's page inside its
+# own folder (RUN/report/report.html), which shares RunDir.REPORT's name
+NOT_RUN_FOLDER_PATHS = {("report/build.py", "report.html")}
+
+
+def _path_literals(tree):
+    """(line, name) of every ``PATH / "name"`` and ``f"{PATH}/name"`` in a module's syntax tree."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                and isinstance(node.right.value, str):
+            yield node.lineno, node.right.value
+        elif isinstance(node, ast.JoinedStr):
+            for part in node.values:
+                if isinstance(part, ast.Constant) and "/" in part.value:
+                    yield node.lineno, part.value.rsplit("/", 1)[-1]
+
+
+def test_run_folder_paths_are_spelled_only_by_run_dir_and_results_have_one_writer():
+    """No module builds a path to a run-folder file from its name (``out / "results.json"``): they go through
+    RunDir (cast_llm.io) or the checkpoint's own names; and results.json is written by rundir.write_results
+    alone (a module calling a writer on ``….results`` / ``RunDir.RESULTS`` elsewhere fails)."""
+    import ast
+    from pathlib import Path
+
+    from cast_llm.io import RunDir
+    from cast_llm.train.checkpoint import SAVE_MARKER
+    from cast_llm.train.rundir import CHECKPOINT_META, PREVIOUS
+
+    names = {v for k, v in vars(RunDir).items() if k.isupper() and isinstance(v, str)}
+    names |= {CHECKPOINT_META, SAVE_MARKER, PREVIOUS}
+    src = Path(__file__).resolve().parents[1] / "src" / "cast_llm"
+    spelled, writers = [], []
+    for f in sorted(src.rglob("*.py")):
+        rel = f.relative_to(src).as_posix()
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        spelled += [f"{rel}:{line} {name}" for line, name in _path_literals(tree)
+                    if name in names and (rel, name) not in NOT_RUN_FOLDER_PATHS]
+        for node in ast.walk(tree):
+            if rel != "train/rundir.py" and isinstance(node, ast.Call) and node.args and isinstance(
+                    node.func, ast.Name) and node.func.id.startswith(("atomic_write", "write_")) and any(
+                    isinstance(n, ast.Attribute) and n.attr in ("results", "RESULTS") for n in ast.walk(node.args[0])):
+                writers.append(f"{rel}:{node.lineno}")
+    assert not spelled, f"run-folder file names spelled outside RunDir: {spelled}"
+    assert not writers, f"results.json written outside train/rundir.py's write_results: {writers}"
+
 def test_a_killed_process_s_staging_folder_is_removed_by_the_next_one(tmp_path):
     """staging_dir names its folder by host and pid; the next one made beside it removes only folders of
     this host whose process is gone."""

@@ -412,6 +412,7 @@ def test_fsdp2_resume_from_a_killed_runs_checkpoint_is_bitwise_identical(workdir
     identical), a real signal to FSDP2 ranks and a killed save's partial folders in the rehearsal below."""
     from cast_llm.errors import CastError
     from cast_llm.train.checkpoint import fingerprint, load_checkpoint
+    from cast_llm.train.config import TrainConfig
 
     ref, cut = fsdp_ref.out, tmp_path / "cut"
     shutil.copytree(ref, cut)
@@ -423,7 +424,7 @@ def test_fsdp2_resume_from_a_killed_runs_checkpoint_is_bitwise_identical(workdir
     ck = cut / "checkpoints" / "step-00000004"
     assert {"model-rank00000.safetensors", "model-rank00001.safetensors", "optimizer-rank00001.safetensors",
             "scheduler.json", "meta.json"} <= {f.name for f in ck.iterdir()}
-    fp = fingerprint(json.loads((cut / "cast_run.json").read_text())["config"])
+    fp = fingerprint(TrainConfig(**json.loads((cut / "cast_run.json").read_text())["config"]))
     with pytest.raises(CastError, match="same number of processes"):
         load_checkpoint(ck, fp, rank=0, world_size=1)
     with pytest.raises(CastError, match="same --fsdp setting"):
@@ -513,6 +514,27 @@ def test_global_batch_is_split_over_any_number_of_processes():
         split_global_batch(256, 2, batch_size=4, grad_accum=4, fits=None)
     with pytest.raises(CastError, match="needs --global-batch"):
         split_global_batch(None, 1, batch_size=0, grad_accum=1, fits=None)
+
+
+def test_train_leaves_the_callers_config_as_it_was(workdir, tmp_path):
+    """What the launch settles (micro-batch and accumulation from --global-batch, here the largest micro-batch
+    the plan fits) goes into a config derived from the caller's: the object passed to train() is unchanged, and
+    the run's config.yaml records the settled values."""
+    import dataclasses
+
+    from cast_llm.train.config import TrainConfig
+    from cast_llm.train.trainer import train
+
+    cfg = TrainConfig(model=str(workdir / "llama"), data=str(workdir / "corpus.jsonl"), output_dir=str(tmp_path / "run"),
+                      wikitext_file=str(workdir / "eval.txt"), max_steps=2, global_batch=4, batch_size=0,
+                      seq_len=32, log_every=1, val_sequences=2, wikitext_windows=2, progress=False, report=False,
+                      baseline_eval=False, lr=1e-3, method="naive", device="cpu")
+    before = dataclasses.asdict(cfg)
+    results = train(cfg, log=lambda *a, **k: None)
+    assert results["steps"] == 2
+    assert dataclasses.asdict(cfg) == before  # batch_size still 0, grad_accum 1: nothing was written into it
+    ran = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert ran["batch_size"] > 0 and ran["batch_size"] * ran["grad_accum"] == 4 and ran["global_batch"] == 4
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,26 @@ import yaml
 from cast_llm.errors import CastError
 from cast_llm.io import RunDir, atomic_write_text
 
+# what a resumed run may do with a setting (option(resume=...)): "must_match" — the checkpoint's value, or the resume
+# is refused (it would be another run); "free" — change it (logging, evaluation, where files go, how memory is spent)
+RESUME_RULES = ("must_match", "free")
+
 
 def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None,
            min: float | None = None, max: float | None = None, min_exclusive: bool = False,
-           section: str | None = None, nargs: str | None = None, const: Any = None):
+           section: str | None = None, nargs: str | None = None, const: Any = None, resume: str | None = None):
     """A dataclass field with its help text and how the CLI and the checks treat it.
 
     ``choices``: allowed values (listed in ``--help``); ``parse``: a value parser; ``flag``: the flag name;
     ``min`` / ``max``: the allowed range (``min_exclusive``: strictly above ``min``), checked for every
     source by :func:`check_ranges`; ``section``: the ``--help`` group; ``nargs`` / ``const``: as argparse's
-    (a flag whose value is optional).
+    (a flag whose value is optional); ``resume``: one of :data:`RESUME_RULES` for the settings of a job that
+    resumes from checkpoints (:func:`cast_llm.train.checkpoint.resume_keys`).
     """
+    if resume is not None and resume not in RESUME_RULES:
+        raise ValueError(f"option(resume=...) must be one of {RESUME_RULES}, got {resume!r}")
     md = {"help": help, "choices": choices, "parse": parse, "flag": flag, "min": min, "max": max,
-          "min_exclusive": min_exclusive, "section": section, "nargs": nargs, "const": const}
+          "min_exclusive": min_exclusive, "section": section, "nargs": nargs, "const": const, "resume": resume}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=md)
     return dataclasses.field(default=default, metadata=md)
@@ -71,7 +78,19 @@ def recompute_mode(value) -> str:
 
 def kernels_option(section: str | None = None):
     """The ``--kernels auto|reference`` field every command that runs our kernels has."""
-    return option("auto", KERNELS_HELP, choices=KERNEL_MODES, section=section)
+    return option("auto", KERNELS_HELP, choices=KERNEL_MODES, section=section, resume="free")
+
+
+def resume_keys(cls) -> tuple[str, ...]:
+    """The settings of ``cls`` (a job's config dataclass) that a resume must match: its fields marked
+    ``option(..., resume="must_match")``, in declaration order (the checkpoint's fingerprint)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume") == "must_match")
+
+
+def undecided_resume_fields(cls) -> list[str]:
+    """The fields of ``cls`` marked neither ``resume="must_match"`` nor ``resume="free"`` (a test keeps it empty
+    for every config a run resumes with, so that a new setting is never left out of the fingerprint unseen)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("resume") not in RESUME_RULES]
 
 
 def flag_name(f: dataclasses.Field) -> str:

@@ -110,8 +110,7 @@ class WeightTracking(Observer):
 
     def _is_check(self, ctx: StepContext) -> bool:
         cfg = ctx.cfg
-        interval = getattr(cfg, "track_every", 0) or getattr(cfg, "effective_mask_interval",
-                                                             getattr(cfg, "mask_interval", 0)) or 0
+        interval = cfg.track_every or cfg.effective_mask_interval
         return (self.tracker.mask is None or ctx.is_log_step or ctx.step >= ctx.total_steps
                 or bool(interval and ctx.step % interval == 0))
 
@@ -250,18 +249,18 @@ def analysis_observers(cfg) -> list[Observer]:
     """The observers the config asks for (``layer_stats``, ``track_weights``, ``ratio_hist_steps``)."""
     out: list[Observer] = []
     stale_files, stale_keys = [], []
-    if getattr(cfg, "layer_stats", True):
+    if cfg.layer_stats:
         out.append(LayerMaskStats())
     else:
         stale_files.append(LAYERS_FILE)
-    k = getattr(cfg, "track_weights", 10_000)
+    k = cfg.track_weights
     if k:
-        out.append(WeightTracking(k, seed=getattr(cfg, "seed", 0)))
+        out.append(WeightTracking(k, seed=cfg.seed))
     else:
         stale_keys.append(WeightTracking.name)
-    steps = getattr(cfg, "ratio_hist_steps", "")
+    steps = cfg.ratio_hist_steps
     if steps:
-        out.append(RatioHistograms(steps, m=getattr(cfg, "m", 4)))
+        out.append(RatioHistograms(steps, m=cfg.m))
     else:
         stale_files.append(RATIO_FILE)
         stale_keys.append("ratio_histograms")

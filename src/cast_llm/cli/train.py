@@ -17,8 +17,7 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from cast_llm.cli.prepare_data import refuse_cache_in_inputs
-    from cast_llm.io import atomic_write_json
-    from cast_llm.train.rundir import say_if_finished
+    from cast_llm.train.rundir import say_if_finished, write_results
     from cast_llm.train.summary import summary_table
     from cast_llm.train.trainer import train
 
@@ -29,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
     results = train(cfg)
     if results.get("output_dir"):  # the main process, once the run is complete
         if cfg.speed_check and measure_speed(results):
-            atomic_write_json(f"{results['output_dir']}/results.json", results)
+            write_results(results["output_dir"], results)
         if cfg.report:
             results["report"] = write_report(results["output_dir"])
-            atomic_write_json(f"{results['output_dir']}/results.json", results)
+            write_results(results["output_dir"], results)
         print(summary_table(results))
     return 0
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from cast_llm import __version__
-from cast_llm.deploy.export import CHECKPOINT_MARKER
+from cast_llm.deploy.export import EXPORT_MARKER
 from cast_llm.errors import CastError
 from cast_llm.io import fsync_path, move_into, staging_dir
 
@@ -91,7 +91,7 @@ class OutputDir:
         """The names the folder's own marker lists as written by cast-llm (None: no marker, not ours)."""
         from cast_llm.io import is_plain_name, read_json_object
 
-        marker = self.path / CHECKPOINT_MARKER
+        marker = self.path / EXPORT_MARKER
         if not _lexists(marker):
             return None
         if marker.is_symlink():
@@ -105,7 +105,7 @@ class OutputDir:
         if bad:
             raise CastError(f"{marker} lists {bad[0]!r}, which is not a plain name of a file in the folder: "
                             f"this marker was not written by cast-llm; choose another {self.flag}")
-        return sorted(set(files) | {CHECKPOINT_MARKER})
+        return sorted(set(files) | {EXPORT_MARKER})
 
     @contextmanager
     def staged(self) -> Iterator[Path]:
@@ -120,9 +120,9 @@ class OutputDir:
     def publish(self, tmp: Path) -> None:
         from cast_llm.io import remove_entry, resolved, umask_mode
 
-        marker = tmp / CHECKPOINT_MARKER
+        marker = tmp / EXPORT_MARKER
         if not marker.is_file():
-            raise RuntimeError(f"staged output has no {CHECKPOINT_MARKER}: not moving it into place")
+            raise RuntimeError(f"staged output has no {EXPORT_MARKER}: not moving it into place")
         new = sorted(p.name for p in tmp.iterdir())
         info = json.loads(marker.read_text())
         info["files"] = new  # exactly what is published: the next --overwrite replaces these and nothing else
@@ -142,7 +142,7 @@ class OutputDir:
             for name in previous or []:  # the previous result, moved aside (renames: nothing is copied)
                 if _lexists(self.path / name):
                     os.replace(self.path / name, old / name)
-            for name in [n for n in new if n != CHECKPOINT_MARKER] + [CHECKPOINT_MARKER]:
+            for name in [n for n in new if n != EXPORT_MARKER] + [EXPORT_MARKER]:
                 src = tmp / name
                 if src.is_dir():
                     os.chmod(src, umask_mode(0o777))  # (mkdtemp made it 0700)
@@ -168,15 +168,15 @@ def staged_output(out_dir: str | Path) -> Iterator[Path]:
     out = Path(out_dir)
     with staging_dir(out, prefix=".stage-") as tmp:
         yield tmp
-        if not (tmp / CHECKPOINT_MARKER).is_file():
-            raise RuntimeError(f"staged checkpoint has no {CHECKPOINT_MARKER}: not moving it into place")
+        if not (tmp / EXPORT_MARKER).is_file():
+            raise RuntimeError(f"staged checkpoint has no {EXPORT_MARKER}: not moving it into place")
         subdirs = [p for p in tmp.iterdir() if p.is_dir()]
         out.mkdir(parents=True, exist_ok=True)
         for d in subdirs:  # sub-folders (e.g. fake-quant/) are complete checkpoints of their own
             if (out / d.name).exists():
                 shutil.rmtree(out / d.name)
             d.rename(out / d.name)
-        move_into(tmp, out, last=CHECKPOINT_MARKER)
+        move_into(tmp, out, last=EXPORT_MARKER)
 
 
 def read_format_index(folder: str | Path, index_file: str, fmt: str, version: int, *, kind: str, hint: str,
@@ -199,9 +199,9 @@ def read_format_index(folder: str | Path, index_file: str, fmt: str, version: in
 
 def write_marker(folder: Path, kind: str, **info: Any) -> None:
     """The completion marker, written last: it lists the folder's files (what a later ``--overwrite`` replaces)."""
-    files = sorted({p.name for p in Path(folder).iterdir()} | {CHECKPOINT_MARKER})
+    files = sorted({p.name for p in Path(folder).iterdir()} | {EXPORT_MARKER})
     payload = {"kind": kind, "cast_llm_version": __version__, **info, "files": files}
-    (folder / CHECKPOINT_MARKER).write_text(json.dumps(payload, indent=2))
+    (folder / EXPORT_MARKER).write_text(json.dumps(payload, indent=2))
 
 
 def unique_state_dict(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -40,7 +40,7 @@ from cast_llm.deploy.checkpoint import (
     unique_state_dict,
     write_marker,
 )
-from cast_llm.deploy.export import CHECKPOINT_MARKER, verify_nm
+from cast_llm.deploy.export import EXPORT_MARKER, verify_nm
 from cast_llm.errors import CastError
 from cast_llm.io import read_json, read_json_object
 from cast_llm.layers import is_linear_like
@@ -185,7 +185,7 @@ def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     p = Path(path)
     if not is_compressed_tensors_checkpoint(p):
         raise CastError(f"{p} is not a compressed-tensors {SPARSITY_FORMAT} checkpoint")
-    marker = read_json_object(p / CHECKPOINT_MARKER, "the export's marker") if (p / CHECKPOINT_MARKER).is_file() else {}
+    marker = read_json_object(p / EXPORT_MARKER, "the export's marker") if (p / EXPORT_MARKER).is_file() else {}
     state: dict[str, torch.Tensor] = {}
     with safe_open(str(p / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         keys = list(f.keys())
@@ -202,7 +202,7 @@ def decompress_compressed_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     aliases = marker.get("aliases", {})
     for alias, source in aliases.items() if isinstance(aliases, dict) else ():
         if source not in state:
-            raise CastError(f"{p / CHECKPOINT_MARKER}: alias {alias!r} names {source!r}, which "
+            raise CastError(f"{p / EXPORT_MARKER}: alias {alias!r} names {source!r}, which "
                             f"{WEIGHTS_FILE} does not hold: the checkpoint is damaged")
         state[alias] = state[source]
     return state

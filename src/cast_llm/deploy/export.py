@@ -17,14 +17,16 @@ import torch
 
 from cast_llm import __version__
 from cast_llm.errors import CastError
-from cast_llm.io import move_into, read_json_object, staging_dir
+from cast_llm.io import RunDir, move_into, read_json_object, staging_dir
 from cast_llm.sparsity.mask import is_nm
 from cast_llm.targets import find_targets
 
-__all__ = ["CHECKPOINT_MARKER", "LayerSparsity", "sparsity_report", "format_sparsity_report", "verify_nm",
+__all__ = ["EXPORT_MARKER", "LayerSparsity", "sparsity_report", "format_sparsity_report", "verify_nm",
            "save_sparse_checkpoint", "save_hf_checkpoint", "read_sparsity_metadata"]
 
-CHECKPOINT_MARKER = "cast_llm.json"  # written last: its presence means the export completed
+# the exported model's own marker (its kind, sparsity and files), written last: its presence means the export
+# completed (a training run's folder has its own, RunDir.MARKER, beside it)
+EXPORT_MARKER = RunDir.EXPORT_MARKER
 
 
 @dataclass
@@ -136,10 +138,10 @@ def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[
             from cast_llm.deploy.model_card import writer_card
 
             writer_card(tmp, model, fmt="hf", dest=out, sparsity=sparsity, card=card, nm_rows=nm_rows)
-            names = sorted(p.name for p in tmp.iterdir()) + [CHECKPOINT_MARKER]
-            (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity, "files": names},
+            names = sorted(p.name for p in tmp.iterdir()) + [EXPORT_MARKER]
+            (tmp / EXPORT_MARKER).write_text(json.dumps({"kind": kind, "sparsity": sparsity, "files": names},
                                                             indent=2))
-            move_into(tmp, out, last=CHECKPOINT_MARKER)
+            move_into(tmp, out, last=EXPORT_MARKER)
     finally:
         if had is None:
             del model.config.sparsity

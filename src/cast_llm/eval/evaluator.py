@@ -33,17 +33,18 @@ class Evaluator:
         self.say = say or (lambda *a, **k: None)
         self.test = test[: cfg.test_sequences] if cfg.test_sequences else test
         self.val = test[:0] if val is None else (val[: cfg.val_sequences] if cfg.val_sequences else val)
-        self.wiki_ids = None
         self.eval_len = cfg.eval_seq_len or cfg.seq_len
         if model_max is not None and self.eval_len > model_max:
             raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
         source = wikitext2_source(cfg.wikitext_file)  # explicit file, else $CAST_WIKITEXT2, else the packaged copy
         path = source.path
-        self.wiki_source = source.description
-        self.windows = None
+        self.wiki_source = source.description  # what the WikiText-2 figures were scored on, in words
+        self.wiki_path = path  # its file (None: there is none)
+        self.wiki_ids: torch.Tensor | None = None  # its tokens
+        self.windows: int | None = None  # the windows scored
+        self.windows_total: int | None = None  # the windows the text holds
         if path is not None:
             self.wiki_ids = tokenize_text(source.read_text(), tokenizer)
-            self.wiki_path = path
             total = max(0, (self.wiki_ids.numel()) // self.eval_len)
             if cfg.wikitext_windows == 0:
                 self.windows = total

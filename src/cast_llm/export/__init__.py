@@ -2,7 +2,7 @@
 for code written against it."""
 
 from cast_llm.deploy.export import (
-    CHECKPOINT_MARKER,
+    EXPORT_MARKER,
     LayerSparsity,
     format_sparsity_report,
     read_sparsity_metadata,
@@ -12,5 +12,5 @@ from cast_llm.deploy.export import (
     verify_nm,
 )
 
-__all__ = ["CHECKPOINT_MARKER", "LayerSparsity", "sparsity_report", "format_sparsity_report", "verify_nm",
+__all__ = ["EXPORT_MARKER", "LayerSparsity", "sparsity_report", "format_sparsity_report", "verify_nm",
            "save_sparse_checkpoint", "save_hf_checkpoint", "read_sparsity_metadata"]

@@ -25,13 +25,6 @@ TASKS = ("causal-lm", "classification")
 # fine-tune, whose every weight already sits at a pretrained optimum (common practice; the paper gives none).
 DEFAULT_LR = {"lora": 2e-4, "sparse": 2e-5, "dense": 2e-5}
 
-# config keys that must match for --resume to continue the same run (logging and evaluation may change)
-FINGERPRINT_KEYS = (
-    "model", "mode", "task", "data", "eval_data", "val_fraction", "max_examples", "max_steps", "batch_size",
-    "grad_accum", "seq_len", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr_ratio", "grad_clip", "n", "m",
-    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_masked_forward", "seed",
-)
-
 
 @dataclass
 class FinetuneConfig(RunConfig):
@@ -39,50 +32,55 @@ class FinetuneConfig(RunConfig):
 
     model: str | None = option(None, "the model to fine-tune (positional MODEL): an HF folder (e.g. the output of "
                                      "cast-llm train / prune), a hub id, a .gguf file or the alias smollm2-135m",
-                               section=RUN)
+                               section=RUN, resume="must_match")
     mode: str = option("lora", "lora: adapters merged as W + M⊙(BA) (stays N:M); sparse: full fine-tuning with "
                                "pruned weights held at 0; dense: ordinary full fine-tuning (the model becomes dense)",
-                       choices=MODES, section=RUN)
+                       choices=MODES, section=RUN, resume="must_match")
     task: str = option("causal-lm", "causal-lm (prompt/completion JSONL, loss on the completion only, or plain "
                                     "text) or classification (CSV/JSONL with text or text_a/text_b and label)",
-                       choices=TASKS, section=RUN)
+                       choices=TASKS, section=RUN, resume="must_match")
     data: str | None = option(None, "training data: a .jsonl/.json/.csv/.tsv file; for causal-lm also any "
                                     "cast-llm train --data source; for classification also hf:glue:sst2 style",
-                              section=RUN)
+                              section=RUN, resume="must_match")
     eval_data: str | None = option(None, "held-out data in the same format (default: --val-fraction of --data)",
-                                   section=RUN)
-    batch_size: int = option(8, "examples per micro-batch per process", min=1, section=BUDGET)
+                                   section=RUN, resume="must_match")
+    batch_size: int = option(8, "examples per micro-batch per process", min=1, section=BUDGET,
+                             resume="must_match")
     seq_len: int = option(256, "longest example in tokens (longer ones are truncated; plain text is packed to it)",
-                          min=2, section=BUDGET)
+                          min=2, section=BUDGET, resume="must_match")
     max_examples: int | None = option(None, "use only the first this many training records (quick runs)", min=1,
-                                      section=BUDGET)
+                                      section=BUDGET, resume="must_match")
     lr: float | None = option(None, "peak learning rate (default by --mode: "
                                     + ", ".join(f"{mode} {lr:g}" for mode, lr in DEFAULT_LR.items()) + ")",
-                              min=0, min_exclusive=True, section=OPTIM)
+                              min=0, min_exclusive=True, section=OPTIM, resume="must_match")
     # --- LoRA (paper: r = 64 for parity)
-    lora_r: int = option(64, "LoRA rank r (paper: 64)", min=1, section=LORA)
+    lora_r: int = option(64, "LoRA rank r (paper: 64)", min=1, section=LORA, resume="must_match")
     lora_alpha: float = option(64.0, "LoRA alpha; the update is scaled by alpha / r (ours: scaling 1)", min=0,
-                               min_exclusive=True, section=LORA)
-    lora_dropout: float = option(0.05, "dropout on the LoRA input path", min=0, max=0.999, section=LORA)
+                               min_exclusive=True, section=LORA, resume="must_match")
+    lora_dropout: float = option(0.05, "dropout on the LoRA input path", min=0, max=0.999, section=LORA,
+                                 resume="must_match")
     lora_target_modules: str | None = option(None, "comma-separated module names (suffixes) to adapt "
-                                                   "(default: every N:M target layer)", section=LORA)
+                                                   "(default: every N:M target layer)", section=LORA,
+                                                   resume="must_match")
     lora_masked_forward: bool = option(True, "train with the masked update W + M⊙(BA) in the forward, so the "
                                              "merged model is exactly the trained one (costs about a full "
                                              "fine-tune's compute); --no-lora-masked-forward trains plain LoRA "
-                                             "and masks only at the merge", section=LORA)
-    save_adapter: bool = option(True, "also save the un-merged LoRA adapter in OUTPUT_DIR/adapter", section=LORA)
+                                             "and masks only at the merge", section=LORA, resume="must_match")
+    save_adapter: bool = option(True, "also save the un-merged LoRA adapter in OUTPUT_DIR/adapter", section=LORA,
+                                resume="free")
     # --- evaluation
     val_fraction: float = option(0.1, "fraction of --data records held out when --eval-data is not given", min=0,
-                                 max=0.9, section=EVAL)
+                                 max=0.9, section=EVAL, resume="must_match")
     val_examples: int = option(256, "held-out examples (or packed sequences) scored for loss/accuracy (0 = all)",
-                               min=0, section=EVAL)
+                               min=0, section=EVAL, resume="free")
     exact_match_examples: int = option(64, "held-out prompt/completion items scored by greedy exact match (0 = off)",
-                                       min=0, section=EVAL)
-    max_new_tokens: int = option(32, "greedy generation length cap for exact match", min=1, section=EVAL)
+                                       min=0, section=EVAL, resume="free")
+    max_new_tokens: int = option(32, "greedy generation length cap for exact match", min=1, section=EVAL,
+                                 resume="free")
     eval_batch_size: int | None = option(None, "examples per evaluation batch (default: --batch-size)", min=1,
-                                         section=EVAL)
+                                         section=EVAL, resume="free")
     per_layer_report: bool = option(True, "print the sparsity of every target layer at the end (the total always)",
-                                    section=EVAL)
+                                    section=EVAL, resume="free")
 
     def validate(self) -> None:
         if not self.model:

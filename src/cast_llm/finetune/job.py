@@ -22,10 +22,11 @@ from cast_llm.deploy.export import (
     sparsity_report,
 )
 from cast_llm.finetune import get_mode
-from cast_llm.finetune.config import FINGERPRINT_KEYS, FinetuneConfig
+from cast_llm.finetune.config import FinetuneConfig
 from cast_llm.finetune.data import check_data_source, collate, load_task_data
 from cast_llm.finetune.evaluate import batch_loss, evaluate, exact_match
 from cast_llm.models import check_seq_len, load_model, load_tokenizer
+from cast_llm.optim.schedule import FINETUNE_WARMUP
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
 from cast_llm.targets import find_targets
 from cast_llm.train.loop import Job, run
@@ -65,8 +66,7 @@ class FinetuneJob(Job):
     command = "finetune"
     kind = "fine-tuning run"
     marker_kind = RUN_KIND
-    default_warmup = 0.03
-    fingerprint_keys = FINGERPRINT_KEYS
+    default_warmup = FINETUNE_WARMUP
     tokens_per_step = None  # examples vary in length: the log counts the tokens it saw
 
     def __init__(self, cfg: FinetuneConfig):

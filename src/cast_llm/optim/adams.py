@@ -167,6 +167,7 @@ class AdamS(Optimizer):
         self.mask_storage = mask_storage
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient (nonfinite="skip")
+        self.found_inf: Tensor | None = None  # set by the training step: see step()
         self._host_steps: dict[Tensor, int] = {}  # t of every stepped parameter, on the host (see module doc)
         super().__init__(params, defaults)
 
@@ -175,6 +176,7 @@ class AdamS(Optimizer):
         self.__dict__.setdefault("mask_storage", "bool")
         self.__dict__.setdefault("nonfinite", "raise")
         self.__dict__.setdefault("skipped_steps", 0)
+        self.__dict__.setdefault("found_inf", None)
         self.__dict__.setdefault("_host_steps", {})
         for group in self.param_groups:
             group.setdefault("decay_mode", "proportional")
@@ -363,7 +365,7 @@ class AdamS(Optimizer):
             return loss
         if any(g.is_sparse for g in grads):
             raise RuntimeError("AdamS does not support sparse (torch.sparse) gradients")
-        found_inf = getattr(self, "found_inf", None)
+        found_inf = self.found_inf
         if found_inf is not None:
             if self.nonfinite != "ignore":
                 _flag_nonfinite_(grads, found_inf)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SCHEDULES", "lr_factor", "build_scheduler", "schedule_lrs", "warmup_steps"]
+__all__ = ["SCHEDULES", "TRAIN_WARMUP", "FINETUNE_WARMUP", "lr_factor", "build_scheduler", "schedule_lrs",
+           "warmup_steps"]
 
 SCHEDULES = ("cosine", "constant", "linear")  # after the linear warm-up (the paper gives none)
+# The warm-up without --warmup-steps, as a fraction of the steps (at least one step; the paper gives none), read
+# by every user of a run's schedule: the loop's scheduler, CAST's decay forecast, `cast-llm plan`
+TRAIN_WARMUP = 0.02  # cast-llm train
+FINETUNE_WARMUP = 0.03  # cast-llm finetune
 
 
 def warmup_steps(cfg, total_steps: int, default_fraction: float) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_text
+from cast_llm.io import RunDir, atomic_write_text
 from cast_llm.report import plots
 from cast_llm.report.document import Block, Heading, Image, Para, Table, to_html, to_markdown
 from cast_llm.report.runs import Run, load_runs
@@ -225,7 +225,7 @@ def _p(v):
 
 
 def default_output(runs: list[Run]) -> Path:
-    return runs[0].path / "report" if len(runs) == 1 else Path("cast-llm-report")
+    return runs[0].path / RunDir.REPORT_ASSETS if len(runs) == 1 else Path("cast-llm-report")
 
 
 def build_report(run_dirs: list[str | Path], output: str | Path | None = None, *, html: bool = False,

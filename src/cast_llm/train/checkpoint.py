@@ -9,7 +9,7 @@ previous checkpoint intact; old checkpoints are removed only after the new one i
 the fingerprint and the checksums and refuses a corrupt, incompatible or pickle-bearing checkpoint with a
 message naming the file.
 
-Every folder a save creates carries :data:`CHECKPOINT_MARKER` from its first instant, so that a ``*.tmp``
+Every folder a save creates carries :data:`SAVE_MARKER` from its first instant, so that a ``*.tmp``
 left by a save that was killed is known to be ours: :func:`remove_stale_partials` removes those (and only
 those) when a run starts. Under FSDP2 every rank hashes the files it wrote and verifies, when resuming, the
 files it reads: no rank reads another's shards.
@@ -21,33 +21,28 @@ import json
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from cast_llm.config import resume_keys
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_dir, fsync_path, publish_dir, sha256_file
+from cast_llm.io import RunDir, atomic_dir, fsync_path, publish_dir, sha256_file
+from cast_llm.train.rundir import CHECKPOINT_META
 from cast_llm.train.state_io import StateFormatError, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
-           "list_checkpoints", "save_checkpoint", "save_sharded_checkpoint", "load_checkpoint", "FINGERPRINT_KEYS",
-           "CHECKPOINT_MARKER", "remove_stale_partials", "latest_meta"]
+           "list_checkpoints", "save_checkpoint", "save_sharded_checkpoint", "load_checkpoint", "SAVE_MARKER",
+           "remove_stale_partials", "latest_meta", "checkpoint_root", "checkpoint_dir"]
 
-# config keys that must match for a resume to continue the same run (others, e.g. logging, may change)
-FINGERPRINT_KEYS = (
-    "model", "data", "method", "max_steps", "tokens", "batch_size", "grad_accum", "seq_len", "lr", "l1_decay",
-    "beta1", "beta2", "eps", "weight_decay", "warmup_steps", "lr_schedule", "min_lr_ratio", "mask_interval", "n",
-    "m", "scaling", "scale_groups", "kd", "eta", "temperature", "seed", "val_fraction", "test_fraction", "max_documents",
-    "fixed_mask", "init_mask", "mask_file", "calib_samples", "mask_learner", "srste_decay", "maskllm_tau", "maskllm_kappa",
-    "maskllm_prior", "maskllm_lr", "paper_exact", "warm_start", "repair_fraction", "final_prune",
-    "warm_start_mix", "regrow_factor", "regrow_fraction",
-)
 # files a checkpoint of ours never holds: pickle-based formats can run code when loaded
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
-# written first into every checkpoint folder: a partial one (``step-N.tmp``, ``step-N.old``) with it is ours
-CHECKPOINT_MARKER = ".cast-llm-checkpoint"
+# written first into every folder a checkpoint save creates, so that a partial one (``step-N.tmp``, ``step-N.old``)
+# that holds it is known to be ours (removed when a run starts); not a file of the checkpoint (meta.json lists none)
+SAVE_MARKER = ".cast-llm-checkpoint"
 
 
 class CheckpointWriteError(CastError):
@@ -58,8 +53,11 @@ class UnsafeCheckpointError(CastError):
     """A checkpoint folder holds a file that could run code when loaded (a pickle)."""
 
 
-def fingerprint(cfg_dict: dict[str, Any], keys: tuple[str, ...] = FINGERPRINT_KEYS) -> dict[str, Any]:
-    return {k: cfg_dict.get(k) for k in keys if k in cfg_dict}
+def fingerprint(cfg) -> dict[str, Any]:
+    """The settings of the job's config ``cfg`` that a resume must match (its fields marked
+    ``resume="must_match"``: :func:`cast_llm.config.resume_keys`), as the checkpoint records them."""
+    values = asdict(cfg)
+    return {k: values[k] for k in resume_keys(type(cfg))}
 
 
 def rng_state() -> dict[str, Any]:
@@ -80,7 +78,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """The folder of checkpoint ``step`` of a run folder (``checkpoints/step-XXXXXXXX``)."""
+    return checkpoint_root(run_dir) / f"step-{step:08d}"
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -89,7 +92,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and (p / "meta.json").is_file())
+                  if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and (p / CHECKPOINT_META).is_file())
 
 
 def latest_meta(run_dir: Path) -> dict[str, Any]:
@@ -99,14 +102,14 @@ def latest_meta(run_dir: Path) -> dict[str, Any]:
     if not found:
         return {}
     try:
-        meta = json.loads((found[-1] / "meta.json").read_text())
+        meta = json.loads((found[-1] / CHECKPOINT_META).read_text())
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
 
 
 def _mark(folder: Path, step: int) -> None:
-    (folder / CHECKPOINT_MARKER).write_text(json.dumps({"writer": "cast-llm", "step": step}))
+    (folder / SAVE_MARKER).write_text(json.dumps({"writer": "cast-llm", "step": step}))
 
 
 def remove_stale_partials(run_dir: Path) -> tuple[list[Path], int]:
@@ -118,7 +121,7 @@ def remove_stale_partials(run_dir: Path) -> tuple[list[Path], int]:
         return removed, size
     for p in sorted(root.iterdir()):
         if p.is_dir() and p.name.startswith("step-") and p.suffix in (".tmp", ".old") \
-                and (p / CHECKPOINT_MARKER).is_file():
+                and (p / SAVE_MARKER).is_file():
             size += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
@@ -135,8 +138,8 @@ def _write_meta(folder: Path, meta: dict[str, Any], step: int, extra: dict[str, 
     """``meta.json`` with the sha256 of every file (``files``: digests already computed, by their writers)."""
     if files is None:
         files = {f.name: sha256_file(f) for f in sorted(folder.iterdir())
-                 if f.is_file() and f.name not in ("meta.json", CHECKPOINT_MARKER)}
-    (folder / "meta.json").write_text(json.dumps({**meta, "step": step, "files": dict(sorted(files.items())),
+                 if f.is_file() and f.name not in (CHECKPOINT_META, SAVE_MARKER)}
+    (folder / CHECKPOINT_META).write_text(json.dumps({**meta, "step": step, "files": dict(sorted(files.items())),
                                                   **(extra or {})}, indent=2, default=str))
 
 
@@ -146,7 +149,7 @@ def save_checkpoint(run_dir: Path, step: int, states: dict[str, Any], meta: dict
 
     Raises :class:`CheckpointWriteError` when the write fails (the previous checkpoints are untouched).
     """
-    final = checkpoint_root(run_dir) / f"step-{step:08d}"
+    final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
         with atomic_dir(final, replace=True) as tmp:
@@ -187,9 +190,8 @@ def save_sharded_checkpoint(
     message (``first_error``: agreed collectively) and the previous checkpoint stays. Collective: every rank
     must call it.
     """
-    root = checkpoint_root(run_dir)
-    final = root / f"step-{step:08d}"
-    tmp = root / f"step-{step:08d}.tmp"
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(f"{final.name}.tmp")
     error = None
     if rank == 0:
         try:
@@ -228,7 +230,7 @@ def save_sharded_checkpoint(
                     raise CastError(f"files of other ranks are missing in {tmp} ({missing[:3]}); --fsdp "
                                     "checkpoints need an --output-dir every process can see")
                 _write_meta(tmp, meta, step, {"sharded": {"world_size": world_size}}, files=files)
-                fsync_path(tmp / "meta.json")
+                fsync_path(tmp / CHECKPOINT_META)
                 publish_dir(tmp, final, replace=True)
                 _rotate(run_dir, keep)
             except (OSError, CastError) as e:
@@ -283,12 +285,14 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
     path = Path(path)
     _refuse_pickles(path)
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads((path / CHECKPOINT_META).read_text())
     except (OSError, ValueError) as e:  # (a UnicodeDecodeError is a ValueError)
         raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one") from None
     _check_meta(path, meta)
     got = meta.get("fingerprint", {})
-    diff = {k: (got.get(k), v) for k, v in expected_fingerprint.items() if got.get(k) != v}
+    # a setting the checkpoint does not record was not one a resume had to match when it was written (a version
+    # before the setting was marked must_match): it is not compared, as that version would not have
+    diff = {k: (got[k], v) for k, v in expected_fingerprint.items() if k in got and got[k] != v}
     if diff:
         detail = "; ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise CastError(f"checkpoint {path} belongs to a different run configuration ({detail}); "

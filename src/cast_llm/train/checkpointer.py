@@ -22,10 +22,17 @@ from typing import Any
 import torch
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json
-from cast_llm.train.checkpoint import CheckpointWriteError, list_checkpoints, remove_stale_partials, rng_state
+from cast_llm.io import RunDir
+from cast_llm.train.checkpoint import (
+    CheckpointWriteError,
+    checkpoint_dir,
+    checkpoint_root,
+    list_checkpoints,
+    remove_stale_partials,
+    rng_state,
+)
 from cast_llm.train.preemption import Preempted
-from cast_llm.train.rundir import record_written
+from cast_llm.train.rundir import record_written, write_results
 
 __all__ = ["Checkpointer"]
 
@@ -120,14 +127,13 @@ class Checkpointer:
         seconds = time.perf_counter() - t0
         self.last_save = time.perf_counter()
         if self.saves == 0:
-            self.results["checkpoint"] = self._cost(self.out / "checkpoints" / f"step-{step:08d}", seconds)
+            self.results["checkpoint"] = self._cost(checkpoint_dir(self.out, step), seconds)
         self.saves += 1
         if self.is_main:
-            record_written(self.out, ["checkpoints"])
-            atomic_write_json(self.out / "results.json", self.results)
+            record_written(self.out, [RunDir.CHECKPOINTS])
+            write_results(self.out, self.results)
         distribution.barrier()
-        self.last_good = list_checkpoints(self.out)[-1] if self.is_main else \
-            self.out / "checkpoints" / f"step-{step:08d}"
+        self.last_good = list_checkpoints(self.out)[-1] if self.is_main else checkpoint_dir(self.out, step)
         return self.last_good
 
     def _cost(self, folder: Path, seconds: float) -> dict[str, Any]:
@@ -159,13 +165,13 @@ class Checkpointer:
         if not found:
             return
         if keep:
-            say(f"kept {len(found)} checkpoint(s) in {out / 'checkpoints'}")
+            say(f"kept {len(found)} checkpoint(s) in {checkpoint_root(out)}")
             return
         size = sum(f.stat().st_size for c in found for f in c.iterdir() if f.is_file())
         for c in found:
             shutil.rmtree(c, ignore_errors=True)
         remove_stale_partials(out)
         with contextlib.suppress(OSError):  # (left in place when something else is in it)
-            (out / "checkpoints").rmdir()
+            checkpoint_root(out).rmdir()
         say(f"removed the run's {len(found)} checkpoint(s) ({size / 2**30:.1f} GiB): the run is complete "
             "(--keep-checkpoints-after keeps them)")

@@ -26,7 +26,7 @@ from cast_llm.config import (
     recompute_mode,
 )
 from cast_llm.errors import CastError
-from cast_llm.optim.schedule import SCHEDULES
+from cast_llm.optim.schedule import FINETUNE_WARMUP, SCHEDULES, TRAIN_WARMUP
 
 # training methods (cast_llm.train.methods.REGISTRY): CAST and the training baselines of method.md §6
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
@@ -76,10 +76,10 @@ def _resume(v) -> str | None:
 
 @dataclass
 class PatternSettings:
-    n: int = option(2, "N of the N:M pattern (kept per group)", min=1, section=BUDGET)
-    m: int = option(4, "M of the N:M pattern (group size)", min=2, section=BUDGET)
+    n: int = option(2, "N of the N:M pattern (kept per group)", min=1, section=BUDGET, resume="must_match")
+    m: int = option(4, "M of the N:M pattern (group size)", min=2, section=BUDGET, resume="must_match")
     skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of "
-                                            "failing", section=BUDGET)
+                                            "failing", section=BUDGET, resume="free")
 
     def check_pattern(self) -> None:
         if not 1 <= self.n < self.m:
@@ -90,58 +90,71 @@ class PatternSettings:
 class RunConfig(PatternSettings):
     """What every job of the one training loop shares."""
 
-    output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)", section=RUN)
+    output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)", section=RUN,
+                                    resume="free")
     resume: str | None = option(None, "continue the run in --output-dir from its newest complete checkpoint, with "
                                       "its own config.yaml (flags typed with it must agree); 'auto': start "
                                       "afresh when there is none (re-run the same command after a preemption); "
                                       "a finished run: 'already finished', exit 0, nothing touched (--overwrite "
                                       "starts it afresh)",
-                                choices=RESUME, parse=_resume, nargs="?", const="latest", section=RUN)
+                                choices=RESUME, parse=_resume, nargs="?", const="latest", section=RUN,
+                                resume="free")
     overwrite: bool = option(False, "replace an earlier run in --output-dir (only files that run wrote are "
                                     "removed, and only once the new run has finished: until then they wait in "
                                     ".cast-llm-previous/; never the model's own folder or a folder of model "
                                     "weights)",
-                             section=RUN)
-    seed: int = option(0, "seed for data order, sampling and initialisation", section=RUN)
+                             section=RUN, resume="free")
+    seed: int = option(0, "seed for data order, sampling and initialisation", section=RUN,
+                       resume="must_match")
     device: str = option("auto", "auto (CUDA when visible), cpu or cuda; accelerate launch sets it per process",
-                         choices=("auto", "cpu", "cuda"), section=RUN)
+                         choices=("auto", "cpu", "cuda"), section=RUN, resume="free")
     precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16",
-                            choices=("auto", "fp32", "bf16"), section=RUN)
+                            choices=("auto", "fp32", "bf16"), section=RUN, resume="free")
     threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use); on a "
-                             "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN)
-    progress: bool = option(True, "show a progress bar", section=RUN)
+                             "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN,
+                             resume="free")
+    progress: bool = option(True, "show a progress bar", section=RUN, resume="free")
     kernels: str = kernels_option(section=RUN)
-    max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET)
-    batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET)
-    grad_accum: int = option(1, "micro-batches accumulated per optimizer step", min=1, section=BUDGET)
-    seq_len: int = option(512, "tokens per training sequence", min=2, section=BUDGET)
+    max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET, resume="must_match")
+    batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET,
+                             resume="must_match")
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step", min=1, section=BUDGET,
+                             resume="must_match")
+    seq_len: int = option(512, "tokens per training sequence", min=2, section=BUDGET, resume="must_match")
     weight_decay: float = option(0.0, "decoupled weight decay on matrices (not on norms, biases, scales)", min=0,
-                                 section=OPTIM)
-    warmup_steps: int | None = option(None, "linear warm-up steps (default: 2% of the steps for train, 3% for "
-                                            "finetune; at least 1)", min=0, section=OPTIM)
+                                 section=OPTIM, resume="must_match")
+    warmup_steps: int | None = option(None, f"linear warm-up steps (default: {TRAIN_WARMUP:.0%} of the steps for "
+                                            f"train, {FINETUNE_WARMUP:.0%} for finetune; at least 1)", min=0,
+                                      section=OPTIM, resume="must_match")
     lr_schedule: str = option("cosine", "lr after the warm-up: cosine or linear decay to lr × --min-lr-ratio, or "
                                         "constant (the paper gives none; cosine measured best for CAST on short "
                                         "budgets although constant lets the decay travel further: docs/training.md)",
-                              choices=LR_SCHEDULES, section=OPTIM)
-    min_lr_ratio: float = option(0.0, "the cosine / linear schedules decay to lr × this", min=0, max=1, section=OPTIM)
-    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)", min=0, section=OPTIM)
-    log_every: int = option(10, "steps between metrics.jsonl / TensorBoard records", min=1, section=CKPT)
+                              choices=LR_SCHEDULES, section=OPTIM, resume="must_match")
+    min_lr_ratio: float = option(0.0, "the cosine / linear schedules decay to lr × this", min=0, max=1, section=OPTIM,
+                                 resume="must_match")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)", min=0, section=OPTIM,
+                              resume="must_match")
+    log_every: int = option(10, "steps between metrics.jsonl / TensorBoard records", min=1, section=CKPT,
+                            resume="free")
     eval_every: int = option(0, "steps between validation evaluations (0 = only at the start and end)", min=0,
-                             section=CKPT)
-    baseline_eval: bool = option(True, "also evaluate the starting model before training", section=CKPT)
+                             section=CKPT, resume="free")
+    baseline_eval: bool = option(True, "also evaluate the starting model before training", section=CKPT,
+                                 resume="free")
     save_every: int | None = option(None, "steps between atomic checkpoints (default: one whenever 30 minutes of "
                                           "wall time have passed since the last, so a run longer than an hour "
                                           "always has one; 0 = none; SIGTERM/SIGINT write one in every case)",
-                                    min=0, section=CKPT)
+                                    min=0, section=CKPT, resume="free")
     keep_last: int = option(2, "checkpoints kept (older ones are removed once a newer one is complete)", min=1,
-                            section=CKPT)
+                            section=CKPT, resume="free")
     keep_checkpoints_after: bool = option(False, "keep the checkpoints after the run completes (they are only "
-                                                 "needed to resume; removed by default)", section=CKPT)
+                                                 "needed to resume; removed by default)", section=CKPT,
+                                                 resume="free")
     # Read by the training loop from every job's config but not an option of every command: plain class
     # attributes (no flag, no YAML key); a command's config that offers one declares it as an option field
     # (TrainConfig: --model, --fsdp)
     model = None  # the model the run starts from (never taken as the run folder)
     fsdp = False  # FSDP2: student and teacher sharded across the processes
+    fsdp_precision = "auto"  # FSDP2's mixed precision (TrainConfig: --fsdp-precision)
     tensorboard = True  # TensorBoard event files in RUN/tensorboard
 
     def validate(self) -> None:
@@ -156,18 +169,20 @@ class CastSettings:
     """CAST's own knobs (method.md §2-4): shared by ``cast-llm train`` and the HF Trainer integration."""
 
     l1_decay: float = option(4e-7, "AdamS L1 strength λ on pruned weights (paper: 2e-6 OPT, 1e-6 GPT-2, 4e-7 "
-                                   "LLaMA)", min=0, section=CAST)
+                                   "LLaMA)", min=0, section=CAST, resume="must_match")
     mask_interval: int = option(10, "recompute masks from |θ| every this many steps (T1, paper 10; 0 = fixed)",
-                                min=0, section=CAST)
-    scale_groups: int = option(2, "column blocks per row of the weight scale A (paper n = 2)", min=1, section=CAST)
+                                min=0, section=CAST, resume="must_match")
+    scale_groups: int = option(2, "column blocks per row of the weight scale A (paper n = 2)", min=1, section=CAST,
+                               resume="must_match")
     eta: float = option(0.5, "KD weight η in η·KL + (1-η)·CE. It trades the training text's perplexity (lower "
                              "with small η) against WikiText-2's (lower with large η); 1/2 improves both over "
                              "the baselines (measured: docs/results/compare-smollm2-135m-cpu-notes.md); the paper: "
-                             "2/3 GPT-2/OPT (its perplexity), 1/3 LLaMA (zero-shot)", min=0, max=1, section=CAST)
+                             "2/3 GPT-2/OPT (its perplexity), 1/3 LLaMA (zero-shot)", min=0, max=1, section=CAST,
+                             resume="must_match")
     temperature: float = option(1.0, "KD softmax temperature (ours; the paper uses 1)", min=0, min_exclusive=True,
-                                section=CAST)
+                                section=CAST, resume="must_match")
     kd_chunk_size: int = option(1024, "tokens per chunk of the KD loss (bounds the fp32 logits memory)", min=1,
-                                section=CAST)
+                                section=CAST, resume="free")
 
 
 @dataclass
@@ -175,132 +190,139 @@ class TrainConfig(RunConfig, CastSettings):
     """``cast-llm train``."""
 
     model: str = option("smollm2-135m", "Hugging Face model folder / hub id / .gguf file, or the alias "
-                                        "smollm2-135m", section=RUN)
+                                        "smollm2-135m", section=RUN, resume="must_match")
     data: str = option("wiki-summaries", "wiki-summaries (embedded), a .txt/.jsonl/.parquet file or folder, or "
-                                         "hf:NAME[:CONFIG]", section=RUN)
-    method: str = option("cast", "training method", choices=METHODS, section=RUN)
+                                         "hf:NAME[:CONFIG]", section=RUN, resume="must_match")
+    method: str = option("cast", "training method", choices=METHODS, section=RUN, resume="must_match")
     tokens: int | None = option(None, "training-token budget, e.g. 20M; sets the steps (give this or "
-                                      "--max-steps)", parse=_opt_count, min=1, section=BUDGET)
+                                      "--max-steps)", parse=_opt_count, min=1, section=BUDGET,
+                                      resume="must_match")
     batch_size: int = option(4, "sequences (examples) per micro-batch per process; 0 = the largest that the "
                                 "memory plan fits (with --global-batch: one that divides it)", min=0,
-                             section=BUDGET)
+                             section=BUDGET, resume="must_match")
     global_batch: int | None = option(None, "sequences per optimizer step over all processes (the paper's batch): "
                                             "--grad-accum becomes global / (--batch-size × processes), on any "
-                                            "number of processes", min=1, section=BUDGET)
+                                            "number of processes", min=1, section=BUDGET, resume="free")
     max_documents: int | None = option(None, "use only the first this many documents of --data (quick runs)",
-                                       min=1, section=BUDGET)
+                                       min=1, section=BUDGET, resume="must_match")
     lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
-                       section=OPTIM)
+                       section=OPTIM, resume="must_match")
     beta1: float = option(0.9, "Adam β1 (the paper gives none: Adam's usual value)", min=0, max=0.999999,
-                          section=OPTIM)
+                          section=OPTIM, resume="must_match")
     beta2: float = option(0.999, "Adam β2 (the paper gives none: Adam's usual value)", min=0, max=0.999999,
-                          section=OPTIM)
-    eps: float = option(1e-8, "Adam ε", min=0, min_exclusive=True, section=OPTIM)
+                          section=OPTIM, resume="must_match")
+    eps: float = option(1e-8, "Adam ε", min=0, min_exclusive=True, section=OPTIM, resume="must_match")
     scaling: bool | None = option(None, "learnable weight scaling (Eq. 11-12); default: on for cast only; "
-                                        "--no-scaling to ablate", section=CAST)
+                                        "--no-scaling to ablate", section=CAST, resume="must_match")
     kd: bool | None = option(None, "distil from the frozen dense model (Eq. 13); default: on for cast and ast, "
-                                   "off for naive, srste, maskllm", section=CAST)
+                                   "off for naive, srste, maskllm", section=CAST, resume="must_match")
     teacher_cuda_graph: bool = option(False, "CUDA: replay the frozen teacher's forward as one captured CUDA graph "
                                              "(less host time per step; checked against an eager forward once, on "
                                              "any failure it says why and runs eagerly); benchmarks/train_step.py "
-                                             "times both", section=CAST)
-    fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0)", section=CAST)
+                                             "times both", section=CAST, resume="free")
+    fixed_mask: bool = option(False, "keep the initial mask for the whole run (= --mask-interval 0)", section=CAST,
+                              resume="must_match")
     init_mask: str | None = option(None, "initial N:M mask: magnitude (Eq. 6), or wanda / sparsegpt calibrated on "
                                          "--calib-samples training sequences (naive and --warm-start also keep "
                                          "SparseGPT's reconstructed weights; otherwise only the mask is taken); "
                                          "default: sparsegpt for a warm-started run, else magnitude",
-                                   choices=INIT_MASKS, section=CAST)
+                                   choices=INIT_MASKS, section=CAST, resume="must_match")
     mask_file: str | None = option(None, "initial N:M mask from a file instead of --init-mask: a cast-llm mask "
                                          "file (.safetensors) or a sparse model folder (its zeros); only the mask "
                                          "is taken (naive: dense weights ⊙ mask) — to retrain one recipe under "
-                                         "different masks", section=CAST)
+                                         "different masks", section=CAST, resume="must_match")
     calib_samples: int = option(128, "training sequences that calibrate Wanda / SparseGPT / the compensated prune "
-                                     "(paper 128)", min=1, section=CAST)
+                                     "(paper 128)", min=1, section=CAST, resume="must_match")
     fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
                                "processes; --method cast with AdamS; resume with the same process count",
-                        section=RUN)
+                        section=RUN, resume="free")
     # --- beyond the paper, for short budgets (docs/training.md; all off with --paper-exact)
     paper_exact: bool = option(False, "CAST exactly as the paper: dense start, hard final prune, no repair "
-                                      "(refuses the options of this section)", section=BEYOND)
+                                      "(refuses the options of this section)", section=BEYOND,
+                                      resume="must_match")
     warm_start: bool | None = option(None, "start from the --init-mask one-shot MODEL (pruned weights 0, "
                                            "SparseGPT's reconstructed kept weights) instead of the dense one",
-                                     section=BEYOND)
+                                     section=BEYOND, resume="must_match")
     repair_fraction: float | None = option(None, "for this last fraction of the steps, freeze the masks, prune, and "
                                                  "train the sparse model itself (masked repair)", min=0, max=0.999,
-                                           section=BEYOND)
+                                           section=BEYOND, resume="must_match")
     final_prune: str | None = option(None, "hard (W ← W⊙M) or compensated (SparseGPT's OBS update of the kept "
                                            "weights with the learned masks, on --calib-samples sequences)",
-                                     choices=FINAL_PRUNES, section=BEYOND)
+                                     choices=FINAL_PRUNES, section=BEYOND, resume="must_match")
     warm_start_mix: float | None = option(None, "with a warm start: begin from (1-f)·one-shot + f·dense weights, so "
                                                 "the pruned entries start at f of their dense value (decayed by "
                                                 "AdamS, free to win their place back at a mask refresh); 0 = the "
                                                 "one-shot model, 1 = the dense model with the one-shot mask",
-                                          min=0, max=1, section=BEYOND)
+                                          min=0, max=1, section=BEYOND, resume="must_match")
     regrow_factor: float | None = option(None, "multiply the updates of the pruned entries by this during the first "
                                                "--regrow-fraction of the steps, so that a pruned weight the gradient "
                                                "wants back can overtake a kept one while α_t is small (1 = off)",
-                                         min=1, section=BEYOND)
+                                         min=1, section=BEYOND, resume="must_match")
     regrow_fraction: float | None = option(None, "the first fraction of the steps in which --regrow-factor applies",
-                                           min=0, max=1, section=BEYOND)
+                                           min=0, max=1, section=BEYOND, resume="must_match")
     forecast_target: float = option(0.99, "warn when the forecast final sparse-weight ratio S_T is below this",
-                                    min=0, min_exclusive=True, max=1, section=BEYOND)
+                                    min=0, min_exclusive=True, max=1, section=BEYOND, resume="free")
     # --- baselines and ablations (method.md §6)
     mask_learner: str = option("adams", "cast only: adams (Algorithm 1) or srste (sparse STE forward + SR-STE "
                                         "decay instead of AdamS: the §6 ablation)", choices=MASK_LEARNERS,
-                               section=BASELINES)
+                               section=BASELINES, resume="must_match")
     decay_mode: str = option("proportional", "cast with AdamS: how the pruned weights decay — proportional (Eq. 7: "
                                              "mixed with the gradient by α_t = t/T, CAST) or additive (AST's: "
                                              "α_t·λ·θ added to it; the paper's ablation)", choices=DECAY_MODES,
-                             section=BASELINES)
+                             section=BASELINES, resume="must_match")
     srste_decay: float = option(2e-4, "λ_W of the SR-STE decay λ_W(1-M)⊙W on pruned weights (SR-STE paper's "
                                       "2e-4): added to the gradient (srste, cast --mask-learner srste) or, "
                                       "ramped up linearly, to the Adam momentum signal (ast)", min=0,
-                                section=BASELINES)
+                                section=BASELINES, resume="must_match")
     maskllm_tau: str = option("4,0.05", "maskllm: Gumbel-softmax temperature τ, start,end (linear; MaskLLM 4 → "
-                                        "0.05)", section=BASELINES)
+                                        "0.05)", section=BASELINES, resume="must_match")
     maskllm_kappa: str = option("100,500", "maskllm: logit scaling κ, start,end (linear; MaskLLM 1e2 → 5e2)",
-                                section=BASELINES)
+                                section=BASELINES, resume="must_match")
     maskllm_lr: float | None = option(None, "maskllm: lr of the mask logits (default: 10 × --lr; logits need far "
                                             "larger steps than weights)", min=0, min_exclusive=True,
-                                      section=BASELINES)
+                                      section=BASELINES, resume="must_match")
     maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each "
-                                       "group", section=BASELINES)
+                                       "group", section=BASELINES, resume="must_match")
     # --- evaluation
     val_fraction: float = option(0.02, "fraction of the documents in the validation split (chosen by a hash of "
                                        "each text, never by --seed): what tuning and defaults are chosen on",
-                                 min=0, max=0.5, section=EVAL)
+                                 min=0, max=0.5, section=EVAL, resume="must_match")
     test_fraction: float = option(0.02, "fraction of the documents in the test split (by the same hash): the "
-                                        "reported held-out figure", min=0, max=0.5, section=EVAL)
+                                        "reported held-out figure", min=0, max=0.5, section=EVAL,
+                                        resume="must_match")
     val_sequences: int = option(16, "validation windows scored at the end (0 = all the split holds)", min=0,
-                                section=EVAL)
+                                section=EVAL, resume="free")
     test_sequences: int = option(16, "test windows scored for the held-out perplexity (0 = all the split holds)",
-                                 min=0, section=EVAL)
+                                 min=0, section=EVAL, resume="free")
     data_cache: str | None = option(None, "folder of the token cache (default: $CAST_LLM_CACHE/tokens, else "
                                           "~/.cache/cast-llm/tokens; `cast-llm prepare-data` fills it ahead)",
-                                    section=RUN)
+                                    section=RUN, resume="free")
     wikitext_windows: int | None = option(None, "WikiText-2 windows scored at the end (0 = all, the full protocol; "
                                                 "default: scaled to the run, so that scoring takes less time than "
-                                                "training — at least 4)", min=0, section=EVAL)
-    eval_seq_len: int | None = option(None, "WikiText-2 window length (default: --seq-len)", min=2, section=EVAL)
+                                                "training — at least 4)", min=0, section=EVAL, resume="free")
+    eval_seq_len: int | None = option(None, "WikiText-2 window length (default: --seq-len)", min=2, section=EVAL,
+                                      resume="free")
     wikitext_file: str | None = option(None, "WikiText-2 raw test text (default: $CAST_WIKITEXT2, else the copy "
-                                             "packaged with cast-llm)", section=EVAL)
+                                             "packaged with cast-llm)", section=EVAL, resume="free")
     report: bool = option(True, "write the run's HTML report (plots of loss, S_t, flip rates, perplexities) into "
-                                "RUN/report at the end", section=EVAL)
+                                "RUN/report at the end", section=EVAL, resume="free")
     speed_check: bool = option(False, "at the end, on a CPU, measure the exported 2:4 model's decode tokens/s and "
                                       "resident memory against the same model run dense (two fresh processes, "
-                                      "~15 s; the smollm2-cpu preset turns it on)", section=EVAL)
+                                      "~15 s; the smollm2-cpu preset turns it on)", section=EVAL,
+                                      resume="free")
     # --- mask-learning dynamics (method.md §7; what each quantity means: docs/analysis.md)
     layer_stats: bool = option(True, "per-layer flip rate, initial flip rate and sparse-weight ratio on every "
-                                     "log step, written to layers.jsonl", section=ANALYSIS)
+                                     "log step, written to layers.jsonl", section=ANALYSIS, resume="free")
     track_weights: int = option(10_000, "target weights sampled (seeded) to track |w| and the last mask flip "
                                         "(the paper's Table 2) into dynamics.json; 0 = off", parse=_count_ge0,
-                                section=ANALYSIS)
+                                section=ANALYSIS, resume="free")
     track_every: int = option(0, "steps between weight-tracking checks (0 = at every mask update, i.e. every "
-                                 "--mask-interval steps, and every log step)", parse=_count_ge0, section=ANALYSIS)
+                                 "--mask-interval steps, and every log step)", parse=_count_ge0, section=ANALYSIS,
+                                 resume="free")
     ratio_hist_steps: str = option("0.1,0.5,1.0", "when to histogram |pruned|/|kept| inside N:M groups (Fig. 3) "
                                                   "into ratio_hist.npz: fractions of the run (0.5) and/or steps "
                                                   "(500), comma-separated; '' = never", parse=parse_hist_steps,
-                                   section=ANALYSIS)
+                                   section=ANALYSIS, resume="free")
     # --- memory for large models (docs/training.md, "Large models"; none changes what is computed except
     # --teacher-dtype, and --fused-head up to float summation order)
     activation_checkpointing: str = option("none", "recompute the student's decoder blocks in backward instead of "
@@ -309,21 +331,25 @@ class TrainConfig(RunConfig, CastSettings):
                                                    "and attention: the cheap operators are recomputed), none; the "
                                                    "flag alone means full. The teacher keeps none anyway (its "
                                                    "forward runs without a graph)", choices=RECOMPUTE_MODES,
-                                            parse=recompute_mode, nargs="?", const="full", section=MEMORY)
+                                            parse=recompute_mode, nargs="?", const="full", section=MEMORY,
+                                            resume="free")
     fsdp_precision: str = option("auto", "with --fsdp in bf16: policy (FSDP2's MixedPrecisionPolicy: bf16 weights "
                                          "for compute and all-gather, fp32 reduce-scatter, fp32 sharded master "
                                          "weights, no autocast; the weight scales stay fp32) or autocast (fp32 "
                                          "all-gathers, bf16 autocast as without --fsdp); auto: policy. results.json "
-                                         "records which ran", choices=FSDP_PRECISIONS, section=MEMORY)
+                                         "records which ran", choices=FSDP_PRECISIONS, section=MEMORY,
+                                         resume="free")
     teacher_dtype: str = option("auto", "the frozen teacher's weights: auto (bf16 when training in bf16, else "
-                                        "fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY)
+                                        "fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY,
+                                        resume="free")
     fused_head: bool = option(False, "LM head and loss (KD or CE) together, --kd-chunk-size tokens at a time: the "
                                      "full tokens × vocabulary logits of student and teacher never exist (128k "
-                                     "vocabularies; same FLOPs)", section=MEMORY)
-    packed_masks: bool = option(False, "AdamS keeps its N:M masks as bits (1/8 of the bool masks)", section=MEMORY)
+                                     "vocabularies; same FLOPs)", section=MEMORY, resume="free")
+    packed_masks: bool = option(False, "AdamS keeps its N:M masks as bits (1/8 of the bool masks)", section=MEMORY,
+                                resume="free")
     memory_check: bool = option(True, "stop before loading anything when the memory plan says the run does not fit, "
                                       "with the options that would make it fit (--no-memory-check starts anyway)",
-                                section=MEMORY)
+                                section=MEMORY, resume="free")
 
     def validate(self) -> None:
         super().validate()

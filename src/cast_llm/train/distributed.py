@@ -252,12 +252,15 @@ class Replicated(Distribution):
 class Sharded(Distribution):
     """FSDP2: every parameter sharded by rows across the processes (:mod:`cast_llm.train.fsdp`)."""
 
+    mesh = None  # the processes' device mesh, made on first use
+    replicated: tuple = ()  # the parameters kept whole on every rank (weight scales), set by shard()
+
     def loads_weights(self, resuming: bool) -> bool:
         # rank 0 alone holds the model in host memory; a resumed student's weights come from the checkpoint
         return self.is_main and not resuming
 
     def _mesh(self):
-        if getattr(self, "mesh", None) is None:
+        if self.mesh is None:
             self.mesh = fsdp.device_mesh(self.device)
         return self.mesh
 
@@ -302,7 +305,7 @@ class Sharded(Distribution):
         return contextlib.nullcontext() if self.precision_mode == "policy" else self.accelerator.autocast()
 
     def sync_gradients(self, model) -> None:
-        fsdp.sync_replicated_grads(getattr(self, "replicated", []), self.world)
+        fsdp.sync_replicated_grads(self.replicated, self.world)
 
     def no_sync(self, model, sync: bool):
         # every micro-batch's gradients are reduce-scattered into the sharded ones (FSDP2's default): between

@@ -81,8 +81,8 @@ def precision_mode(cfg, precision: str) -> str:
     """What ran: ``policy`` (FSDP2's MixedPrecisionPolicy), ``autocast`` (fp32 all-gathers, bf16 autocast),
     ``fp32`` (no mixed precision) under ``--fsdp``; ``none`` without it (DDP and one process keep
     accelerate's autocast). ``precision``: the loop's (``bf16`` or ``no``)."""
-    choice = getattr(cfg, "fsdp_precision", "auto")
-    if not getattr(cfg, "fsdp", False):
+    choice = cfg.fsdp_precision
+    if not cfg.fsdp:
         if choice != "auto":
             raise CastError(f"--fsdp-precision {choice} applies to --fsdp runs only: add --fsdp, or leave the "
                             "flag out (DDP and one process use bf16 autocast)")

@@ -43,8 +43,8 @@ from cast_llm import kernels
 from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json, read_json_object
-from cast_llm.optim.schedule import build_scheduler
+from cast_llm.io import RunDir
+from cast_llm.optim.schedule import TRAIN_WARMUP, build_scheduler
 from cast_llm.train.checkpoint import (
     fingerprint,
     latest_meta,
@@ -67,7 +67,9 @@ from cast_llm.train.rundir import (
     finished_result,
     kept_checkpoints,
     prepare_run_dir,
+    read_results,
     write_marker,
+    write_results,
 )
 from cast_llm.train.step import StepSetup, train_step
 from cast_llm.train.threads import setup_threads
@@ -88,10 +90,10 @@ class Job:
     Every attribute the loop reads is declared here. Set by the subclass: ``cfg`` (its
     :class:`~cast_llm.train.config.RunConfig`), ``method`` (its TrainingMethod), ``command`` (the ``cast-llm``
     subcommand that runs it, for the resume command), ``kind`` (``"run"`` or ``"fine-tuning run"``, for
-    messages), ``marker_kind`` (written into the run marker and checkpoints), ``fingerprint_keys`` (config keys
-    a resume must match), ``default_warmup`` (fraction of the steps), ``desc`` (progress-bar label). After
-    :meth:`setup`: ``total_steps``, ``model``, ``teacher`` (or None), ``tokenizer``, and where the job has
-    them ``data`` (given to ``method.prepare_model``), ``evaluator`` (for the observers), ``tokens_per_step``
+    messages), ``marker_kind`` (written into the run marker and checkpoints), ``default_warmup`` (fraction of
+    the steps), ``desc`` (progress-bar label); what a resume must match is marked on ``cfg``'s fields
+    (:func:`~cast_llm.train.checkpoint.fingerprint`). After :meth:`setup`: ``total_steps``, ``model``,
+    ``teacher`` (or None), ``tokenizer``, and where the job has them ``data`` (given to ``method.prepare_model``), ``evaluator`` (for the observers), ``tokens_per_step``
     (None: examples vary in length, the log counts the tokens it saw), ``teacher_forward`` (dropped with the
     teacher when training ends), ``memory_plan`` (compared with the measured peak).
 
@@ -102,8 +104,7 @@ class Job:
     command = "train"
     kind = "run"
     marker_kind = "cast-llm-run"
-    default_warmup = 0.02
-    fingerprint_keys: tuple[str, ...] = ()
+    default_warmup = TRAIN_WARMUP
     desc = "train"
     cfg: Any
     method: Any
@@ -288,6 +289,7 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     kind = device_type(cfg)
     timeouts = job.before_launch(world=int(os.environ.get("WORLD_SIZE", "1")), device_type=kind,
                                  precision=resolve_precision(cfg, kind))
+    cfg = job.cfg  # the run's config as the launch settled it (a job derives a new one: before_launch)
     accelerator, precision = build_accelerator(cfg, collective_timeout_s=timeouts.collective if timeouts else None)
     is_main = accelerator.is_main_process
     say = log if is_main else (lambda *a, **k: None)
@@ -325,18 +327,15 @@ def _run(job, accelerator, precision, say, stop, checkpoint, folder, timeouts, t
     distribution, checkpoint = _open_run(cfg, accelerator, precision, out, say, checkpoint, folder, timeouts)
     ctx = LoopContext(cfg, accelerator, distribution, out, say, precision)
     set_seed(cfg.seed)
-    results: dict[str, Any] = {}
-    if checkpoint is not None and (out / "results.json").is_file():  # a hand-edited one: one line, not a traceback
-        results = read_json_object(out / "results.json", "the run's results", fix="restore it, or remove it to "
-                                   "resume without the earlier segments' figures")
+    results: dict[str, Any] = read_results(out) if checkpoint is not None else {}
     resuming = checkpoint is not None
     t = _prepare(job, ctx, results, resuming)
-    fp = fingerprint(asdict(cfg), job.fingerprint_keys)
+    fp = fingerprint(cfg)
     start_step, window = _resume(ctx, t, checkpoint, fp) if resuming else (0, None)
     if threads is not None:  # an explicit --threads that is not the run's choice: "exact" is not exact here
         results.setdefault("threads_resumed", []).append({**threads, "step": start_step})
     if distribution.is_main:
-        dump_yaml(cfg, out / "config.yaml")
+        dump_yaml(cfg, RunDir(out).config)
         write_marker(out, {"kind": job.marker_kind, "method": job.method.name, "config": asdict(cfg)})
     log = MetricsLog(ctx, t.scheduler, total_steps=job.total_steps, start_step=start_step, desc=job.desc,
                      tokens_per_step=job.tokens_per_step, window=window)
@@ -503,7 +502,7 @@ def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Chec
     if trained:
         _record_peak(job, ctx, t.peak, results)
         if ctx.is_main:  # the figure survives whatever happens in the export
-            atomic_write_json(out / "results.json", results)
+            write_results(out, results)
         ckpt.at_end(total)
     if t.observers:
         end_ctx = _step_context(job, ctx, t, total, False)
@@ -521,11 +520,11 @@ def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Chec
     results["kernels"] = kernels.taken()  # which path each checked kernel took (cast_llm.kernels)
     with distribution.waiting_for_main("exporting and evaluating the final model"):
         merge_results(results, job.finish(ctx, final, results))
-        if ctx.is_main:  # (the HTML report reads it)
-            atomic_write_json(out / "results.json", results)
+        if ctx.is_main:  # a run that dies in the gathering below keeps its export's figures
+            write_results(out, results)
     results["phases"] = ctx.phases.gathered(distribution)
     if ctx.is_main:
-        atomic_write_json(out / "results.json", results)
+        write_results(out, results)
         from cast_llm.deploy.model_card import refresh_run_card
 
         refresh_run_card(out, results)  # the model card again, with what the run measured after writing it

@@ -58,7 +58,7 @@ def _selective_contexts():
 def teacher_dtype(cfg, precision: str) -> torch.dtype:
     """``--teacher-dtype`` as a dtype; ``auto`` follows the training precision (bf16 autocast → bf16: no
     weight casts by autocast at every teacher forward, half the memory)."""
-    choice = getattr(cfg, "teacher_dtype", "auto")
+    choice = cfg.teacher_dtype
     if choice == "auto":
         return torch.bfloat16 if precision == "bf16" else torch.float32
     return torch.bfloat16 if choice == "bf16" else torch.float32

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cast_llm.io import append_jsonl, truncate_jsonl
+from cast_llm.io import RunDir, append_jsonl, truncate_jsonl
 
 __all__ = ["MetricsLog"]
 
@@ -33,11 +33,11 @@ class MetricsLog:
         self.tokens_per_step = tokens_per_step
         self.tb = self.bar = None
         if self.is_main:
-            truncate_jsonl(self.out / "metrics.jsonl", start_step)
+            truncate_jsonl(RunDir(self.out).metrics, start_step)
             if cfg.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+                self.tb = SummaryWriter(str(RunDir(self.out).tensorboard), purge_step=start_step + 1 if start_step else None)
             if cfg.progress:
                 from tqdm.auto import tqdm
 
@@ -64,7 +64,7 @@ class MetricsLog:
         for e in entries:
             rec.update(e)
         if self.is_main:
-            append_jsonl(self.out / "metrics.jsonl", rec)
+            append_jsonl(RunDir(self.out).metrics, rec)
             if self.tb is not None:
                 for k, v in rec.items():
                     if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):

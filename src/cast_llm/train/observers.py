@@ -52,7 +52,7 @@ class MaskStats(Observer):
         size = sum(c.numel for c in counts)
         kept, total = sum(c.kept_l1 for c in counts), sum(c.total_l1 for c in counts)
         # the share of N:M groups whose kept set differs from the first mask (one more transfer, all layers)
-        m = int(getattr(ctx.cfg, "m", 4))
+        m = ctx.cfg.m
         cur = [ctx.masks[k] for k in names]
         init = [unpack_mask(self.initial[k], self.shapes[k]).to(c.device) for k, c in zip(names, cur)]
         transposed = [groups_transposed(ctx.model, k, c, m) for k, c in zip(names, cur)]

@@ -41,11 +41,15 @@ from cast_llm.io import (
 )
 
 __all__ = ["RUN_MARKER", "LOCK_FILE", "RunLock", "is_run_dir", "prepare_run_dir", "record_written", "written_files",
-           "finished_result", "kept_checkpoints", "say_if_finished", "set_aside", "drop_previous", "PREVIOUS"]
+           "finished_result", "kept_checkpoints", "say_if_finished", "set_aside", "drop_previous", "PREVIOUS",
+           "read_results", "write_results", "write_marker", "CHECKPOINT_META"]
 
 RUN_MARKER = RunDir.MARKER
 LOCK_FILE = RunDir.LOCK
 PREVIOUS = ".cast-llm-previous"  # the run an --overwrite replaces, kept until the new one has finished
+# in every complete checkpoint folder (RUN/checkpoints/step-N, cast_llm.train.checkpoint): its fingerprint, step
+# and checksums; named here so that the run folder's readers need not import the checkpoint code (torch)
+CHECKPOINT_META = "meta.json"
 # what every run writes besides the exported model (always its own, listed in the marker too)
 RUN_FILES = RunDir.OWN
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack",
@@ -112,7 +116,7 @@ def say_if_finished(args) -> bool:
 def kept_checkpoints(path: Path) -> bool:
     """Whether the run folder still holds a complete checkpoint (a finished run that kept them resumes from its
     last one: its export and evaluation run again, nothing is trained and nothing deleted)."""
-    return any((Path(path) / RunDir.CHECKPOINTS).glob("step-*/meta.json"))
+    return any(RunDir(path).checkpoints.glob(f"step-*/{CHECKPOINT_META}"))
 
 
 def finished_result(path: Path) -> str | None:
@@ -334,3 +338,20 @@ def write_marker(out: Path, info: dict[str, Any]) -> None:
     path = Path(out) / RUN_MARKER
     old = read_json(path)
     atomic_write_json(path, {**info, "written": old.get("written", [])})
+
+
+def read_results(out: Path) -> dict[str, Any]:
+    """The ``results.json`` a resumed run's earlier segments wrote (empty when there is none); a hand-edited one
+    that is not a JSON object is a one-line CastError, not a traceback."""
+    path = RunDir(out).results
+    if not path.is_file():
+        return {}
+    return read_json_object(path, "the run's results", fix="restore it, or remove it to resume without the earlier "
+                            "segments' figures")
+
+
+def write_results(out: Path, results: dict[str, Any]) -> None:
+    """The one writer of a run's ``results.json`` (atomic: a reader sees the previous version or this one).
+    The loop writes it with every checkpoint, after the steps, after the export and at the end; ``cast-llm
+    train`` again when it adds the decode speeds and the report's path."""
+    atomic_write_json(RunDir(out).results, results)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,7 +44,6 @@ from cast_llm.plan.batch import split_global_batch
 from cast_llm.sparsity.mask import magnitude_mask
 from cast_llm.targets import find_targets
 from cast_llm.train import fsdp as fsdp2
-from cast_llm.train.checkpoint import FINGERPRINT_KEYS
 from cast_llm.train.config import TrainConfig
 from cast_llm.train.loop import Job, run
 from cast_llm.train.memory import device_capacity, plan_for_run, refuse_if_too_large
@@ -80,8 +80,6 @@ class PretrainJob(Job):
     command = "train"
     kind = "run"
     marker_kind = "cast-llm-run"
-    default_warmup = 0.02
-    fingerprint_keys = FINGERPRINT_KEYS
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -97,13 +95,15 @@ class PretrainJob(Job):
 
     def before_launch(self, *, world: int, device_type: str, precision: str):
         """The model built empty (config only), the plan made from it, the batch split over the processes, a
-        run that cannot fit refused, the timeouts set (see the module docstring); no weights are read."""
+        run that cannot fit refused, the timeouts set (see the module docstring); no weights are read. What
+        this settles (the micro-batch and accumulation, the FSDP2 precision that runs) makes the run's config
+        from here on: a new ``self.cfg``, derived from the one given (which is left as it was)."""
         cfg = self.cfg
         if cfg.fsdp:
             fsdp2.check_supported(cfg)
         self.fsdp_precision = fsdp2.precision_mode(cfg, precision)  # what runs; config.yaml records it too
         if self.fsdp_precision in ("policy", "autocast"):
-            cfg.fsdp_precision = self.fsdp_precision
+            cfg = replace(cfg, fsdp_precision=self.fsdp_precision)
         self.framework = process_rss() if device_type == "cpu" else 0  # the plan's "framework" on a CPU
         self.skeleton = empty_model(cfg.model)
         check_seq_len(self.skeleton, cfg.seq_len, cfg.model)
@@ -112,14 +112,15 @@ class PretrainJob(Job):
         native = torch.finfo(self.native_dtype).bits // 8
 
         def plan(batch_size: int, grad_accum: int):
-            cfg.batch_size, cfg.grad_accum = batch_size, grad_accum
-            return plan_for_run(cfg, self.skeleton, world=world, device=device, precision=precision,
-                                framework=self.framework, native_bytes=native)
+            return plan_for_run(replace(cfg, batch_size=batch_size, grad_accum=grad_accum), self.skeleton,
+                                world=world, device=device, precision=precision, framework=self.framework,
+                                native_bytes=native)
 
         capacity = device_capacity(device, world)
-        cfg.batch_size, cfg.grad_accum = split_global_batch(
+        batch_size, grad_accum = split_global_batch(
             cfg.global_batch, world, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
             fits=lambda b, a: plan(b, a)[0].fits(capacity))
+        self.cfg = cfg = replace(cfg, batch_size=batch_size, grad_accum=grad_accum)
         self.memory_plan, self.startup_plan, self.plan_lines = plan(cfg.batch_size, cfg.grad_accum)
         if cfg.memory_check:
             refuse_if_too_large(self.memory_plan, device, world, startup=self.startup_plan)
@@ -136,7 +137,7 @@ class PretrainJob(Job):
         self.tokenizer = load_tokenizer(cfg.model)
         skeleton = self.skeleton
         targets = find_targets(skeleton, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
-        skipped = getattr(targets, "skipped", [])
+        skipped = targets.skipped
         if skipped:
             say(f"leaving {len(skipped)} layer(s) dense (width not a multiple of {cfg.m}): "
                 f"{', '.join(t.fqn for t in skipped)}")
@@ -329,8 +330,8 @@ class PretrainJob(Job):
                             "sha256": self.data.split_sha256, "train_sequences": int(self.data.train.shape[0]),
                             "documents_read": self.data.documents},
                 wikitext_windows=self.evaluator.windows,
-                wikitext_windows_total=getattr(self.evaluator, "windows_total", None),
-                wikitext_file=getattr(self.evaluator, "wiki_source", None),
+                wikitext_windows_total=self.evaluator.windows_total,
+                wikitext_file=self.evaluator.wiki_source,
                 wall_time_s=round(ctx.elapsed(), 1), output_dir=str(ctx.out), threads=torch.get_num_threads(),
                 export_dtype=str(self.native_dtype).removeprefix("torch."),
             )
@@ -346,11 +347,12 @@ class PretrainJob(Job):
 def train(cfg: TrainConfig, *, log=print) -> dict[str, Any]:
     """Run one training job described by ``cfg``; returns the results written to ``results.json`` (empty on
     every process but the main one). Its last screen: :func:`cast_llm.train.summary.summary_table`; its HTML
-    report: :func:`cast_llm.report.build_report` (``cast-llm train`` shows and writes both)."""
+    report: :func:`cast_llm.report.build_report` (``cast-llm train`` shows and writes both). ``cfg`` itself is
+    never changed: what the launch settles goes into a config derived from it (the run's ``config.yaml``)."""
     cfg.validate()
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         # `accelerate launch --use_fsdp …` (or an accelerate config with FSDP): cast-llm applies FSDP2 itself
         # (train/fsdp.py); accelerate's own wrapping would shard the model a second time, so it is switched off
         os.environ["ACCELERATE_USE_FSDP"] = "false"
-        cfg.fsdp = True
+        cfg = replace(cfg, fsdp=True)
     return run(PretrainJob(cfg), log=log)

@@ -26,7 +26,7 @@ class TrainingMethod:
     name = "base"
 
     def uses_kd(self, cfg) -> bool:
-        return bool(getattr(cfg, "use_kd", False))
+        return cfg.use_kd
 
     def prepare_model(self, model: torch.nn.Module, cfg, *, data=None, device=None,
                       start: str = "compute") -> torch.nn.Module | None:

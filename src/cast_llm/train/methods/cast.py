@@ -38,7 +38,7 @@ from cast_llm.errors import CastError
 from cast_llm.nn import fold_scaling_, wrap_scaling_
 from cast_llm.optim import AdamS
 from cast_llm.optim.forecast import forecast_decay
-from cast_llm.optim.schedule import schedule_lrs
+from cast_llm.optim.schedule import TRAIN_WARMUP, schedule_lrs
 from cast_llm.prune.compensate import compensated_prune_
 from cast_llm.sparsity.stats import l1_mass
 from cast_llm.targets import find_targets, param_groups
@@ -127,8 +127,8 @@ class CastMethod(TrainingMethod):
             n=cfg.n,
             m=cfg.m,
             weight_decay=cfg.weight_decay,
-            mask_storage="packed" if getattr(cfg, "packed_masks", False) else "bool",
-            decay_mode=getattr(cfg, "decay_mode", "proportional"),
+            mask_storage="packed" if cfg.packed_masks else "bool",
+            decay_mode=cfg.decay_mode,
         )
         shared = self._start in ("send", "receive") and self.uses_one_shot_start
         if self._init_masks is not None or shared:
@@ -138,7 +138,7 @@ class CastMethod(TrainingMethod):
                 del mask
         self._init_masks = None  # the start masks live on in AdamS alone
         self.total_steps = total_steps
-        self._lrs = schedule_lrs(cfg, total_steps, cfg.lr, default_warmup=0.02)
+        self._lrs = schedule_lrs(cfg, total_steps, cfg.lr, default_warmup=TRAIN_WARMUP)
         self.regrow_steps = round(cfg.regrow_steps_fraction * total_steps)
         self._before_step = None  # the sparse weights before the optimizer step (regrow phase only)
         fraction = cfg.effective_repair_fraction
@@ -256,12 +256,12 @@ class CastMethod(TrainingMethod):
     @property
     def forecasts(self) -> bool:
         """Whether the decay forecast describes this run (it models proportional decay only)."""
-        return getattr(self.cfg, "decay_mode", "proportional") == "proportional"
+        return self.cfg.decay_mode == "proportional"
 
     def log_metrics(self, model, optimizer, step: int) -> dict:
         if self.cfg.fsdp or not self.forecasts or self.in_repair(step) or step + 1 >= self.total_steps:
             return {}
-        if not forecast_due(step + 1, self.total_steps, getattr(self.cfg, "log_every", 1)):
+        if not forecast_due(step + 1, self.total_steps, self.cfg.log_every):
             return {}
         return {"forecast_sparse_weight_ratio": self._forecast(optimizer, suggest=False).sparse_weight_ratio}
 
