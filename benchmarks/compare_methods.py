@@ -599,7 +599,7 @@ class Comparison:
         seed = self.seeds[0]
         hp = {"l1_decay": self.tier["l1_decay"]}  # the search starts from the tier's λ, whatever was chosen
         argv, hp = self.entry_train_argv(e, self.runs / e.key / "forecast", seed, hp)
-        command = _without_output_dir("cast-llm " + shlex.join(argv))
+        command = without_output_dir("cast-llm " + shlex.join(argv))
         cache = self.runs / e.key / "forecast.json"
         if cache.is_file() and (rec := json.loads(cache.read_text())).get("command") == command:
             return rec
@@ -718,7 +718,7 @@ class Comparison:
             argv = self.prune_argv(e.args, out / "model", seed if e.seeded else None)
         else:
             return None
-        return _without_output_dir("cast-llm " + shlex.join(argv))
+        return without_output_dir("cast-llm " + shlex.join(argv))
 
     def reuse_recorded(self, path: Path) -> list[str]:
         """Put the runs recorded in ``path`` (a committed ``compare-*.json``) into the runs folder where it has
@@ -743,7 +743,7 @@ class Comparison:
                 out = self.runs / e.key / (f"seed-{run.get('seed')}" if e.seeded else "")
                 want = self.expected_command(e, run.get("seed"))
                 if (out / "compare_row.json").is_file() or run.get("status") != "ok" or (
-                        want is not None and _without_output_dir(run.get("command", "")) != want):
+                        want is not None and without_output_dir(run.get("command", "")) != want):
                     continue
                 if run.get("split_sha256") is None or run.get("split_sha256") != self.current_split():
                     continue  # scored on other text (the seed-dependent split of earlier versions)
@@ -1192,7 +1192,7 @@ def _proc_stat() -> tuple[int, int] | None:
     return sum(v) - v[3] - v[4], sum(v)
 
 
-def _without_output_dir(cmd: str) -> str:
+def without_output_dir(cmd: str) -> str:
     """A row's command without its ``--output-dir`` (where the run went is not what it ran)."""
     parts = shlex.split(portable(cmd))
     out = []
@@ -1385,7 +1385,7 @@ def main(argv=None) -> int:
 
 __all__ = ["ORDER_CHECK", "main", "parse_args", "regenerate_argv", "TIERS", "budget_name", "CORE", "SRSTE_SWEEP",
            "MASKLLM", "ABLATIONS",
-           "ALL_ENTRIES", "CAST_BEST", "DEFAULT_ABLATIONS", "MASK_CANDIDATES", "Entry", "Comparison", "run_statistics"]
+           "ALL_ENTRIES", "CAST_BEST", "DEFAULT_ABLATIONS", "MASK_CANDIDATES", "Entry", "Comparison", "run_statistics", "without_output_dir"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,7 +37,7 @@ RERUN_REL = 1e-3
 COLORS = {"dense": "#4d4d4d", "oneshot": "#e39b3b", "train": "#4a78b5", "cast": "#c0392b"}
 
 
-def _num(v, fmt="{:.2f}") -> str:
+def format_number(v, fmt="{:.2f}") -> str:
     return "—" if v is None else fmt.format(v)
 
 
@@ -85,7 +85,7 @@ def _ppl(r: dict, split: str) -> str:
     """The mean over the row's seeds, and below it every seed's value (seed: value)."""
     runs = [x for x in r.get("seeds") or [] if x.get("status") == "ok"]
     if len(runs) < 2:
-        return _num(r.get(split)) + ("<br>(1 seed)" if len(r.get("seeds", [])) == 1 else "")
+        return format_number(r.get(split)) + ("<br>(1 seed)" if len(r.get("seeds", [])) == 1 else "")
     per = ", ".join(f"s{x['seed']} {x[split]:.2f}" for x in runs)
     return f"{r[split]:.2f}<br>({per})"
 
@@ -119,7 +119,7 @@ def _rerun_line(r: dict, idle: dict, seed: dict, why: str) -> str:
             + f" (code {idle.get('code') or '?'} vs {seed.get('code') or '?'})")
 
 
-def _compute(r: dict) -> str:
+def compute_cell(r: dict) -> str:
     """Wall time of the row's runs (mean over seeds), their thread count and what else kept the machine busy."""
     runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
     threads = sorted({x.get("threads") for x in runs if x.get("threads")})
@@ -317,14 +317,14 @@ def tuning_lines(rows: list[dict]) -> list[str]:
         if r.get("kind") != "train" or not t:
             continue
         if t.get("chosen") == "not retuned":
-            out.append(f"- {r['label']}: not retuned (lr {_num(r.get('lr'), '{:g}')})")
+            out.append(f"- {r['label']}: not retuned (lr {format_number(r.get('lr'), '{:g}')})")
             continue
         src = f" (chosen at {portable(t['from'])})" if t.get("from") else ""
         stages = t.get("stages")
         if not stages:  # a record of one grid (written before stages existed)
             name, choice = next(iter(t["chosen"].items()))
             res = t.get("results") or {}
-            grid = ", ".join(f"{name} {v}: {_num(res.get(v, {}).get('validation'))}" for v in t["grid"][name])
+            grid = ", ".join(f"{name} {v}: {format_number(res.get(v, {}).get('validation'))}" for v in t["grid"][name])
             out.append(f"- {r['label']}: {name} **{choice}**{src} — validation ppl {grid} ({t.get('metric', '')})")
             continue
         # a search over several settings, one at a time: each stage with what it held fixed
@@ -332,7 +332,7 @@ def tuning_lines(rows: list[dict]) -> list[str]:
         out.append(f"- {r['label']}: {chosen}{src} ({t.get('metric', '')}; {t.get('search') or 'one stage'})")
         for x in stages:
             res = x.get("results") or {}
-            grid = ", ".join(f"{x['name']} {v}: {_num(res.get(v, {}).get('validation'))}" for v in x["values"])
+            grid = ", ".join(f"{x['name']} {v}: {format_number(res.get(v, {}).get('validation'))}" for v in x["values"])
             fixed = ", ".join(f"{k} {v:g}" for k, v in (x.get("fixed") or {}).items())
             fc = (x.get("grid_from") or {}).get("forecast")
             centre = ""
@@ -347,7 +347,7 @@ def tuning_lines(rows: list[dict]) -> list[str]:
                           f"{', '.join(f'{m:g}' for m in x['grid_from']['multiples'])} × the λ past which a larger one "
                           f"hardly raises S_T, {fc['l1_decay_knee']:.3g} (S_T {fc['sparse_weight_ratio_at_knee']:.3f})")
             pruned = ", ".join(
-                f"{v}: {_num(res[v]['prune_validation_before'])} → {_num(res[v]['prune_validation_after'])}"
+                f"{v}: {format_number(res[v]['prune_validation_before'])} → {format_number(res[v]['prune_validation_after'])}"
                 for v in x["values"] if res.get(v, {}).get("prune_validation_before") is not None)
             out.append(f"  - {x['name']} **{x['chosen']}**" + (f" at {fixed}" if fixed else "")
                        + f" — validation ppl {grid}{centre}"
@@ -362,7 +362,7 @@ def prune_lines(rows: list[dict]) -> list[str]:
         seeds = [x for x in (r.get("seeds") or [r]) if x.get("prune_validation_before") is not None]
         if r.get("status") != "ok" or not seeds:
             continue
-        cells = ", ".join(f"s{x.get('seed')} {_num(x['prune_validation_before'])} → {_num(x.get('prune_validation_after'))}"
+        cells = ", ".join(f"s{x.get('seed')} {format_number(x['prune_validation_before'])} → {format_number(x.get('prune_validation_after'))}"
                           + (f" (step {x['prune_step']})" if x.get("prune_step") is not None else "") for x in seeds)
         out.append(f"- {r.get('label', r['key'])}: {cells}")
     return out
@@ -475,7 +475,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         kind = {"dense": "—", "oneshot": "one-shot", "train": "training"}[r["kind"]]
         tokens = f"{r['tokens']:,}" if r["kind"] == "train" and r.get("tokens") else "—"
         head = (f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
-                f"| {_num(r.get('lr'), '{:g}')} | {tokens} ")
+                f"| {format_number(r.get('lr'), '{:g}')} | {tokens} ")
         if r.get("status") != "ok":
             word = "stopped" if r.get("status") == "stopped" else "failed"
             lines.append(head + f"| {word} | {word} | — | — | — | — |")
@@ -486,8 +486,8 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
             earlier |= src
             mark = " †"
         lines.append(head + f"| {_ppl(r, 'heldout')}{mark} | {_ppl(r, 'wikitext2')}{mark} "
-                     f"| {_num(r.get('sparse_weight_ratio'), '{:.3f}')} | {movement(r)} "
-                     f"| {_num(r.get('tokens_per_s'), '{:.0f}')} | {_compute(r)} |")
+                     f"| {format_number(r.get('sparse_weight_ratio'), '{:.3f}')} | {movement(r)} "
+                     f"| {format_number(r.get('tokens_per_s'), '{:.0f}')} | {compute_cell(r)} |")
     if earlier:
         lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
                   + "; ".join(f"`{x}`" for x in sorted(earlier))

@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_methods import Comparison, Entry, _without_output_dir, budget_name, parse_args  # noqa: E402
-from compare_report import _compute, _num, paired, portable, register_runs_folder  # noqa: E402
+from compare_methods import Comparison, Entry, budget_name, parse_args, without_output_dir  # noqa: E402
+from compare_report import compute_cell, format_number, paired, portable, register_runs_folder  # noqa: E402
 
 ONESHOT = {"magnitude": "Magnitude (Eq. 6)", "wanda": "Wanda", "sparsegpt": "SparseGPT"}
 BASE = "sparsegpt"  # every mask is paired against SparseGPT's
@@ -140,10 +140,10 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
         e = mask_entry(key, here)
         for run in row.get("seeds", []):
             out = cmp.runs / e.key / f"seed-{run['seed']}"
-            want = _without_output_dir("cast-llm " + shlex.join(cmp.entry_train_argv(e, out, run["seed"],
+            want = without_output_dir("cast-llm " + shlex.join(cmp.entry_train_argv(e, out, run["seed"],
                                                                                       dict(recipe))[0]))
             if (out / "compare_row.json").is_file() or run.get("status") != "ok" or (
-                    _without_output_dir(run.get("command", "")) != want):
+                    without_output_dir(run.get("command", "")) != want):
                 continue
             if run.get("split_sha256") is None or run["split_sha256"] != cmp.current_split():
                 continue  # scored on other text
@@ -304,8 +304,8 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         src = {x.get("recorded_in") for x in r.get("seeds") or [r]} - {None}
         earlier |= src
         lines.append(f"| {r['label']}{' †' if src else ''} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
-                     f"{_num(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
-                     f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} | {_compute(r)} |")
+                     f"{format_number(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
+                     f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} | {compute_cell(r)} |")
     if earlier:
         lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
                   + "; ".join(f"`{x}`" for x in sorted(earlier)) + " (`--fresh` runs it again)."]
@@ -403,7 +403,7 @@ def _cell(r: dict, split: str) -> str:
     """The mean over the seeds and, below it, every seed's value."""
     runs = [x for x in r.get("seeds") or [r] if x.get("status") == "ok"]
     per = ", ".join(f"s{x['seed']} {x[split]:.2f}" for x in runs)
-    return f"{_num(r.get(split))}<br>({per})"
+    return f"{format_number(r.get(split))}<br>({per})"
 
 
 def _pair(j: dict, split: str) -> str:

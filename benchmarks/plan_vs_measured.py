@@ -91,9 +91,9 @@ def make_model(case: Case, folder: Path, device: str, vocab: int | None = None) 
     small byte-level BPE tokenizer, in ``folder``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from cast_llm.plan.shapes import _from_dict, embedded_config
+    from cast_llm.plan.shapes import embedded_config
 
     if (folder / "config.json").is_file():
         return folder
@@ -102,7 +102,7 @@ def make_model(case: Case, folder: Path, device: str, vocab: int | None = None) 
         d["num_hidden_layers"] = case.layers
     if vocab:
         d["vocab_size"] = vocab
-    cfg = _from_dict(d, case.model)
+    cfg = AutoConfig.for_model(**d)  # the embedded config names its model_type
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
@@ -116,14 +116,14 @@ def make_model(case: Case, folder: Path, device: str, vocab: int | None = None) 
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_documents(200), trainer)
+    tok.train_from_iterator(filler_documents(200), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                             pad_token="<|endoftext|>").save_pretrained(tmp)
     tmp.rename(folder)
     return folder
 
 
-def _documents(n: int) -> list[str]:
+def filler_documents(n: int) -> list[str]:
     """Varied English-like documents, seeded (the text does not change memory; it only has to exist)."""
     import random
 
@@ -137,8 +137,8 @@ def _documents(n: int) -> list[str]:
 def write_data(folder: Path) -> tuple[Path, Path]:
     corpus, wiki = folder / "corpus.jsonl", folder / "eval.txt"
     if not corpus.is_file():
-        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents(400)))
-        wiki.write_text("\n\n".join(_documents(20)))
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in filler_documents(400)))
+        wiki.write_text("\n\n".join(filler_documents(20)))
     return corpus, wiki
 
 
@@ -250,16 +250,16 @@ def _run_until_measured(cmd, env, results: Path, timeout: int, log: Path):
 def planned_only(case: Case, vocab: int | None = None) -> dict:
     """The plan of a case that is not run (DDP of the 1B-class config on the CPU)."""
     from cast_llm.plan import Setup, model_shape, plan_memory, shape_of
-    from cast_llm.plan.shapes import _from_dict, embedded_config
+    from cast_llm.plan.shapes import embedded_config
 
     if case.layers:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         d = embedded_config(case.model)
         d["num_hidden_layers"] = case.layers
         with torch.device("meta"):
-            shape = shape_of(AutoModelForCausalLM.from_config(_from_dict(d, case.model)), name=case.name)
+            shape = shape_of(AutoModelForCausalLM.from_config(AutoConfig.for_model(**d)), name=case.name)
     else:
         shape = model_shape(case.model)
     p = plan_memory(shape, Setup(device="cpu", world=case.procs, strategy=case.launch, precision="fp32",

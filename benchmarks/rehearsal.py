@@ -48,7 +48,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from plan_vs_measured import _documents  # noqa: E402
+from plan_vs_measured import filler_documents  # noqa: E402
 
 from cast_llm.io import RunDir  # noqa: E402
 
@@ -67,23 +67,23 @@ def make_model(folder: Path) -> Path:
     """Llama-3.1-8B's config with :data:`SHAPE`, random weights saved in bf16 (as the 8B is), a BPE tokenizer."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from cast_llm.plan.shapes import _from_dict, embedded_config
+    from cast_llm.plan.shapes import embedded_config
 
     if (folder / "config.json").is_file():
         return folder
     # the tokenizer's one special token (id 0) as BOS/EOS/pad: the 8B's ids are outside an 8192 vocabulary
     d = {**embedded_config("llama-3.1-8b"), **SHAPE, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_from_dict(d, "rehearsal"), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_documents(200), trainer)
+    tok.train_from_iterator(filler_documents(200), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                             pad_token="<|endoftext|>").save_pretrained(folder)
     return folder
@@ -92,8 +92,8 @@ def make_model(folder: Path) -> Path:
 def write_data(folder: Path) -> tuple[Path, Path]:
     corpus, wiki = folder / "corpus.jsonl", folder / "eval.txt"
     if not corpus.is_file():
-        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents(600)))
-        wiki.write_text("\n\n".join(_documents(20)))
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in filler_documents(600)))
+        wiki.write_text("\n\n".join(filler_documents(20)))
     return corpus, wiki
 
 

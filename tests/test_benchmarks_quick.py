@@ -112,3 +112,26 @@ def test_train_step_json_has_the_issue_keys_and_a_profile_per_variant(runs, json
     for r in rows.values():
         table = Path(r["profile_file"]).read_text()
         assert "Self CPU" in table and r["top_ops"], r
+
+
+def test_benchmarks_import_only_public_names():
+    """A benchmark uses the library's public API and its sibling scripts' public helpers: a private name
+    (``_x``) imported from ``cast_llm`` or from another script is a helper that should be public (a package's
+    own modules, like ``benchmarks/gpu/gpukit``, may share theirs)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    scripts = {p.stem for p in root.glob("*.py")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            top = node.module.split(".")[0]
+            if top != "cast_llm" and top not in scripts:
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            private += [part for part in node.module.split(".") if part.startswith("_") and part not in scripts]
+            if private:
+                found.append(f"{path.relative_to(root)}:{node.lineno} imports {private} from {node.module}")
+    assert not found, "\n".join(found)

