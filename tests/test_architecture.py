@@ -23,12 +23,12 @@ PACKAGE = SRC.name
 
 
 # ------------------------------------------------------------------------------------------- the modules
-def _modules() -> dict[str, tuple[Path, bool]]:
-    """``{dotted name: (file, is_package)}`` of every module of the package (``__main__`` files excluded:
-    importing one runs the command line)."""
+def _modules(src: Path = SRC) -> dict[str, tuple[Path, bool]]:
+    """``{dotted name: (file, is_package)}`` of every module of the package in ``src`` (``__main__`` files
+    excluded: importing one runs the command line)."""
     out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src.parent).with_suffix("").parts)
         if parts[-1] == "__main__":
             continue
         is_package = parts[-1] == "__init__"
@@ -41,18 +41,19 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 MODULES = _modules()
 
 
-def _owner(name: str) -> str | None:
+def _owner(name: str, modules: dict = MODULES) -> str | None:
     """The module of ours that ``name`` (a module or a module + attribute) denotes, or None."""
-    while name and name not in MODULES:
+    while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
 
 
-def _imports(module: str) -> list[tuple[str, int, bool, list[str]]]:
+def _imports(module: str, modules: dict = MODULES) -> list[tuple[str, int, bool, list[str]]]:
     """``(imported module of ours, line, inside a function, names imported from it)`` for every import
     statement of ``module``, at module level and inside functions alike."""
-    path, is_package = MODULES[module]
+    path, is_package = modules[module]
     package = module if is_package else module.rpartition(".")[0]
+    root = module.split(".")[0]
     found = []
 
     def visit(node, in_function: bool) -> None:
@@ -60,38 +61,41 @@ def _imports(module: str) -> list[tuple[str, int, bool, list[str]]]:
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 for alias in child.names:
-                    if alias.name.split(".")[0] == PACKAGE:
-                        found.append((_owner(alias.name), child.lineno, nested, []))
+                    if alias.name.split(".")[0] == root:
+                        found.append((_owner(alias.name, modules), child.lineno, nested, []))
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = package.split(".")[: len(package.split(".")) - child.level + 1]
                     source = ".".join(base + ([child.module] if child.module else []))
                 else:
                     source = child.module or ""
-                if source.split(".")[0] == PACKAGE:
+                if source.split(".")[0] == root:
                     for alias in child.names:  # `from pkg import submodule` imports the submodule
                         target = f"{source}.{alias.name}"
-                        found.append((target if target in MODULES else _owner(source), child.lineno, nested,
-                                      [alias.name]))
+                        found.append((target if target in modules else _owner(source, modules), child.lineno,
+                                      nested, [alias.name]))
             visit(child, nested)
 
     visit(ast.parse(path.read_text(encoding="utf-8")), False)
     return found
 
 
-def import_graph() -> dict[str, dict[str, tuple[int, bool]]]:
+def import_graph(modules: dict = MODULES) -> dict[str, dict[str, tuple[int, bool]]]:
     """``{module: {module it needs: (line, lazily)}}``. Importing ``a.b.c`` also runs the packages ``a`` and
-    ``a.b``, so a module depends on the packages above what it imports (but not on its own packages, which
-    are already running when it is imported)."""
-    graph: dict[str, dict[str, tuple[int, bool]]] = {m: {} for m in MODULES}
-    for module in MODULES:
-        for target, line, lazily, _ in _imports(module):
+    ``a.b``, so a module depends on the packages above what it imports — but not on its own packages merely
+    for being inside them (they are already running when it is imported). A module that imports a name from
+    its own package (``from a.b import f`` in ``a.b.c``) does need it: that edge counts, so a package whose
+    ``__init__`` imports the submodule back, even inside a function, is a cycle."""
+    graph: dict[str, dict[str, tuple[int, bool]]] = {m: {} for m in modules}
+    for module in modules:
+        for target, line, lazily, _ in _imports(module, modules):
             if target is None or target == module:
                 continue
             parts = target.split(".")
             for i in range(1, len(parts) + 1):
                 needed = ".".join(parts[:i])
-                if needed != module and not module.startswith(needed + ".") and needed in MODULES:
+                inside = module.startswith(needed + ".")  # one of the packages `module` belongs to
+                if needed != module and needed in modules and (not inside or i == len(parts)):
                     graph[module].setdefault(needed, (line, lazily))
     return graph
 
@@ -143,6 +147,21 @@ def test_the_import_graph_has_no_cycle():
         pytest.fail("import cycle:\n  " + "\n  ".join(steps))
 
 
+def test_an_in_function_circle_inside_one_package_is_a_cycle(tmp_path):
+    """Planted: a package's ``__init__`` and its submodule import each other, both inside functions (the
+    interpreter never trips on it; the reader does)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def plan():\n    from pkg.report import lines\n    return lines()\n")
+    (pkg / "report.py").write_text("def lines():\n    from pkg import plan\n    return [plan]\n")
+    (pkg / "other.py").write_text("import pkg\n\n\ndef f():\n    return pkg\n")  # the root package: not a circle
+    graph = import_graph(_modules(pkg))
+    assert graph["pkg.report"] == {"pkg": (2, True)} and graph["pkg"] == {"pkg.report": (2, True)}
+    assert find_cycle(graph) == ["pkg", "pkg.report", "pkg"]
+    (pkg / "report.py").write_text("def lines():\n    return []\n")  # the circle broken: none found
+    assert find_cycle(import_graph(_modules(pkg))) is None
+
+
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b": (1, False)}, "b": {"c": (2, True)}, "c": {"a": (3, False)}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": (1, False)}, "b": {}}) is None
@@ -150,8 +169,8 @@ def test_the_cycle_finder_finds_cycles():
 
 # the layers of docs/library.md: a module may import from its own layer and the ones below
 LAYERS = {
-    0: ("errors", "io", "config", "machine", "sparsity", "layers", "targets", "triton_support", "kernels"),  # core
-    1: ("nn", "optim", "distill", "data", "models", "prune", "quant", "deploy", "export", "eval", "analysis"),
+    0: ("errors", "io", "config", "machine", "sparsity", "layers", "targets", "triton_support", "dtensor", "kernels"),  # core
+    1: ("nn", "optim", "distill", "data", "models", "prune", "quant", "deploy", "eval", "analysis"),
     2: ("plan",),  # a run's needs, from its config alone
     3: ("train", "finetune", "integrations", "inference"),  # training; running a model for text
     4: ("scaling", "report", "doctor"),  # what runs, reads or checks training

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from cast_llm.layers import linear_features
+
 __all__ = ["StepContext", "Observer", "target_weight", "with_masks_applied"]
 
 
@@ -59,8 +61,6 @@ class Observer:
 
 def groups_transposed(model, fqn: str, mask: torch.Tensor, m: int) -> bool:
     """Whether target ``fqn``'s N:M groups run along dim 0 (GPT-2 ``Conv1D`` stores ``(in, out)``)."""
-    from cast_llm.layers import linear_features
-
     try:
         module = model.get_submodule(fqn)
         while hasattr(module, "base_layer"):  # a training method's wrapper: the layer it holds decides

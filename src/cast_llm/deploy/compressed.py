@@ -41,7 +41,8 @@ from cast_llm.deploy.checkpoint import (
     unique_state_dict,
     write_marker,
 )
-from cast_llm.deploy.export import verify_nm
+from cast_llm.deploy.export import sparsity_report, verify_nm
+from cast_llm.deploy.model_card import writer_card
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.deploy.semi_structured import require_semi_structured
 from cast_llm.deploy.sparse24 import Dispatcher, Sparse24Linear, to_sparse24_
@@ -96,8 +97,6 @@ def save_compressed(model, tokenizer, output_dir: str | Path, *, n: int = 2, m: 
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         save_config_and_tokenizer(model, tokenizer, tmp)
-        from cast_llm.deploy.export import sparsity_report
-        from cast_llm.deploy.model_card import writer_card
 
         writer_card(tmp, model, fmt="compressed", dest=out, card=card, pattern=f"{n}:{m}",
                     sparsity=getattr(model.config, "sparsity", None),

@@ -41,6 +41,7 @@ from cast_llm.deploy.checkpoint import (
     write_marker,
 )
 from cast_llm.deploy.export import EXPORT_MARKER, verify_nm
+from cast_llm.deploy.model_card import writer_card
 from cast_llm.errors import CastError
 from cast_llm.io import read_json, read_json_object
 from cast_llm.layers import is_linear_like
@@ -142,7 +143,6 @@ def save_compressed_tensors(model, tokenizer, output_dir: str | Path, *, targets
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         save_config_and_tokenizer(model, tokenizer, tmp, {"quantization_config": quantization_config})
-        from cast_llm.deploy.model_card import writer_card
 
         writer_card(tmp, model, fmt="compressed-tensors", dest=out, card=card, pattern="2:4", nm_rows=rows,
                     sparsity=getattr(model.config, "sparsity", None))

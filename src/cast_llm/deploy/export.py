@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cast_llm import __version__
+from cast_llm.deploy.model_card import writer_card
 from cast_llm.errors import CastError
 from cast_llm.io import RunDir, move_into, read_json_object, staging_dir
 from cast_llm.sparsity.mask import is_nm
@@ -135,7 +136,6 @@ def save_hf_checkpoint(model, tokenizer, output_dir: str | Path, sparsity: dict[
             model.save_pretrained(tmp, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            from cast_llm.deploy.model_card import writer_card
 
             writer_card(tmp, model, fmt="hf", dest=out, sparsity=sparsity, card=card, nm_rows=nm_rows)
             names = sorted(p.name for p in tmp.iterdir()) + [EXPORT_MARKER]

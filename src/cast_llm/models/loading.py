@@ -31,7 +31,8 @@ import torch
 from cast_llm.deploy.compressed import is_compressed_checkpoint, load_compressed
 from cast_llm.deploy.compressed_tensors import is_compressed_tensors_checkpoint, load_compressed_tensors
 from cast_llm.errors import CastError
-from cast_llm.io import cache_dir, pretrained_kwargs, publish_dir, staging_dir
+from cast_llm.io import cache_dir, pretrained_kwargs, publish_dir, read_json_object, staging_dir
+from cast_llm.models.gguf_check import check_gguf
 from cast_llm.quant.pack import INDEX_FILE as QUANT_INDEX
 from cast_llm.quant.pack import load_quantized
 
@@ -159,8 +160,6 @@ def check_model_folder(folder: str | Path) -> dict:
     CastError naming the file when it is not a JSON object, when it or ``tokenizer_config.json`` names custom
     code (``auto_map``: cast-llm never runs code from a model folder), or when its ``quantization_config`` /
     ``sparsity_config`` names a quantizer or a format that is not a known name."""
-    from cast_llm.io import read_json_object
-
     p = Path(folder)
     fix = "pass another model"
     config = read_json_object(p / "config.json", "the model's config", fix=fix)
@@ -310,7 +309,6 @@ def resolve_model(name_or_path: str) -> ModelSource:
     if alias is None and p.suffix == ".gguf":
         if not p.is_file():
             raise CastError(f"GGUF file not found: {p}")
-        from cast_llm.models.gguf_check import check_gguf
 
         check_gguf(p)  # every length in its header against the file's size, before gguf-py allocates them
         return ModelSource(name, "gguf", str(p.parent), gguf_file=p.name)

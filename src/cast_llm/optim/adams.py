@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
+from cast_llm import dtensor
 from cast_llm.errors import NonFiniteError
 from cast_llm.optim.functional import (
     DECAY_MODES,
@@ -35,12 +36,6 @@ from cast_llm.optim.functional import (
     placed_step,
 )
 from cast_llm.sparsity.mask import apply_mask_, is_nm_mask, magnitude_mask, pack_mask, unpack_mask
-
-try:  # FSDP2 parameters are DTensors; a torch build without distributed simply has none
-    from torch.distributed.tensor import DTensor as _DTensor
-    from torch.distributed.tensor import Shard as _Shard
-except ImportError:  # pragma: no cover
-    _DTensor = _Shard = None
 
 __all__ = ["AdamS", "adams"]
 
@@ -212,7 +207,7 @@ class AdamS(Optimizer):
         return group
 
     def _compute_mask(self, p: Tensor, group: dict[str, Any]) -> Tensor:
-        return magnitude_mask(_local(p), group["transposed"], group["n"], group["m"])
+        return magnitude_mask(dtensor.local(p), group["transposed"], group["n"], group["m"])
 
     def _encode(self, mask: Tensor) -> Tensor:
         return pack_mask(mask) if self.mask_storage == "packed" else mask.contiguous()
@@ -231,7 +226,7 @@ class AdamS(Optimizer):
         if stored is None:
             return self._compute_mask(p, group)
         if stored.dtype == torch.uint8:
-            return unpack_mask(stored, _local(p).shape)
+            return unpack_mask(stored, dtensor.local(p).shape)
         return stored
 
     def masks(self) -> dict[Tensor, Tensor]:
@@ -243,13 +238,13 @@ class AdamS(Optimizer):
         SparseGPT mask before the first step. It is replaced at the next ``t % mask_interval == 0``
         (never, with ``mask_interval=0``)."""
         group = self._sparse_group(p)
-        local = _local(p)
-        if _is_dtensor(p) and not _is_dtensor(mask) and tuple(mask.shape) == tuple(p.shape) != tuple(local.shape):
+        local = dtensor.local(p)
+        if dtensor.is_dtensor(p) and not dtensor.is_dtensor(mask) and tuple(mask.shape) == tuple(p.shape) != tuple(local.shape):
             # a full-tensor mask for a sharded parameter: keep this rank's slice (no communication)
             from torch.distributed.tensor import distribute_tensor
 
             mask = distribute_tensor(mask.to(local.device), p.device_mesh, p.placements, src_data_rank=None)
-        mask = _local(mask)
+        mask = dtensor.local(mask)
         if mask.dtype != torch.bool or mask.shape != local.shape:
             raise ValueError(f"set_mask: need a bool mask of shape {tuple(local.shape)}, "
                              f"got {mask.dtype} of shape {tuple(mask.shape)}")
@@ -266,7 +261,7 @@ class AdamS(Optimizer):
         ``t % mask_interval == 0`` step does — through the fused mask kernel where that step would use it."""
         for group in self.param_groups:
             if group["sparse"]:
-                new = nm_masks([_local(p) for p in group["params"]], transposed=group["transposed"],
+                new = nm_masks([dtensor.local(p) for p in group["params"]], transposed=group["transposed"],
                                n=group["n"], m=group["m"], packed=self.mask_storage == "packed")
                 for p, mask in zip(group["params"], new):
                     self.state[p]["mask"] = mask
@@ -275,7 +270,7 @@ class AdamS(Optimizer):
     def prune_(self) -> None:
         """``θ ← θ ⊙ m`` for every sparse parameter (Algorithm 1's last line): afterwards each is exactly N:M."""
         for p, mask in self.masks().items():
-            apply_mask_(_local(p), mask)
+            apply_mask_(dtensor.local(p), mask)
 
     # ----------------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
@@ -297,7 +292,7 @@ class AdamS(Optimizer):
         id_to_param = dict(zip(saved_ids, params))
         for key, stored in masks.items():
             p = id_to_param[key]
-            shape = _local(p).shape
+            shape = dtensor.local(p).shape
             if stored.dtype == torch.uint8:
                 mask = unpack_mask(stored, shape)
             elif stored.dtype == torch.bool and stored.shape == shape:
@@ -305,7 +300,7 @@ class AdamS(Optimizer):
             else:
                 raise ValueError(f"saved mask ({stored.dtype}, shape {tuple(stored.shape)}) does not fit a "
                                  f"parameter of shape {tuple(shape)}")
-            self.state[p]["mask"] = self._encode(mask.to(_local(p).device))
+            self.state[p]["mask"] = self._encode(mask.to(dtensor.local(p).device))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         # the host copies of t are rebuilt from the loaded counts at the next step (once, wherever they are);
         # each count moves to where its parameter's path reads it then, too
@@ -324,7 +319,7 @@ class AdamS(Optimizer):
             acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
             if not bool(torch.stack(torch._foreach_norm(gs, 2, dtype=acc)).isfinite().all()):
                 ok = ok and all(bool(torch.isfinite(g).all()) for g in gs)
-        if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+        if any(dtensor.is_dtensor(p) for g in self.param_groups for p in g["params"]):
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():  # every rank must take the same decision
@@ -336,7 +331,7 @@ class AdamS(Optimizer):
     def _nonfinite_message(self) -> str:
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+                if p.grad is not None and not bool(torch.isfinite(dtensor.local(p.grad)).all()):
                     kind = "sparse" if group["sparse"] else "dense"
                     return (f"AdamS: non-finite gradient (NaN/Inf) in {_param_name(group, i, gi)} of shape "
                             f"{tuple(p.shape)} (param group {gi}, {kind}); no weight or optimizer state was "
@@ -360,7 +355,7 @@ class AdamS(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [dtensor.local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return loss
         if any(g.is_sparse for g in grads):
@@ -369,7 +364,7 @@ class AdamS(Optimizer):
         if found_inf is not None:
             if self.nonfinite != "ignore":
                 _flag_nonfinite_(grads, found_inf)
-                if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+                if any(dtensor.is_dtensor(p) for g in self.param_groups for p in g["params"]):
                     import torch.distributed as dist
 
                     if dist.is_available() and dist.is_initialized():  # every rank skips alike (on the device)
@@ -423,8 +418,8 @@ class AdamS(Optimizer):
             if p.grad is None:
                 continue
             state = self._init_state(p)
-            local, grad = _local(p), _local(p.grad)
-            mu, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            local, grad = dtensor.local(p), dtensor.local(p.grad)
+            mu, v = dtensor.local(state["exp_avg"]), dtensor.local(state["exp_avg_sq"])
             # torch's fused kernel reads a CUDA tensor's count on the device (no synchronisation)
             on_device = fused_ok and local.is_cuda and fused_dense_takes(local, grad, mu, v)
             steps.append(self._place_step(p, state, local.device if on_device else _CPU))
@@ -459,10 +454,10 @@ class AdamS(Optimizer):
                 state = self._init_state(p)
             t = self._steps_done(p, state)
             mask = state.get("mask")
-            params.append(_local(p))
-            grads.append(_local(p.grad))
-            mus.append(_local(state["exp_avg"]))
-            vs.append(_local(state["exp_avg_sq"]))
+            params.append(dtensor.local(p))
+            grads.append(dtensor.local(p.grad))
+            mus.append(dtensor.local(state["exp_avg"]))
+            vs.append(dtensor.local(state["exp_avg_sq"]))
             masks.append(mask)
             steps.append(state["step"])
             counts.append(t)
@@ -559,9 +554,9 @@ def _check_sparse_param(p: Tensor, group: dict[str, Any], name: str) -> None:
         layout = "dim 0 (transposed)" if transposed else "the last dim"
         raise ValueError(f"AdamS: sparse {name} has shape {shape}: its N:M dim, {layout}, is {shape[dim]}, not "
                          f"divisible by m={m}. Leave it dense (sparse=False) or skip it as a target.")
-    if _is_dtensor(p):
+    if dtensor.is_dtensor(p):
         for placement in p.placements:
-            if isinstance(placement, _Shard) and placement.dim % 2 == dim:
+            if isinstance(placement, dtensor.Shard) and placement.dim % 2 == dim:
                 raise NotImplementedError(
                     f"AdamS: sparse {name} of shape {shape} is sharded along its N:M dim ({placement}); "
                     "the groups of m would be split across ranks. FSDP2 shards dim 0, which works for "
@@ -585,9 +580,3 @@ def _flag_nonfinite_(grads: list[Tensor], found_inf: Tensor) -> None:
                       out=found_inf)
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return _DTensor is not None and isinstance(t, _DTensor)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cast_llm import dtensor
+
 __all__ = ["DecayForecast", "LayerDecay", "decay_state", "forecast_decay", "forecast_from_layers",
            "l1_decay_knee", "l1_decay_to_finish", "simulate_pruned"]
 
@@ -221,8 +223,6 @@ def _bisect(ok, lo: float, hi: float, rel: float = 1.1) -> float | None:
     return hi
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @torch.no_grad()
@@ -239,7 +239,7 @@ def decay_state(optimizer, *, remaining_steps: int, names: dict[int, str] | None
     layers = []
     for gi, i, p, group in sparse:
         beta1 = group["betas"][0]
-        w = _local(p).detach()
+        w = dtensor.local(p).detach()
         pruned = ~optimizer.mask(p)
         kept_l1 = float(w[~pruned].abs().double().sum())
         idx = pruned.flatten().nonzero().squeeze(1)
@@ -250,16 +250,16 @@ def decay_state(optimizer, *, remaining_steps: int, names: dict[int, str] | None
         ws = w.flatten()[idx].double().cpu()
         if "exp_avg" in state and float(state["step"]) > 0:
             t = float(state["step"])
-            mu_all = _local(state["exp_avg"]).flatten()
+            mu_all = dtensor.local(state["exp_avg"]).flatten()
             mus = mu_all[idx].double().cpu()
-            vs = _local(state["exp_avg_sq"]).flatten()[idx].double().cpu()
+            vs = dtensor.local(state["exp_avg_sq"]).flatten()[idx].double().cpu()
             rms_mu = float(mu_all[pruned.flatten()].double().square().mean().sqrt()) if count else 0.0
             grad_rms = rms_mu * math.sqrt((1 + beta1) / (1 - beta1)) / math.sqrt(max(1 - beta1 ** (2 * t), 1e-12))
         else:
             mus = torch.zeros_like(ws)
             vs = torch.zeros_like(ws)
             grad = p.grad
-            grad_rms = (float(_local(grad).detach()[pruned].double().square().mean().sqrt())
+            grad_rms = (float(dtensor.local(grad).detach()[pruned].double().square().mean().sqrt())
                         if grad is not None and count else 0.0)
         name = (names or {}).get(id(p)) or _param_label(group, i, gi)
         layers.append(LayerDecay(name, ws, mus, vs, count, kept_l1, grad_rms))

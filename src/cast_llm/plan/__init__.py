@@ -28,7 +28,7 @@ from cast_llm.plan.decay import DecayPlan, plan_decay
 from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
 from cast_llm.plan.shapes import ModelShape, embedded_key, model_shape, shape_of
 from cast_llm.plan.sizes import fmt_size, parse_size
-from cast_llm.plan.startup import StartupPlan, StartupWork, Timeouts, plan_startup
+from cast_llm.plan.startup import StartupPlan, StartupWork, Timeouts, plan_startup, startup_fits
 from cast_llm.plan.timing import TimePlan, interconnect, plan_time
 
 __all__ = ["Plan", "PlanConfig", "PlanOptions", "Setup", "MemoryPlan", "ModelShape", "make_plan", "model_shape", "shape_of",
@@ -73,17 +73,6 @@ class Plan:
                     **self.startup.as_dict(), **startup_fits(self.startup, self.setup, self.capacity,
                                                               self.cfg.host_memory and parse_size(
                                                                   self.cfg.host_memory, "--host-memory"))}}
-
-
-def startup_fits(sp: StartupPlan, setup: Setup, capacity: int, host_memory: int | None) -> dict:
-    """Whether the start-up and end peaks fit the device (with the same margins as the steps) and the host
-    peak per node fits ``host_memory`` (None: unknown)."""
-    from cast_llm.plan.memory import CUDA_CONTEXT, FRAGMENTATION
-
-    device = max((v for k, v in sp.memory.items() if "device" in k), default=0)
-    needed = int(device * (1 + FRAGMENTATION)) + CUDA_CONTEXT if setup.device == "cuda" else device
-    return {"device_peak": device, "device_needed": needed, "device_fits": needed <= capacity,
-            "host_fits": None if not host_memory else sp.host_peak_per_node <= host_memory}
 
 
 def _setup(cfg: PlanConfig, framework: int, capacity: int | None = None, shape: ModelShape | None = None) -> Setup:

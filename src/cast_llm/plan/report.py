@@ -6,6 +6,7 @@ from __future__ import annotations
 from cast_llm.plan.advice import remedy
 from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
 from cast_llm.plan.sizes import fmt_size, parse_size
+from cast_llm.plan.startup import startup_fits
 
 __all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "precision_text", "duration"]
 
@@ -108,8 +109,6 @@ def plan_lines(p) -> list[str]:
             ok = "fits" if mp.fits(p.capacity) else "does not fit"
             lines.append(f"  {opt.flag:<38}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
     if p.startup is not None:
-        from cast_llm.plan import startup_fits
-
         lines += ["", *startup_lines(p.startup, s)]
         host = p.cfg.host_memory and parse_size(p.cfg.host_memory, "--host-memory")
         f = startup_fits(p.startup, s, p.capacity, host)

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from cast_llm.plan.memory import Setup
+from cast_llm.plan.memory import CUDA_CONTEXT, FRAGMENTATION, Setup
 from cast_llm.plan.shapes import ModelShape
 
-__all__ = ["StartupWork", "StartupPlan", "Timeouts", "plan_startup", "HOST_FRAMEWORK", "TIMEOUT_MARGIN"]
+__all__ = ["StartupWork", "StartupPlan", "Timeouts", "plan_startup", "startup_fits", "HOST_FRAMEWORK", "TIMEOUT_MARGIN"]
 
 # Assumed rates (stated; of the right order: the timeouts add a margin and a floor to what they give)
 STORAGE_BYTES_PER_S = 200e6  # one process reading or writing shared storage under load (network file systems)
@@ -188,3 +188,12 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
         collective=max(MIN_COLLECTIVE_S, TIMEOUT_MARGIN * sec["a checkpoint (each rank: write + hash)"]),
         wait=max(MIN_WAIT_S, TIMEOUT_MARGIN * max(alone)))
     return plan
+
+
+def startup_fits(sp: StartupPlan, setup: Setup, capacity: int, host_memory: int | None) -> dict:
+    """Whether the start-up and end peaks fit the device (with the same margins as the steps) and the host
+    peak per node fits ``host_memory`` (None: unknown)."""
+    device = max((v for k, v in sp.memory.items() if "device" in k), default=0)
+    needed = int(device * (1 + FRAGMENTATION)) + CUDA_CONTEXT if setup.device == "cuda" else device
+    return {"device_peak": device, "device_needed": needed, "device_fits": needed <= capacity,
+            "host_fits": None if not host_memory else sp.host_peak_per_node <= host_memory}

@@ -45,6 +45,7 @@ from cast_llm.deploy.checkpoint import (
     write_marker,
 )
 from cast_llm.deploy.export import save_sparse_checkpoint, sparsity_report
+from cast_llm.deploy.model_card import quantized_facts, writer_card
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.errors import CastError
 from cast_llm.quant.rtn import QuantizedWeight, num_groups
@@ -120,7 +121,6 @@ def save_quantized(model, result, tokenizer, output_dir: str | Path, *, n: int =
     sparse = all(r.is_nm for r in sparsity_report(model, n=n, m=m, targets=targets))
     quant_info = {k: index[k] for k in ("method", "bits", "group_size")}
     out = Path(output_dir)
-    from cast_llm.deploy.model_card import quantized_facts, writer_card
 
     card = quantized_facts(metadata, quant_info)  # the model card: the source's record, what quantize measured
     with staged_output(out) as tmp:

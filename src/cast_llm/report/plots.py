@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from cast_llm.io import atomic_write
 from cast_llm.report.runs import Run
 
 WIDTH = 11.0  # inches; at DPI 110 about 1200 px: legible on a laptop screen and in a PDF page
@@ -35,8 +36,6 @@ def _figure(ncols: int, nrows: int = 1, height: float | None = None):
 def save(fig, path) -> None:
     """``fig`` as a PNG at ``path``, written atomically (a fresh temporary file renamed over it: a link planted
     at ``path`` in a received run folder is replaced, its target never written)."""
-    from cast_llm.io import atomic_write
-
     atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
 
 

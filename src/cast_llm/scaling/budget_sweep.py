@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cast_llm.config import parse_count
 from cast_llm.errors import CastError
-from cast_llm.io import RunDir, atomic_write_text
+from cast_llm.io import RunDir, atomic_write_text, read_json_object
 from cast_llm.scaling.fit import CHINCHILLA_BETA
 from cast_llm.scaling.points import load_results, read_runs, write_points_csv
 from cast_llm.scaling.report import FitReport, fit_report
@@ -126,7 +126,6 @@ def check_sweep_outputs(output_dir: Path, plot: str | Path | None = None) -> lis
     there and was not written by a sweep (not in the folder's :data:`SWEEP_MARKER`), or is a link."""
     import os
 
-    from cast_llm.io import read_json_object
 
     names = [n for n in SWEEP_FILES if not (n == "scaling.png" and plot)]
     marker = output_dir / SWEEP_MARKER

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cast_llm.errors import CastError
+from cast_llm.io import atomic_write_bytes
 from cast_llm.sparsity.mask import magnitude_mask
 
 __all__ = ["MASKS_MARKER", "mask_of_zeros", "masks_digest", "save_masks", "load_masks"]
@@ -38,7 +39,6 @@ def save_masks(path: str | Path, masks: dict[str, Tensor], *, n: int, m: int, so
     """Write ``masks`` (``{target fqn: bool tensor}``) as a mask file (atomically)."""
     from safetensors.torch import save
 
-    from cast_llm.io import atomic_write_bytes
 
     blob = save({k: v.to(torch.bool).contiguous().cpu() for k, v in sorted(masks.items())},
                 metadata={"written_by": MASKS_MARKER, "n": str(n), "m": str(m), "source": source})

@@ -48,24 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from cast_llm.dtensor import DTensor, is_dtensor, local
 from cast_llm.errors import CastError
+from cast_llm.nn import ScaledLinear
 from cast_llm.sparsity.mask import pack_mask, unpack_mask
 from cast_llm.sparsity.stats import l1_mass
 from cast_llm.targets import find_block_list
 from cast_llm.train.observers import target_weight
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None
-
-
-def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
 
 
 def check_supported(cfg) -> None:
@@ -105,8 +94,6 @@ def mixed_precision_policy():
 def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters ``--fsdp`` leaves whole on every rank: the weight scales of
     :class:`~cast_llm.nn.ScaledLinear` (fp32, ``rows × groups`` entries each)."""
-    from cast_llm.nn import ScaledLinear
-
     return [m.scale for m in model.modules() if isinstance(m, ScaledLinear)]
 
 
@@ -114,8 +101,6 @@ def recompute_scaled_weights_(model: nn.Module) -> int:
     """Every :class:`~cast_llm.nn.ScaledLinear` of ``model`` keeps ``x, W, A`` for backward and forms
     ``Diag(A)·W`` again there (:mod:`cast_llm.nn.recomputed_linear`), so that no step holds the scaled
     weights of the whole model — the weights themselves are unsharded one block at a time. Returns how many."""
-    from cast_llm.nn import ScaledLinear
-
     layers = [m for m in model.modules() if isinstance(m, ScaledLinear)]
     for m in layers:
         m.recompute_weight = True

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from cast_llm import dtensor
+from cast_llm.errors import CastError
 from cast_llm.machine import machine_ram
-from cast_llm.plan import fmt_size, plan_memory, setup_for_run, shape_of
+from cast_llm.plan import fmt_size, plan_memory, setup_for_run, shape_of, startup_fits
+from cast_llm.plan.advice import make_it_fit
 from cast_llm.plan.report import memory_lines, startup_lines
 from cast_llm.plan.startup import StartupWork, plan_startup
 
@@ -42,8 +45,6 @@ def reset_rss_peak() -> bool:
         return False
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def tensor_bytes(*objs) -> int:
@@ -54,7 +55,7 @@ def tensor_bytes(*objs) -> int:
     def add(t):
         nonlocal total
         if torch.is_tensor(t):
-            t = _local(t)
+            t = dtensor.local(t)
             if t.device.type == "meta":
                 return
             st = t.untyped_storage()
@@ -169,10 +170,6 @@ def refuse_if_too_large(plan, device: torch.device, world: int, startup=None) ->
     """Before anything is loaded: a :class:`CastError` with the options that would make the run fit, when the
     plan says it does not — its steps, or (``startup``) rank 0's start-up and end on the device (``cast-llm
     train --no-memory-check`` starts anyway)."""
-    from cast_llm.errors import CastError
-    from cast_llm.plan import startup_fits
-    from cast_llm.plan.advice import make_it_fit
-
     capacity = device_capacity(device, world)
     if startup is not None and device.type == "cuda":
         f = startup_fits(startup, plan.setup, capacity, None)

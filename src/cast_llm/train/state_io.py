@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cast_llm import dtensor
 from cast_llm.errors import CastError
 
 __all__ = ["encode", "decode", "save_state", "load_state", "StateFormatError"]
@@ -38,7 +39,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     alive: list[torch.Tensor] = []  # keeps every seen tensor alive, so no address is reused while encoding
 
     def tensor_key(t: torch.Tensor, where: str) -> str:
-        if hasattr(t, "to_local"):
+        if dtensor.is_dtensor(t):
             raise TypeError(f"{where}: a DTensor; save its local shard (to_local()) instead")
         t = t.detach().to("cpu")
         alive.append(t)

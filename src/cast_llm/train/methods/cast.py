@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from cast_llm import dtensor
 from cast_llm.data import calibration_samples
 from cast_llm.errors import CastError
 from cast_llm.nn import fold_scaling_, wrap_scaling_
@@ -184,7 +185,7 @@ class CastMethod(TrainingMethod):
             factor = self.cfg.regrow_factor
             with torch.no_grad():
                 for p, mask in optimizer.masks().items():
-                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local = dtensor.local(p)
                     before = self._before_step[p]
                     delta = (local - before).mul_(factor - 1).masked_fill_(mask, 0.0)
                     local.add_(delta)
@@ -198,9 +199,9 @@ class CastMethod(TrainingMethod):
         kept weights on calibration data); records the L1 mass it removed in ``prune_report``."""
         masks = optimizer.masks()
         # L1 mass kept and in all, over this rank's rows (FSDP2: masks are local) and then over the ranks
-        sums = torch.tensor(l1_mass([w.to_local() if hasattr(w, "to_local") else w for w in masks],
+        sums = torch.tensor(l1_mass([dtensor.local(w) for w in masks],
                                     list(masks.values())), dtype=torch.float64)
-        if any(hasattr(w, "to_local") for w in masks) and torch.distributed.is_initialized():
+        if any(dtensor.is_dtensor(w) for w in masks) and torch.distributed.is_initialized():
             device = next(iter(masks)).device
             sums = sums.to(device)
             torch.distributed.all_reduce(sums)
@@ -242,7 +243,7 @@ class CastMethod(TrainingMethod):
 
     def before_update(self, model, optimizer, step: int, ctx) -> None:
         if self.in_regrow(step):  # the weights the step starts from (the step's mask is known only after it)
-            self._before_step = {p: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            self._before_step = {p: dtensor.local(p).detach().clone()
                                  for p in optimizer.masks()}
         if step != 0 or self.cfg.fsdp:
             return
