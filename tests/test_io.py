@@ -131,10 +131,9 @@ def test_run_folder_paths_are_spelled_only_by_run_dir_and_results_have_one_write
 
     from cast_llm.io import RunDir
     from cast_llm.train.checkpoint import SAVE_MARKER
-    from cast_llm.train.rundir import CHECKPOINT_META, PREVIOUS
+    from cast_llm.train.rundir import PREVIOUS
 
-    names = {v for k, v in vars(RunDir).items() if k.isupper() and isinstance(v, str)}
-    names |= {CHECKPOINT_META, SAVE_MARKER, PREVIOUS}
+    names = {v for k, v in vars(RunDir).items() if k.isupper() and isinstance(v, str)} | {SAVE_MARKER, PREVIOUS}
     src = Path(__file__).resolve().parents[1] / "src" / "cast_llm"
     spelled, writers = [], []
     for f in sorted(src.rglob("*.py")):

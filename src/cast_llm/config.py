@@ -315,7 +315,7 @@ def run_config_layer(cli: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         return []
     folder = Path(cli["output_dir"])
     path = RunDir(folder).config
-    if not path.is_file() or not any(RunDir(folder).checkpoints.glob("step-*/meta.json")):
+    if not path.is_file() or not any(RunDir(folder).checkpoints.glob(f"step-*/{RunDir.CHECKPOINT_META}")):
         return []
     data = load_yaml(path)
     for key in ("resume", "overwrite"):  # how this invocation treats the folder is its own business

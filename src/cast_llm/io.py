@@ -389,6 +389,7 @@ class RunDir:
     REPORT_ASSETS = "report"
     LOCK = ".cast-llm.lock"
     EXPORT_MARKER = "cast_llm.json"  # the exported model's own marker (its files)
+    CHECKPOINT_META = "meta.json"  # in every complete checkpoint folder (CHECKPOINTS/step-N): fingerprint, checksums
     # what every run writes besides the exported model (always its own)
     OWN = (CONFIG, METRICS, RESULTS, TENSORBOARD, CHECKPOINTS, LAYERS, DYNAMICS, RATIO_HIST, REPORT, REPORT_ASSETS)
 

@@ -31,7 +31,6 @@ import torch
 from cast_llm.config import resume_keys
 from cast_llm.errors import CastError
 from cast_llm.io import RunDir, atomic_dir, fsync_path, publish_dir, sha256_file
-from cast_llm.train.rundir import CHECKPOINT_META
 from cast_llm.train.state_io import StateFormatError, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
@@ -43,6 +42,7 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 # written first into every folder a checkpoint save creates, so that a partial one (``step-N.tmp``, ``step-N.old``)
 # that holds it is known to be ours (removed when a run starts); not a file of the checkpoint (meta.json lists none)
 SAVE_MARKER = ".cast-llm-checkpoint"
+CHECKPOINT_META = RunDir.CHECKPOINT_META  # meta.json: the fingerprint, the step and every file's checksum
 
 
 class CheckpointWriteError(CastError):

@@ -42,14 +42,11 @@ from cast_llm.io import (
 
 __all__ = ["RUN_MARKER", "LOCK_FILE", "RunLock", "is_run_dir", "prepare_run_dir", "record_written", "written_files",
            "finished_result", "kept_checkpoints", "say_if_finished", "set_aside", "drop_previous", "PREVIOUS",
-           "read_results", "write_results", "write_marker", "CHECKPOINT_META"]
+           "read_results", "write_results", "write_marker"]
 
 RUN_MARKER = RunDir.MARKER
 LOCK_FILE = RunDir.LOCK
 PREVIOUS = ".cast-llm-previous"  # the run an --overwrite replaces, kept until the new one has finished
-# in every complete checkpoint folder (RUN/checkpoints/step-N, cast_llm.train.checkpoint): its fingerprint, step
-# and checksums; named here so that the run folder's readers need not import the checkpoint code (torch)
-CHECKPOINT_META = "meta.json"
 # what every run writes besides the exported model (always its own, listed in the marker too)
 RUN_FILES = RunDir.OWN
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack",
@@ -116,7 +113,7 @@ def say_if_finished(args) -> bool:
 def kept_checkpoints(path: Path) -> bool:
     """Whether the run folder still holds a complete checkpoint (a finished run that kept them resumes from its
     last one: its export and evaluation run again, nothing is trained and nothing deleted)."""
-    return any(RunDir(path).checkpoints.glob(f"step-*/{CHECKPOINT_META}"))
+    return any(RunDir(path).checkpoints.glob(f"step-*/{RunDir.CHECKPOINT_META}"))
 
 
 def finished_result(path: Path) -> str | None:
