@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
+import cast_llm
 from cast_llm import kernels
 from cast_llm.cli import main
 from cast_llm.deploy.sparse24 import cpu as cpu24
@@ -51,3 +55,33 @@ def test_doctor_table_reads_the_verdict_file_and_says_how_to_read_it(capsys):
     finally:
         kernels.REGISTRY["adams.update"] = path
     assert not probes and "adams.update" in capsys.readouterr().out
+
+
+def _every_module() -> list[str]:
+    src = Path(cast_llm.__file__).parent
+    names = []
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src.parent).with_suffix("").parts)
+        if parts[-1] != "__main__":  # importing one runs the command line
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_doctor_in_a_fresh_process_lists_every_path_any_module_registers():
+    """No hand list: ``doctor`` in a process that imported nothing else lists every checked path — the ones
+    that importing every module of the package, one by one, registers afterwards (a path declared in a new
+    module that ``doctor`` does not find fails here)."""
+    code = ("import importlib, json, sys\n"
+            "from cast_llm.doctor import doctor\n"
+            "listed = sorted({r['path'] for r in doctor()['rows']})\n"
+            "for name in sys.argv[1:]:\n"
+            "    importlib.import_module(name)\n"
+            "from cast_llm import kernels\n"
+            "print(json.dumps({'listed': listed, 'registered': sorted(kernels.REGISTRY)}))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *_every_module()], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    missing = sorted(set(found["registered"]) - set(found["listed"]))
+    assert not missing, f"checked paths missing from cast-llm doctor: {missing}"
+    assert len(found["listed"]) >= 10 and "sparse24.decode_graph" in found["listed"]  # the check sees paths

@@ -19,6 +19,7 @@ import torch
 import cast_llm.distill as distill
 import cast_llm.nn.scaled_weight as sw
 from cast_llm import triton_support
+from cast_llm.kernels.switch import triton_runs_on
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -69,7 +70,7 @@ def test_cpu_tensors_take_the_torch_paths(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     s = torch.randn(4, 8)
     assert distill.kd_path(s, s, 1.0, True) == "reference"
-    assert triton_support.kernel_device_reason(torch.device("cpu")) is not None
+    assert triton_runs_on(torch.device("cpu")) is not None
     # ScaledLinear's CPU backward never asks for the kernel
     monkeypatch.setattr(sw, "_kernel", lambda: pytest.fail("the CPU backward must not load the CUDA kernel"))
     w = torch.randn(4, 8, requires_grad=True)
@@ -98,9 +99,9 @@ def test_kernels_refuse_what_they_do_not_take(monkeypatch):
     assert distill.kd_path(f32.double(), None, 1.0, True) == "reference"
 
 
-def test_kernel_device_reason_without_triton(monkeypatch):
+def test_triton_runs_on_says_triton_is_missing(monkeypatch):
     monkeypatch.setattr(triton_support, "IMPORT_ERROR", "Triton is not importable (test)")
-    assert triton_support.kernel_device_reason(torch.device("cuda")) == "Triton is not importable (test)"
+    assert triton_runs_on(torch.device("cuda")) == "Triton is not importable (test)"
 
 
 # ------------------------------------------------------------------------------ compiled for an H100

@@ -1,19 +1,19 @@
-"""Triton where it can run: the import guard and the interpreter switch of the training-step kernels
-(:mod:`cast_llm.nn.triton_scaled_weight`, :mod:`cast_llm.distill.triton_kd`).
+"""Triton's import guard and what the Triton kernels share (:mod:`cast_llm.nn.triton_scaled_weight`,
+:mod:`cast_llm.distill.triton_kd`, :mod:`cast_llm.optim.triton_adams`).
 
 A kernel runs on CUDA tensors when Triton imports, and — with ``TRITON_INTERPRET=1`` set before Triton is
 imported — on CPU tensors through Triton's interpreter, which is how the kernels are tested without a GPU.
-Every caller keeps a torch path for the other cases, and asks :func:`kernel_device_reason` first.
+Every caller keeps a torch path for the other cases, and asks :func:`cast_llm.kernels.switch.triton_runs_on`
+first (which reads :data:`IMPORT_ERROR` here, and the interpreter switch, ``kernels.switch.interpreting``).
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
 
-__all__ = ["triton", "tl", "interpreting", "kernel_device_reason", "FP_FUSION", "LRU", "to_device"]
+__all__ = ["triton", "tl", "IMPORT_ERROR", "FP_FUSION", "LRU", "to_device"]
 
 # Every launch passes this explicitly: Triton's default for contracting a*b+c into one FMA is due to change,
 # and every check and measurement of these kernels was made with contraction on (as nvcc's default, which
@@ -27,20 +27,6 @@ try:
 except Exception as err:  # ImportError, or a broken install: either way no kernel
     triton = tl = None
     IMPORT_ERROR = f"Triton is not importable ({type(err).__name__}: {err}); pip install triton"
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors, for tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def kernel_device_reason(device: torch.device) -> str | None:
-    """None when a Triton kernel can run on tensors of ``device``, else why not."""
-    if IMPORT_ERROR is not None:
-        return IMPORT_ERROR
-    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
-        return None
-    return f"tensors on {device} (the kernels run on CUDA, or on CPU only under TRITON_INTERPRET=1)"
 
 
 class LRU(OrderedDict):

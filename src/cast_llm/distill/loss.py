@@ -248,7 +248,7 @@ def _compiled_kd(*args, **kwargs):
 
 KD_LOSS = kernels.register(kernels.CheckedPath(
     name="kd.loss",
-    what="KD loss and its gradient, Eq. 13 (distill.py)",
+    what="KD loss and its gradient, Eq. 13 (distill/loss.py)",
     reference="the chunked torch path in float64",
     measure="relative error of the sums, or max |Δ| / max |ref| of the gradient",
     candidates=(kernels.Candidate("triton", lambda: _triton_kd, triton_runs_on),

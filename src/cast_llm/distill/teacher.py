@@ -199,7 +199,7 @@ def _probe(impl, device: torch.device, variant: tuple) -> kernels.Check:
 
 TEACHER_GRAPH = kernels.register(kernels.CheckedPath(
     name="teacher.cuda_graph",
-    what="the frozen teacher's forward replayed as one CUDA graph (train/teacher.py, --teacher-cuda-graph)",
+    what="the frozen teacher's forward replayed as one CUDA graph (distill/teacher.py, --teacher-cuda-graph)",
     reference="the eager forward on the same batch",
     measure="max |Δ logit| / max |logit|",
     candidates=(kernels.Candidate(

@@ -25,7 +25,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from cast_llm.triton_support import FP_FUSION, kernel_device_reason, tl, triton
+from cast_llm.kernels.switch import triton_runs_on
+from cast_llm.triton_support import FP_FUSION, tl, triton
 
 __all__ = ["fused_kd", "unsupported_reason"]
 
@@ -36,7 +37,7 @@ _NUM_WARPS = 8
 
 def unsupported_reason(student: Tensor, teacher: Tensor | None) -> str | None:
     """None if :func:`fused_kd` takes these (N, V) logits, else why not (the caller uses the torch path)."""
-    reason = kernel_device_reason(student.device)
+    reason = triton_runs_on(student.device)
     if reason is not None:
         return reason
     for name, x in (("student", student), ("teacher", teacher)):

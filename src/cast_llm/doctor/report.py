@@ -1,8 +1,9 @@
 """``cast-llm doctor``: the machine, and every checked kernel path's verdict on it, timed against its reference.
 
-Every fast path of cast-llm is a checked kernel path (:mod:`cast_llm.kernels`); this module imports every
-module that declares one, so the registry is complete, then for each path, device (the CPU and every visible
-GPU) and representative variant lists each candidate: whether it can run here (and why not), its verdict —
+Every fast path of cast-llm is a checked kernel path (:mod:`cast_llm.kernels`); :func:`doctor` first imports
+every module that declares one (:func:`cast_llm.kernels.load_all`, which finds them in the package's source:
+no hand list), so the registry is complete, then for each path, device (the CPU and every visible GPU) and
+representative variant lists each candidate: whether it can run here (and why not), its verdict —
 taken from the user's verdict file when there is one (``--recheck`` probes again), else probed now, exactly
 as a run would on first use — and, where it passed, its time per call beside the reference's at the path's
 timing size. On a machine without a GPU the CUDA-only candidates are listed as such and not run.
@@ -15,15 +16,8 @@ from typing import Any
 
 import torch
 
-# every module that declares a checked path (importing one registers its paths)
-import cast_llm.deploy.sparse24.decode  # noqa: F401
-import cast_llm.deploy.sparse24.kernels  # noqa: F401
-import cast_llm.distill  # noqa: F401
-import cast_llm.distill.teacher  # noqa: F401
-import cast_llm.nn.scaled_group  # noqa: F401
-import cast_llm.nn.scaled_weight  # noqa: F401
-import cast_llm.optim.functional  # noqa: F401
 from cast_llm import kernels
+from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.kernels.environment import environment
 
 __all__ = ["doctor", "format_doctor"]
@@ -35,10 +29,9 @@ def _devices() -> list[torch.device]:
 
 def doctor(*, recheck: bool = False) -> dict[str, Any]:
     """The environment and one row per (path, device, variant, candidate); see the module docstring."""
+    kernels.load_all()  # every checked path registers itself when its module is imported
     env = environment()
     if env["cuda_available"]:
-        from cast_llm.deploy.sparse24 import cusparselt_direct
-
         env["cusparselt_direct"] = cusparselt_direct.library_version()
     rows = []
     started = time.perf_counter()

@@ -7,6 +7,7 @@ import platform
 
 import torch
 
+from cast_llm import __version__
 from cast_llm.kernels.switch import COMPILE_ENV, compile_enabled, interpreting, mode
 from cast_llm.kernels.verdicts import cpu_name, driver_version, verdict_path
 
@@ -33,8 +34,6 @@ def _triton() -> dict:
 
 def environment() -> dict:
     """Versions, devices and switches, as one dict (``cast-llm doctor --json``'s ``environment``)."""
-    from cast_llm import __version__
-
     cuda = torch.cuda.is_available()
     gpus = []
     if cuda:

@@ -102,7 +102,9 @@ def compile_enabled() -> bool:
 
 
 def interpreting() -> bool:
-    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, which then stand for CUDA ones (tests)."""
+    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, which then stand for CUDA ones (tests). The one
+    place the variable is read; Triton reads it when it decorates the kernels, so callers that must agree with
+    a decorated kernel read this once at import."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -110,9 +112,9 @@ def triton_runs_on(device: torch.device) -> str | None:
     """Where a Triton candidate runs: CUDA, or CPU tensors under the interpreter (None), else why not."""
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return f"a Triton kernel runs on CUDA (on {device.type} only under TRITON_INTERPRET=1)"
-    from cast_llm.triton_support import kernel_device_reason  # imports Triton (~1 s): only where it may run
+    from cast_llm.triton_support import IMPORT_ERROR  # imports Triton (~1 s): only where it may run
 
-    return kernel_device_reason(device)
+    return IMPORT_ERROR
 
 
 def host_runs_on(device: torch.device) -> str | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from cast_llm import __version__
 from cast_llm.io import atomic_write_json, cache_dir
 
 __all__ = ["MARKER", "VERDICTS_ENV", "identity", "verdict_path", "VerdictFile"]
@@ -75,8 +76,6 @@ def cpu_name() -> str:
 @functools.cache
 def identity(device_type: str, index: int | None = None) -> str:
     """What a verdict on this device depends on, as one string (the start of its cache key)."""
-    from cast_llm import __version__
-
     if device_type == "cuda":
         name = torch.cuda.get_device_name(index or 0)
         major, minor = torch.cuda.get_device_capability(index or 0)

@@ -23,14 +23,13 @@ block's worth. A member the block's forward did not call gets no gradient (None)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
 from cast_llm import kernels
-from cast_llm.kernels.switch import triton_runs_on
-from cast_llm.nn import scaled_weight_probes
+from cast_llm.kernels.switch import interpreting, triton_runs_on
+from cast_llm.nn import scaled_weight, scaled_weight_probes
 from cast_llm.nn.scaled_weight import matmul_dtype, torch_scaled_weight, torch_scaled_weight_grads
 
 __all__ = ["group_by_block_", "ungroup_", "SCALED_WEIGHT_BLOCK"]
@@ -39,9 +38,7 @@ MEMBERS = "_cast_scaled_members"  # attribute of a block: its ScaledLinear layer
 
 
 def _kernel():
-    from cast_llm.nn.scaled_weight import _kernel as load
-
-    return load()
+    return scaled_weight._kernel()  # looked up per call: the layer's loader (and a test's stand-in for it)
 
 
 def group_by_block_(model: nn.Module, fqns: list[str]) -> int:
@@ -105,8 +102,7 @@ def _scaled_weights(members: list) -> tuple | None:
     first = members[0]
     w0 = first.base_layer.weight
     device = w0.device
-    if device.type != "cuda" and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in
-                                       ("", "0")):
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return None
     plain = (torch.Tensor, nn.Parameter)
     weights, scales = [], []

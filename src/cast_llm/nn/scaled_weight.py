@@ -20,13 +20,12 @@ each block's entries slice by slice: equal to rounding).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
 from cast_llm import kernels
-from cast_llm.kernels.switch import triton_runs_on
+from cast_llm.kernels.switch import interpreting, triton_runs_on
 from cast_llm.nn import scaled_weight_probes
 
 __all__ = ["scaled_weight", "scaled_weight_grads", "torch_scaled_weight", "torch_scaled_weight_grads", "layer_path",
@@ -44,16 +43,11 @@ def _kernel():
     """:mod:`cast_llm.nn.triton_scaled_weight`, or None when it cannot be imported (then torch ops do the math)."""
     if not _KERNEL:
         try:
-            from cast_llm.nn import triton_scaled_weight
+            from cast_llm.nn import triton_scaled_weight  # lazy: it imports Triton (optional, ~1 s)
         except Exception:  # pragma: no cover - a broken Triton install must not break the torch path
             triton_scaled_weight = None
         _KERNEL.append(triton_scaled_weight)
     return _KERNEL[0]
-
-
-def _interpreting() -> bool:
-    """TRITON_INTERPRET=1 (tests without a GPU): CPU tensors take the kernel path too."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def scaled_weight(weight: Tensor, scale: Tensor, n_groups: int, transposed: bool, out_dtype: torch.dtype) -> Tensor:
@@ -161,7 +155,7 @@ def _layer_variant(grad: Tensor, weight: Tensor, transposed: bool, need_w: bool,
 def layer_path(grad: Tensor, weight: Tensor, scale: Tensor, transposed: bool, need_w: bool, need_a: bool) -> str:
     """Which implementation forms this layer's two gradients: ``triton`` (the checked kernel path
     ``scaled_weight.layer``) or ``REFERENCE`` (the torch ops: CPU, float64, a kernel that failed its check)."""
-    if grad.device.type == "cpu" and not _interpreting():
+    if grad.device.type == "cpu" and not interpreting():
         return kernels.REFERENCE  # the common CPU case decides without importing Triton
     kernel = _kernel()
     if kernel is None or kernel.unsupported_reason(grad, weight, scale) is not None:

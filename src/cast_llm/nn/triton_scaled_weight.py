@@ -26,7 +26,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from cast_llm.triton_support import FP_FUSION, LRU, kernel_device_reason, tl, to_device, triton
+from cast_llm.kernels.switch import triton_runs_on
+from cast_llm.triton_support import FP_FUSION, LRU, tl, to_device, triton
 
 __all__ = ["scaled_weight_grads", "unsupported_reason", "grouped_scaled_weights", "grouped_scaled_weight_grads",
            "grouped_unsupported_reason"]
@@ -38,7 +39,7 @@ _NUM_WARPS = 4
 
 def unsupported_reason(grad: Tensor, weight: Tensor, scale: Tensor) -> str | None:
     """None if :func:`scaled_weight_grads` takes these tensors, else why not (the caller uses torch ops)."""
-    reason = kernel_device_reason(weight.device)
+    reason = triton_runs_on(weight.device)
     if reason is not None:
         return reason
     if weight.dtype not in _FLOAT or grad.dtype not in _FLOAT:
@@ -237,7 +238,7 @@ def grouped_unsupported_reason(weights: list[Tensor], scales: list[Tensor], n_gr
     """None if the grouped kernels take these layers (one device, one weight dtype, contiguous weights,
     float32 scales), else why not."""
     w0 = weights[0]
-    reason = kernel_device_reason(w0.device)
+    reason = triton_runs_on(w0.device)
     if reason is not None:
         return reason
     if w0.dtype not in _FLOAT:

@@ -2,7 +2,7 @@
 
 :func:`adams` updates lists of tensors in place through implementations with the same math (see
 :class:`~cast_llm.optim.adams.AdamS` for it written out), the candidates of the checked kernel path
-``adams.update`` (:mod:`cast_llm.optim.checked_paths`: each is probed against the reference on first use per
+``adams.update`` (registered at the end of this module: each is probed against the reference on first use per
 device and variant, and the fastest that passes runs):
 
 * ``_single_tensor_adams``: the reference, Eq. 7-8 one tensor at a time (``foreach=False``, and every
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -31,10 +30,10 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from cast_llm import kernels
-from cast_llm.kernels.switch import compiled_runs_on, host_runs_on, triton_runs_on
-from cast_llm.optim import adams_probes
+from cast_llm.kernels.switch import compiled_runs_on, host_runs_on, interpreting, triton_runs_on
+from cast_llm.optim import adams_probes, compiled_adams
 from cast_llm.optim.adams_probes import fast_path_unsupported
-from cast_llm.sparsity.mask import magnitude_mask, packed_numel, unpack_mask
+from cast_llm.sparsity.mask import magnitude_mask, pack_mask, packed_numel, unpack_mask
 
 __all__ = ["adams", "dense_adam", "fused_dense_takes", "kernel_device", "fast_path_unsupported", "update_path",
            "run_update", "update_variant", "nm_masks", "placed_step", "DECAY_MODES", "DEVICE_STEP_PATHS"]
@@ -181,7 +180,7 @@ def nm_masks(params: list[Tensor], *, transposed: bool, n: int, m: int, packed: 
 
 # Triton's interpreter runs the kernels on CPU tensors (how they are tested without a GPU). Read once, as
 # Triton reads it once when it decorates the kernels.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = interpreting()
 # candidates that read and increment the step count where the parameter lives (as torch's fused Adam does)
 DEVICE_STEP_PATHS = ("triton", "compiled")
 
@@ -445,20 +444,16 @@ def _triton_update(*args, **kwargs):
 
 
 def _compiled_update(*args, **kwargs):
-    from cast_llm.optim import compiled_adams  # lazy: the first call compiles
-
     return compiled_adams.compiled_adams_(*args, **kwargs)
 
 
 def _triton_masks(*args, **kwargs):
-    from cast_llm.optim import triton_adams
+    from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, ~1 s)
 
     return triton_adams.fused_nm_masks(*args, **kwargs)
 
 
 def _reference_masks(params, *, transposed, n, m, packed):
-    from cast_llm.sparsity.mask import pack_mask
-
     return [pack_mask(k) if packed else k.contiguous() for k in (magnitude_mask(p, transposed, n, m) for p in params)]
 
 
@@ -479,7 +474,7 @@ ADAMS_UPDATE = kernels.register(kernels.CheckedPath(
 ))
 ADAMS_MASKS = kernels.register(kernels.CheckedPath(
     name="adams.masks",
-    what="AdamS mask refresh, Eq. 6 (optim/adams.py)",
+    what="AdamS mask refresh, Eq. 6 (optim/functional.py)",
     reference="magnitude_mask (nm_mask's rule, ties to the lower index)",
     measure="fraction of mask entries that differ",
     candidates=(kernels.Candidate("triton", lambda: _triton_masks, triton_runs_on),),

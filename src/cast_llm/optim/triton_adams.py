@@ -52,9 +52,10 @@ import functools
 import torch
 from torch import Tensor
 
+from cast_llm.kernels.switch import interpreting
 from cast_llm.optim.adams_probes import fast_path_unsupported as unsupported_reason
 from cast_llm.sparsity.mask import packed_numel
-from cast_llm.triton_support import FP_FUSION, LRU, interpreting, tl, to_device, triton
+from cast_llm.triton_support import FP_FUSION, LRU, tl, to_device, triton
 from cast_llm.triton_support import IMPORT_ERROR as _IMPORT_ERROR
 
 __all__ = ["fused_adams_", "fused_nm_masks", "unavailable_reason", "unsupported_reason"]  # unsupported_reason: adams_probes'
