@@ -9,8 +9,17 @@ import tiny
 import torch
 from deploy_helpers import cli, one_line_error, save_hf, sparse_model
 
-from cast_llm.deploy.bench import BenchConfig, format_report, run_bench
+from cast_llm.deploy.bench import (
+    BenchConfig,
+    format_report,
+    noise_floor_logits,
+    rel_err,
+    run_bench,
+    within_noise_bound,
+)
 from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24 import sparse24_layers
+from cast_llm.targets import find_targets
 
 HAS_SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 FAST = BenchConfig(batch_size=2, prompt_len=8, gen_len=2, warmup=0, repeats=1, linear_repeats=1)
@@ -35,6 +44,30 @@ def test_cpu_measures_both_paths_with_the_cpu_kernels():
     assert report.sparse is not None and report.sparse.decode_tokens_per_s > 0
     assert all(r["kernel"].startswith("cpu-") for r in report.per_linear)
     assert report.logits_rel_err < 1e-5  # fp32: the 2:4 kernels and dense agree to rounding
+
+
+@torch.no_grad()
+def test_the_noise_floor_swaps_the_reference_in_and_back_out():
+    """The floor's fp32-accumulated forward leaves the model exactly as it was (dense nn.Linear, same logits)."""
+    model = sparse_model("llama").bfloat16()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    before = model(input_ids=prompt).logits
+    floor = noise_floor_logits(model, prompt, find_targets(model, n=2, m=4, skip_incompatible=True))
+    assert not sparse24_layers(model)
+    assert torch.equal(model(input_ids=prompt).logits, before)
+    assert floor.dtype == torch.bfloat16 and rel_err(floor, before) < 0.05  # another rounding of the same model
+    assert within_noise_bound(0.0) == 0.01 and within_noise_bound(0.1) == pytest.approx(0.3)
+
+
+@pytest.mark.skipif(HAS_SM80, reason="checks the CPU report")
+def test_a_bf16_report_judges_its_logits_against_the_measured_floor():
+    report = run_bench(sparse_model("llama").bfloat16(), name="tiny", cfg=FAST)
+    assert report.logits_noise_floor is not None
+    if report.sparse is None:
+        return
+    assert report.logits_within_noise is (report.logits_rel_err <= within_noise_bound(report.logits_noise_floor))
+    assert report.logits_within_noise  # the CPU kernels on a well-conditioned tiny model: bf16 rounding only
+    assert "bf16 noise floor" in format_report(report)
 
 
 def test_a_dense_model_is_magnitude_pruned_for_timing_and_says_so():
