@@ -97,6 +97,21 @@ def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def shown(cls, f: dataclasses.Field) -> tuple[str, str | None]:
+    """The help text and ``--help`` section of field ``f`` as the command whose config is ``cls`` shows it.
+
+    A setting is declared once, in an option group (its default, type, range, choices, resume rule); a command
+    that takes the group may word its help for that command and place it in one of its ``--help`` sections,
+    with the class attributes ``OPTION_TEXT = {name: help}`` and ``OPTION_SECTIONS = {name: section}`` (the
+    nearest class on ``cls``'s MRO that names the field wins). Nothing but the words and the place changes.
+    """
+    text, section = f.metadata.get("help", ""), f.metadata.get("section")
+    for k in reversed(cls.__mro__):  # the nearest class last, so that it wins
+        text = vars(k).get("OPTION_TEXT", {}).get(f.name, text)
+        section = vars(k).get("OPTION_SECTIONS", {}).get(f.name, section)
+    return text, section
+
+
 def check_ranges(cfg) -> None:
     """Raise a CastError naming the flag for every field whose value lies outside its ``min``/``max``."""
     for f in dataclasses.fields(cfg):
@@ -230,13 +245,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...]
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        section = f.metadata.get("section")
+        text, section = shown(cls, f)
         if section not in groups:
             groups[section] = parser.add_argument_group(section) if section else parser
         target = groups[section]
         tp, _ = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        text = f.metadata.get("help", "")
         choices = f.metadata.get("choices")
         if choices:
             text += f" {{{', '.join(str(c) for c in choices)}}}"
@@ -321,3 +335,59 @@ def run_config_layer(cli: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     for key in ("resume", "overwrite"):  # how this invocation treats the folder is its own business
         data.pop(key, None)
     return [(f"{path} (the run's own settings)", data)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Option groups: a setting that several commands take is declared once, here or in its package's config module
+# (cast_llm.data.config: the text and its windows), and each command's config derives from the groups it takes;
+# a command words a setting for itself with OPTION_TEXT / OPTION_SECTIONS (:func:`shown`), never re-declares it.
+# tests/test_config_groups.py fails on a field declared in two config dataclasses neither of which derives from
+# the other.
+
+
+@dataclasses.dataclass
+class ModelSettings:
+    model: str = option("smollm2-135m", "Hugging Face model folder / hub id / .gguf file, or the alias "
+                                        "smollm2-135m", resume="must_match")
+
+
+@dataclasses.dataclass
+class NMSettings:
+    """The N:M pattern: N weights kept in every group of M consecutive input weights."""
+
+    n: int = option(2, "N of the N:M pattern (kept per group)", min=1, resume="must_match")
+    m: int = option(4, "M of the N:M pattern (group size)", min=2, resume="must_match")
+
+    def check_pattern(self) -> None:
+        if not 1 <= self.n < self.m:
+            raise CastError(f"need 1 ≤ n < m for an N:M pattern, got {self.n}:{self.m}")
+
+
+@dataclasses.dataclass
+class PatternSettings(NMSettings):
+    """The N:M pattern and what becomes of a layer it does not fit."""
+
+    skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of "
+                                            "failing", resume="free")
+
+
+@dataclasses.dataclass
+class OutputSettings:
+    """The folder a command writes, and whether it may replace an earlier output there."""
+
+    output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)",
+                                    resume="free")
+    overwrite: bool = option(False, "replace an earlier run in --output-dir (only files that run wrote are "
+                                    "removed, and only once the new run has finished: until then they wait in "
+                                    ".cast-llm-previous/; never the model's own folder or a folder of model "
+                                    "weights)", resume="free")
+
+
+@dataclasses.dataclass
+class SeedSettings:
+    seed: int = option(0, "seed for data order, sampling and initialisation", resume="must_match")
+
+
+@dataclasses.dataclass
+class ProgressSettings:
+    progress: bool = option(True, "show a progress bar", resume="free")

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from cast_llm.config import (
     FSDP_PRECISIONS,
     RECOMPUTE_MODES,
+    OutputSettings,
+    PatternSettings,
+    ProgressSettings,
+    SeedSettings,
     check_ranges,
     kernels_option,
     option,
@@ -25,6 +29,7 @@ from cast_llm.config import (
     parse_hist_steps,
     recompute_mode,
 )
+from cast_llm.data.config import DataSettings, WindowSettings
 from cast_llm.errors import CastError
 from cast_llm.optim.schedule import FINETUNE_WARMUP, SCHEDULES, TRAIN_WARMUP
 
@@ -52,10 +57,6 @@ SECTIONS = (RUN, BUDGET, OPTIM, CAST, BEYOND, BASELINES, EVAL, ANALYSIS, CKPT, M
 TEACHER_DTYPES = ("auto", "bf16", "fp32")
 
 
-def _opt_count(v):
-    return None if v is None else parse_count(v)
-
-
 def _count_ge0(v) -> int:
     n = parse_count(v)
     if n < 0:
@@ -75,23 +76,12 @@ def _resume(v) -> str | None:
 
 
 @dataclass
-class PatternSettings:
-    n: int = option(2, "N of the N:M pattern (kept per group)", min=1, section=BUDGET, resume="must_match")
-    m: int = option(4, "M of the N:M pattern (group size)", min=2, section=BUDGET, resume="must_match")
-    skip_incompatible: bool = option(False, "leave layers whose width is not a multiple of m dense instead of "
-                                            "failing", section=BUDGET, resume="free")
-
-    def check_pattern(self) -> None:
-        if not 1 <= self.n < self.m:
-            raise CastError(f"need 1 ≤ n < m for an N:M pattern, got {self.n}:{self.m}")
-
-
-@dataclass
-class RunConfig(PatternSettings):
+class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings, WindowSettings):
     """What every job of the one training loop shares."""
 
-    output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)", section=RUN,
-                                    resume="free")
+    OPTION_SECTIONS = {"n": BUDGET, "m": BUDGET, "skip_incompatible": BUDGET, "seq_len": BUDGET, "output_dir": RUN,
+                       "overwrite": RUN, "seed": RUN, "progress": RUN}
+
     resume: str | None = option(None, "continue the run in --output-dir from its newest complete checkpoint, with "
                                       "its own config.yaml (flags typed with it must agree); 'auto': start "
                                       "afresh when there is none (re-run the same command after a preemption); "
@@ -99,13 +89,6 @@ class RunConfig(PatternSettings):
                                       "starts it afresh)",
                                 choices=RESUME, parse=_resume, nargs="?", const="latest", section=RUN,
                                 resume="free")
-    overwrite: bool = option(False, "replace an earlier run in --output-dir (only files that run wrote are "
-                                    "removed, and only once the new run has finished: until then they wait in "
-                                    ".cast-llm-previous/; never the model's own folder or a folder of model "
-                                    "weights)",
-                             section=RUN, resume="free")
-    seed: int = option(0, "seed for data order, sampling and initialisation", section=RUN,
-                       resume="must_match")
     device: str = option("auto", "auto (CUDA when visible), cpu or cuda; accelerate launch sets it per process",
                          choices=("auto", "cpu", "cuda"), section=RUN, resume="free")
     precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16",
@@ -113,14 +96,12 @@ class RunConfig(PatternSettings):
     threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use); on a "
                              "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN,
                              resume="free")
-    progress: bool = option(True, "show a progress bar", section=RUN, resume="free")
     kernels: str = kernels_option(section=RUN)
     max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET, resume="must_match")
     batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET,
                              resume="must_match")
     grad_accum: int = option(1, "micro-batches accumulated per optimizer step", min=1, section=BUDGET,
                              resume="must_match")
-    seq_len: int = option(512, "tokens per training sequence", min=2, section=BUDGET, resume="must_match")
     weight_decay: float = option(0.0, "decoupled weight decay on matrices (not on norms, biases, scales)", min=0,
                                  section=OPTIM, resume="must_match")
     warmup_steps: int | None = option(None, f"linear warm-up steps (default: {TRAIN_WARMUP:.0%} of the steps for "
@@ -186,25 +167,21 @@ class CastSettings:
 
 
 @dataclass
-class TrainConfig(RunConfig, CastSettings):
-    """``cast-llm train``."""
+class TrainConfig(RunConfig, CastSettings, DataSettings):
+    """``cast-llm train``: the run (:class:`RunConfig`), CAST's knobs, the data (the token cache's key, shared with
+    ``cast-llm prepare-data``: :class:`cast_llm.data.config.DataSettings`), and these."""
 
-    model: str = option("smollm2-135m", "Hugging Face model folder / hub id / .gguf file, or the alias "
-                                        "smollm2-135m", section=RUN, resume="must_match")
-    data: str = option("wiki-summaries", "wiki-summaries (embedded), a .txt/.jsonl/.parquet file or folder, or "
-                                         "hf:NAME[:CONFIG]", section=RUN, resume="must_match")
+    OPTION_SECTIONS = {"model": RUN, "data": RUN, "data_cache": RUN, "tokens": BUDGET, "max_documents": BUDGET,
+                       "calib_samples": CAST, "val_fraction": EVAL, "test_fraction": EVAL, "val_sequences": EVAL,
+                       "test_sequences": EVAL}
+
     method: str = option("cast", "training method", choices=METHODS, section=RUN, resume="must_match")
-    tokens: int | None = option(None, "training-token budget, e.g. 20M; sets the steps (give this or "
-                                      "--max-steps)", parse=_opt_count, min=1, section=BUDGET,
-                                      resume="must_match")
     batch_size: int = option(4, "sequences (examples) per micro-batch per process; 0 = the largest that the "
                                 "memory plan fits (with --global-batch: one that divides it)", min=0,
                              section=BUDGET, resume="must_match")
     global_batch: int | None = option(None, "sequences per optimizer step over all processes (the paper's batch): "
                                             "--grad-accum becomes global / (--batch-size × processes), on any "
                                             "number of processes", min=1, section=BUDGET, resume="free")
-    max_documents: int | None = option(None, "use only the first this many documents of --data (quick runs)",
-                                       min=1, section=BUDGET, resume="must_match")
     lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
                        section=OPTIM, resume="must_match")
     beta1: float = option(0.9, "Adam β1 (the paper gives none: Adam's usual value)", min=0, max=0.999999,
@@ -231,8 +208,6 @@ class TrainConfig(RunConfig, CastSettings):
                                          "file (.safetensors) or a sparse model folder (its zeros); only the mask "
                                          "is taken (naive: dense weights ⊙ mask) — to retrain one recipe under "
                                          "different masks", section=CAST, resume="must_match")
-    calib_samples: int = option(128, "training sequences that calibrate Wanda / SparseGPT / the compensated prune "
-                                     "(paper 128)", min=1, section=CAST, resume="must_match")
     fsdp: bool = option(False, "shard student and teacher with FSDP2 (rows of every weight) across the launched "
                                "processes; --method cast with AdamS; resume with the same process count",
                         section=RUN, resume="free")
@@ -284,19 +259,6 @@ class TrainConfig(RunConfig, CastSettings):
     maskllm_prior: float = option(3.0, "maskllm: initial scaled-logit bonus of the --init-mask pattern of each "
                                        "group", section=BASELINES, resume="must_match")
     # --- evaluation
-    val_fraction: float = option(0.02, "fraction of the documents in the validation split (chosen by a hash of "
-                                       "each text, never by --seed): what tuning and defaults are chosen on",
-                                 min=0, max=0.5, section=EVAL, resume="must_match")
-    test_fraction: float = option(0.02, "fraction of the documents in the test split (by the same hash): the "
-                                        "reported held-out figure", min=0, max=0.5, section=EVAL,
-                                        resume="must_match")
-    val_sequences: int = option(16, "validation windows scored at the end (0 = all the split holds)", min=0,
-                                section=EVAL, resume="free")
-    test_sequences: int = option(16, "test windows scored for the held-out perplexity (0 = all the split holds)",
-                                 min=0, section=EVAL, resume="free")
-    data_cache: str | None = option(None, "folder of the token cache (default: $CAST_LLM_CACHE/tokens, else "
-                                          "~/.cache/cast-llm/tokens; `cast-llm prepare-data` fills it ahead)",
-                                    section=RUN, resume="free")
     wikitext_windows: int | None = option(None, "WikiText-2 windows scored at the end (0 = all, the full protocol; "
                                                 "default: scaled to the run, so that scoring takes less time than "
                                                 "training — at least 4)", min=0, section=EVAL, resume="free")
@@ -355,9 +317,7 @@ class TrainConfig(RunConfig, CastSettings):
         super().validate()
         if self.packed_masks and (self.method != "cast" or self.mask_learner != "adams"):
             raise CastError("--packed-masks is AdamS's mask storage: it needs --method cast with --mask-learner adams")
-        if self.val_fraction + self.test_fraction >= 1:
-            raise CastError("--val-fraction + --test-fraction must leave documents for training (their sum is "
-                            f"{self.val_fraction + self.test_fraction:g})")
+        self.check_split()
         if (self.max_steps is None) == (self.tokens is None):
             raise CastError("give exactly one budget: --max-steps N or --tokens N (e.g. 20M)")
         if self.mask_learner != "adams" and self.method != "cast":
