@@ -172,7 +172,7 @@ LAYERS = {
     0: ("errors", "io", "config", "machine", "sparsity", "layers", "targets", "triton_support", "dtensor", "kernels"),  # core
     1: ("nn", "optim", "distill", "data", "models", "prune", "quant", "deploy", "eval", "analysis"),
     2: ("plan",),  # a run's needs, from its config alone
-    3: ("train", "finetune", "integrations", "inference"),  # training; running a model for text
+    3: ("train", "finetune", "integrations", "inference", "jobs"),  # training; running a model for text; one-shot jobs
     4: ("scaling", "report", "doctor"),  # what runs, reads or checks training
     5: ("cli",),
 }

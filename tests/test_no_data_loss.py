@@ -59,7 +59,7 @@ def test_overwrite_replaces_only_the_listed_files_once_the_new_one_is_complete(t
 
 
 def test_a_failed_export_leaves_the_previous_one_intact(tmp_path, sparse_dir, capsys, monkeypatch):
-    import cast_llm.cli.export as export_cli
+    import cast_llm.jobs.export as export_cli
 
     out = tmp_path / "o"
     assert cli("export", sparse_dir, "--format", "compressed", "--output-dir", out) == 0

@@ -9,25 +9,40 @@
   dispatch to dense where 2:4 does not pay, a CUDA-graph decoder (docs/deployment.md);
 * :mod:`.semi_structured` — swap 2:4 weights to ``torch.sparse`` semi-structured tensors (CUDA ≥ sm80; the
   simple path of ``load_compressed(semi_structured=True)``, slow: a plan per matmul);
-* :mod:`.bench` — dense vs 2:4 prefill / decode throughput, per-linear latency, weight memory.
+* :mod:`.bench` — dense vs 2:4 prefill / decode throughput, per-linear latency, weight memory;
+* :mod:`.config` — the settings of ``cast-llm export`` and ``bench-inference`` (torch-free; their jobs:
+  :mod:`cast_llm.jobs`).
 """
 
-from cast_llm.deploy.compressed import load_compressed, save_compressed
-from cast_llm.deploy.compressed_tensors import load_compressed_tensors, save_compressed_tensors
-from cast_llm.deploy.nm_codec import NMSparseWeight
-from cast_llm.deploy.semi_structured import (
-    from_semi_structured_,
-    semi_structured_unavailable_reason,
-    to_semi_structured_,
-)
+from __future__ import annotations
 
-__all__ = [
-    "NMSparseWeight",
-    "from_semi_structured_",
-    "load_compressed",
-    "load_compressed_tensors",
-    "save_compressed",
-    "save_compressed_tensors",
-    "semi_structured_unavailable_reason",
-    "to_semi_structured_",
-]
+import importlib
+
+# name -> submodule; loaded on first use, so that `cast-llm --help` (which reads deploy.config) imports no torch
+_EXPORTS = {
+    "load_compressed": "compressed", "save_compressed": "compressed",
+    "load_compressed_tensors": "compressed_tensors", "save_compressed_tensors": "compressed_tensors",
+    "NMSparseWeight": "nm_codec",
+    "from_semi_structured_": "semi_structured", "semi_structured_unavailable_reason": "semi_structured",
+    "to_semi_structured_": "semi_structured",
+    "BenchConfig": "config", "BenchInferenceConfig": "config", "ExportConfig": "config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule not imported yet (as the eager imports of this package used to load it)
+        try:
+            return importlib.import_module(f"cast_llm.deploy.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"cast_llm.deploy.{name}":
+                raise
+        raise AttributeError(f"module 'cast_llm.deploy' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"cast_llm.deploy.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from cast_llm.deploy.config import BenchConfig
 from cast_llm.deploy.export import sparsity_report
 from cast_llm.deploy.sparse24 import (
     Dispatcher,
@@ -49,19 +50,6 @@ from cast_llm.deploy.sparse24.timing import gemm_fn
 from cast_llm.errors import CastError
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
-
-
-@dataclass
-class BenchConfig:
-    batch_size: int = 1
-    prompt_len: int = 128
-    gen_len: int = 64
-    warmup: int = 1
-    repeats: int = 3
-    backend: str = "auto"  # auto (every 2:4 kernel that runs here), cusparselt or cutlass
-    linear_repeats: int = 20  # per-linear timings: many short kernels, so more repeats
-    dispatch_cache: str | None = None  # JSON file of measured dense/2:4 choices to reuse and extend
-    dense_copy: bool = True  # 2:4 layers may keep their dense weight where dense measures faster (else: compressed only)
 
 
 @dataclass

@@ -2,35 +2,40 @@
 
 The tensor math of each method lives in its own module (:mod:`.magnitude`, :mod:`.wanda`,
 :mod:`.sparsegpt`); the block-by-block calibration through the decoder in :mod:`.blockwise`; the
-whole-model entry point :func:`prune_model` in :mod:`.oneshot`.
+whole-model entry point :func:`prune_model` in :mod:`.oneshot`; the settings of a pruning job
+(``cast-llm prune``) in :mod:`.config` (:class:`PruneConfig`; the job itself: :func:`cast_llm.jobs.prune.prune_job`).
 """
 
-from cast_llm.prune.blockwise import decoder_blocks, prune_blockwise
-from cast_llm.prune.magnitude import magnitude_prune_
-from cast_llm.prune.oneshot import METHODS, LayerReport, PruneResult, prune_model
-from cast_llm.prune.sparsegpt import (
-    SparseGPTInfo,
-    accumulate_hessian,
-    finalize_hessian,
-    inverse_hessian_cholesky,
-    sparsegpt_prune_,
-)
-from cast_llm.prune.wanda import accumulate_col_sq_norm, wanda_prune_, wanda_scores
+from __future__ import annotations
 
-__all__ = [
-    "METHODS",
-    "LayerReport",
-    "PruneResult",
-    "SparseGPTInfo",
-    "accumulate_col_sq_norm",
-    "accumulate_hessian",
-    "decoder_blocks",
-    "finalize_hessian",
-    "inverse_hessian_cholesky",
-    "magnitude_prune_",
-    "prune_blockwise",
-    "prune_model",
-    "sparsegpt_prune_",
-    "wanda_prune_",
-    "wanda_scores",
-]
+import importlib
+
+# name -> submodule; loaded on first use, so that `cast-llm --help` (which reads prune.config) imports no torch
+_EXPORTS = {
+    "decoder_blocks": "blockwise", "prune_blockwise": "blockwise",
+    "magnitude_prune_": "magnitude",
+    "METHODS": "oneshot", "LayerReport": "oneshot", "PruneResult": "oneshot", "prune_model": "oneshot",
+    "SparseGPTInfo": "sparsegpt", "accumulate_hessian": "sparsegpt", "finalize_hessian": "sparsegpt",
+    "inverse_hessian_cholesky": "sparsegpt", "sparsegpt_prune_": "sparsegpt",
+    "accumulate_col_sq_norm": "wanda", "wanda_prune_": "wanda", "wanda_scores": "wanda",
+    "PruneConfig": "config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule not imported yet (as the eager imports of this package used to load it)
+        try:
+            return importlib.import_module(f"cast_llm.prune.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"cast_llm.prune.{name}":
+                raise
+        raise AttributeError(f"module 'cast_llm.prune' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"cast_llm.prune.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
