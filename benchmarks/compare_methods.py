@@ -917,7 +917,46 @@ class Comparison:
         # the re-run's own perplexities and code: a check that the row reproduces (same seed, same command)
         return {"wall_s": r["wall_s"], "threads": r.get("threads"), "other_cores": other, "seed": r.get("seed"),
                 "tokens": r.get("tokens"), "calib_tokens": r.get("calib_tokens"), "test_ppl": r.get("test"),
-                "wikitext2_ppl": r.get("wikitext2"), "code": r.get("code"), "command": r.get("command")}
+                "wikitext2_ppl": r.get("wikitext2"), "code": r.get("code"), "command": r.get("command"),
+                "hyperparameters": r.get("hyperparameters")}
+
+    def superseded_seed(self, key: str, seed, setting: dict) -> dict | None:
+        """Row ``key``'s run of ``seed`` at ``setting`` that a later tuning set aside
+        (``seed-N.superseded-<name>-<value>``): what an idle-wall run made at that earlier setting reproduces."""
+        for f in sorted((self.runs / key).glob(f"seed-{seed}.superseded-*/compare_row.json")):
+            r = read_row(f)
+            if r.get("status") == "ok" and r.get("hyperparameters") == setting:
+                return {"seed": r.get("seed"), "test": r.get("test"), "wikitext2": r.get("wikitext2"),
+                        "code": r.get("code"), "dir": f.parent.name}
+        return None
+
+    def superseded(self, key: str) -> list[dict]:
+        """Row ``key``'s seeds at the settings a later tuning replaced (``seed-N.superseded-*``), one entry per
+        setting: its seeds' test / WikiText-2 / S_T, and their means — what the row measured before its tuning."""
+        groups: dict[str, list[dict]] = {}
+        for f in sorted((self.runs / key).glob("seed-*.superseded-*/compare_row.json")):
+            r = read_row(f)
+            if r.get("status") == "ok":
+                groups.setdefault(json.dumps(r.get("hyperparameters"), sort_keys=True), []).append(r)
+        out = []
+        for runs in groups.values():
+            runs.sort(key=lambda r: r.get("seed") or 0)
+            mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("test", "wikitext2")
+                    if all(r.get(k) is not None for r in runs)}
+            out.append({"setting": runs[0].get("hyperparameters"), **mean,
+                        "seeds": [{k: r.get(k) for k in ("seed", "test", "wikitext2", "validation",
+                                                         "sparse_weight_ratio", "code")} for r in runs]})
+        return out
+
+    def pending_grid(self, key: str) -> list[dict]:
+        """The grid points of row ``key`` finished so far where the row has no seed yet (its tuning under way)."""
+        out = []
+        for f in sorted((self.runs / key / "grid").glob("*/seed-*/compare_row.json")):
+            r = read_row(f)
+            if r.get("status") == "ok":
+                out.append({"setting": r.get("hyperparameters"), "seed": r.get("seed"),
+                            "validation": r.get("validation")})
+        return sorted(out, key=lambda x: sorted((x["setting"] or {}).items()))
 
     def measure_idle_walls(self, entries: list[Entry], busy=None) -> None:
         """Run each row of ``entries`` once (its first seed, its tuned setting) into ``<runs>/walls/<row>`` and keep
@@ -1009,12 +1048,24 @@ class Comparison:
             raise SystemExit(clash)
         for r in rows:  # the row's wall time measured on an idle machine, where --idle-walls measured it
             if (wall := self.idle_wall(r["key"])) is not None:
-                r["idle_wall"] = wall
+                own = (r.get("seeds") or [r])[0].get("hyperparameters")
+                if wall.get("hyperparameters") and own and wall["hyperparameters"] != own:
+                    # measured at a setting a later tuning replaced: not this row's time; kept as a rerun of
+                    # the run it repeats (that setting's seed, set aside by the tuning), where that run is here
+                    wall["against"] = self.superseded_seed(r["key"], wall.get("seed"), wall["hyperparameters"])
+                    r["idle_wall_other_setting"] = wall
+                else:
+                    r["idle_wall"] = wall
             if reruns := self.record_reruns(r["key"]):  # its seeds run again for their records (--rerun-unrecorded)
                 r["reruns"] = reruns
+            if before := self.superseded(r["key"]):  # what it measured at the settings its tuning replaced
+                r["superseded"] = before
         for r in rows:  # how each training row's setting was chosen (on the validation split), or that it was not
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
+                ran = (r.get("seeds") or [r])[0].get("hyperparameters") or {}
+                if t.get("from") and any(ran.get(k) != v for k, v in (t.get("chosen_setting") or {}).items()):
+                    t = {}  # another budget's choice this row did not run at (it ran before that tuning)
                 r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "search", "stages",
                                                   "results", "from")
                                 if k in t} if t else {"grid": None, "chosen": "not retuned", "metric": None,
@@ -1026,7 +1077,11 @@ class Comparison:
                 "regenerate": " && ".join("python benchmarks/compare_methods.py " + shlex.join(x)
                                           for x in regenerate_argv(self.opts.argv, rows)),
                 "runs_dir": portable(str(self.runs)), "wikitext2": wikitext2_description(self.tier),
-                "table6": [e.key for e in ABLATIONS]}
+                "table6": [e.key for e in ABLATIONS], "code_versions": codes_not_in_history(rows),
+                # where the default's gain comes from: each ablation of the default against it (run or not)
+                "gain": [{"key": e.key, "label": e.label,
+                          "pending": [] if e.key in {r["key"] for r in rows} else self.pending_grid(e.key)}
+                         for e in DEFAULT_ABLATIONS]}
         png = write_chart(rows, meta, docs / f"{stem}.png")
         md = write_report(rows, meta, docs / f"{stem}.md", png)
         js = write_json(rows, meta, docs / f"{stem}.json")
@@ -1155,6 +1210,36 @@ def code_version() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return (rev + ("+dirty" if dirty else "")) or None
+
+
+def codes_not_in_history(rows: list[dict]) -> dict:
+    """The code versions the rows (every seed, grid point and re-run the table shows) record, and those that are
+    no commit of this repository's history (run from a tree that was never committed, or since rewritten): a
+    row's ``code`` says which code ran only where it can be checked out."""
+    found: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "code" and isinstance(v, str):
+                    found.add(v)
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(rows)
+    missing = []
+    for c in sorted(found):
+        try:
+            r = subprocess.run(["git", "cat-file", "-e", c.split("+")[0] + "^{commit}"], cwd=REPO,
+                               capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return {"recorded": sorted(found), "not_in_history": None}
+        if r.returncode != 0:
+            missing.append(c)
+    return {"recorded": sorted(found), "not_in_history": missing,
+            "uncommitted_changes": sorted(c for c in found if c.endswith("+dirty"))}
 
 
 class MachineLoad:

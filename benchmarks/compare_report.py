@@ -24,6 +24,11 @@ FIXED_MASK_KD = "naive-kd-sgpt"
 # The paper's Table 6 ablates its own algorithm: each of those rows (compare_methods.ABLATIONS, passed in the
 # report's meta as "table6") is held against paper-exact CAST seed by seed
 PAPER_EXACT = "cast"
+# CAST's default configuration: the rows of compare_methods.DEFAULT_ABLATIONS (the report's meta "gain") are each
+# held against it seed by seed, to say where its gain over SparseGPT + KD comes from
+DEFAULT = "cast-best"
+# one-shot SparseGPT (seeded by its calibration draw): where the paper's algorithm starts to pay for its training
+ONESHOT = "sparsegpt"
 NOTES_MARKER = "<!-- notes: kept when the report is regenerated -->"
 # a rerun of a row's seed whose test and WikiText-2 figures are within this of the row's is the row's run: the same
 # seed and setting, on a code version that rounds the last bits differently. Measured so far: 1.1e-6 / 3.1e-5 (192k
@@ -101,6 +106,19 @@ def rerun_lines(rows: list[dict]) -> list[str]:
             if idle.get("test_ppl") is None or seed is None or seed.get("test") is None:
                 continue
             out.append(_rerun_line(r, idle, seed, why))
+        other = r.get("idle_wall_other_setting") or {}
+        if other.get("test_ppl") is not None:  # an idle-wall run at a setting a later tuning replaced
+            setting = ", ".join(f"{k} {v:g}" for k, v in (other.get("hyperparameters") or {}).items())
+            why = (f", at {setting}: the setting before the row's tuning, so neither its wall time nor its figures "
+                   "are the row's")
+            if other.get("against"):
+                out.append(_rerun_line(r, other, other["against"], why + f"; against that setting's seed "
+                                       f"{other['against']['seed']} run, set aside by the tuning as "
+                                       f"`{other['against']['dir']}`"))
+            else:
+                out.append(f"- {r.get('label', r['key'])} (seed {other.get('seed')}{why}): test "
+                           f"{other['test_ppl']:.2f}, WikiText-2 {other['wikitext2_ppl']:.2f}; the run it repeats "
+                           "is not here")
     return out
 
 
@@ -243,6 +261,39 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
     return out
 
 
+def _setting(run: dict) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in (run.get("hyperparameters") or {}).items()
+                     if isinstance(v, (int, float)))
+
+
+def gain_lines(rows: list[dict], gain: list[dict]) -> list[str]:
+    """Each ablation of the default (the report's meta ``gain``) against the default, seed by seed, with its
+    own setting and how it was chosen; an ablation without a finished seed is said not to have run (with the
+    grid points of its tuning finished so far)."""
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    base = by.get(DEFAULT)
+    if base is None or not gain:
+        return []
+    out = [f"- {base['label']} (the reference): {_setting((base.get('seeds') or [base])[0])}; "
+           f"{len(base.get('seeds') or [base])} seed(s): test {_ppl(base, 'heldout').replace('<br>', ' ')}, "
+           f"WikiText-2 {_ppl(base, 'wikitext2').replace('<br>', ' ')}"]
+    for g in gain:
+        r = by.get(g["key"])
+        if r is None:
+            done = g.get("pending") or []
+            out.append(f"- {g['label']}: **not yet run** at this budget"
+                       + (" (its tuning under way; validation ppl so far: " + ", ".join(
+                           f"{_setting({'hyperparameters': x['setting']})}: {format_number(x['validation'])}"
+                           for x in done) + ")" if done else ""))
+            continue
+        t = r.get("tuning") or {}
+        how = ("chosen on validation" if t.get("chosen") not in (None, "not retuned") else "not retuned")
+        cells = [paired_line(r, base, split) for split in ("test", "wikitext2")]
+        out.append(f"- {g['label']} ({_setting((r.get('seeds') or [r])[0])}, {how}): " + "; ".join(cells)
+                   + f"; masks moved (i_T / groups changed): {movement(r)}")
+    return out
+
+
 def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
     """The table as data: per row its name, label, every seed's run (held-out, WikiText-2, S_T, mask movement,
     command) and the mean and range — what a script checks, and what a fresh checkout regenerates from."""
@@ -266,8 +317,12 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
             row["tuning"] = clean(r["tuning"])
         if r.get("idle_wall") is not None:  # one run on an otherwise idle machine (--idle-walls)
             row["idle_wall"] = clean(r["idle_wall"])
+        if r.get("idle_wall_other_setting") is not None:  # an idle-wall run at a setting the tuning replaced
+            row["idle_wall_other_setting"] = clean(r["idle_wall_other_setting"])
         if r.get("reruns"):  # seeds run again for their per-window records (--rerun-unrecorded)
             row["reruns"] = [clean(x) for x in r["reruns"]]
+        if r.get("superseded"):  # its seeds at the settings a later tuning replaced
+            row["superseded"] = clean(r["superseded"])
         for split in ("heldout", "wikitext2"):
             row[split] = r.get(split)
             row[f"{split}_range"] = r.get(f"{split}_range")
@@ -281,6 +336,17 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
                 del pairs["wikitext2_first"]
             if any(pairs.values()):
                 row["paired"] = {"against": FIXED_MASK_KD, **pairs}
+        default = by.get(DEFAULT)
+        gain = {g["key"] for g in meta.get("gain") or []}
+        if default is not None and r.get("key") in gain and r.get("status") == "ok":
+            pairs = {split: seed_difference(r, default, split) for split in ("test", "wikitext2")}
+            if any(pairs.values()):
+                row["paired_default"] = {"against": DEFAULT, **pairs}
+        oneshot = by.get(ONESHOT)
+        if oneshot is not None and r.get("key") == PAPER_EXACT and r.get("status") == "ok":
+            pairs = {split: seed_difference(r, oneshot, split) for split in ("test", "wikitext2")}
+            if any(pairs.values()):
+                row["paired_oneshot"] = {"against": ONESHOT, **pairs}
         exact = by.get(PAPER_EXACT)
         if exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok":
             pairs = {split: seed_difference(r, exact, split) for split in ("test", "wikitext2")}
@@ -295,7 +361,7 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
            "split_sha256": sorted(d for d in digests if d) or None,
            "regenerate": meta.get("regenerate"), "tier": meta.get("tier"), "model": meta.get("model"),
            "budget": meta.get("budget"), "settings": clean(meta.get("settings")), "wikitext2": meta.get("wikitext2"),
-           "rows": out_rows}
+           "code_versions": meta.get("code_versions"), "rows": out_rows}
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
 
@@ -508,6 +574,15 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     tuned = tuning_lines(rows)
     if tuned:
         lines += ["", "## Tuning (validation split only)", ""] + tuned
+    before = [f"- {r.get('label', r['key'])} at {_setting({'hyperparameters': x['setting']})} "
+              f"({len(x['seeds'])} seed{'s' if len(x['seeds']) > 1 else ''}: "
+              + ", ".join(f"s{y['seed']}" for y in x["seeds"]) + "): test "
+              + f"{format_number(x.get('test'))}, WikiText-2 {format_number(x.get('wikitext2'))}"
+              for r in rows for x in r.get("superseded") or []]
+    if before:
+        lines += ["", "## Before the tuning", "",
+                  "Seeds a row ran at a setting its later tuning replaced (set aside as `seed-N.superseded-*`, out "
+                  "of the table): the mean of their test and WikiText-2 perplexities.", ""] + before
     pruned = prune_lines(rows)
     if pruned:
         lines += ["", "## The final prune (validation split)", "",
@@ -521,6 +596,14 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   "Mean of the per-seed differences (row − SparseGPT + KD, perplexity points) with its 95 % t "
                   "interval; a row is **better** or **worse** only where the interval excludes 0, else **level**.",
                   ""] + checks
+    by = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    if PAPER_EXACT in by and ONESHOT in by:
+        exact, oneshot = by[PAPER_EXACT], by[ONESHOT]
+        lines += ["", "## Paper-exact CAST against one-shot SparseGPT, seed by seed", "",
+                  "Row − one-shot SparseGPT (the same seeds: the same calibration draw), read as above: does the "
+                  "paper's algorithm pay for its training at this budget?", "",
+                  f"- {exact['label']}: " + "; ".join(paired_line(exact, oneshot, split)
+                                                       for split in ("test", "wikitext2"))]
     table6 = table6_lines(rows, meta.get("table6") or [])
     if table6:
         lines += ["", "## The paper's Table 6: each ablation against paper-exact CAST, seed by seed", "",
@@ -528,6 +611,13 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   "ablated row is worse, i.e. the component it removes or replaces helps. With two or more common "
                   "seeds, the mean with its 95 % t interval and a verdict as above; with one, that seed's "
                   "difference only.", ""] + table6
+    gain = gain_lines(rows, meta.get("gain") or [])
+    if gain:
+        lines += ["", "## Where the default's gain comes from: each ablation against the default, seed by seed", "",
+                  "Row − CAST's default (perplexity points, the same seeds: same data order and calibration draw): "
+                  "positive = the ablated row is worse, i.e. the part it takes out helps. Each row's lr chosen on "
+                  "validation where it says so. With two or more common seeds, the mean with its 95 % t interval "
+                  "and a verdict as above; with one, that seed's difference only.", ""] + gain
     first = first_window_lines(rows)
     if first:
         n = next(r["wikitext2_first_windows"] for r in rows if r.get("wikitext2_first_windows"))
@@ -551,6 +641,16 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         lines += ["", "## Runs that did not finish", ""] + [
             f"- {r['label']} ({'stopped, resumable' if r.get('status') == 'stopped' else 'failed'}): "
             f"{r.get('error', '')}" for r in failed]
+    cv = meta.get("code_versions") or {}
+    if cv.get("recorded"):
+        gone, dirty = cv.get("not_in_history"), cv.get("uncommitted_changes") or []
+        lines += ["", "## Code versions", "",
+                  f"The runs of this table (seeds, tuning grid points, re-runs) record {len(cv['recorded'])} code "
+                  "versions" + (": whether each is a commit of this repository's history was not checked" if gone is None
+                                else f"; {len(gone)} of them {'is' if len(gone) == 1 else 'are'} no commit of this "
+                                "repository's history (run from a tree that was never committed or was rewritten "
+                                "since), so the code those runs ran cannot be checked out" + (f" ({', '.join(f'`{c}`' for c in gone)})" if gone else ""))
+                  + (f"; {len(dirty)} were run with uncommitted changes (`+dirty`)" if dirty else "") + "."]
     lines += ["", "## Commands", "", "Every row, as run (from the repository root):", ""]
     lines += [f"- {r['label']}: `{portable(r.get('command', ''))}`" for r in rows]
     # hand-written discussion below the marker survives a regeneration (e.g. --only adding rows)
