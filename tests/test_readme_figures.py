@@ -45,3 +45,29 @@ def test_every_figure_of_how_good_is_it_is_a_committed_measurement():
     figures = FIGURE.findall(section)
     assert len(figures) > 20  # the section still quotes its tables
     assert [x for x in figures if x not in known] == []
+
+
+def test_the_quick_start_screen_is_the_committed_one():
+    """The last screen of `make run` the Quick start shows is copied from the committed screen
+    (docs/results/make-run-screen.txt), line for line: its numbers come from that file, not from memory."""
+    quick = _section((REPO / "README.md").read_text(), "Quick start")
+    blocks = quick.split("```")[1::2]  # the fenced blocks: the commands, then the screen
+    screen = next(b for b in blocks if "test ppl" in b).strip("\n").splitlines()
+    committed = (RESULTS / "make-run-screen.txt").read_text().splitlines()
+    assert len(screen) > 10
+    start = committed.index(screen[0])
+    assert committed[start:start + len(screen)] == screen
+
+
+def test_every_figure_of_the_training_comparison_is_a_committed_measurement():
+    """docs/training.md's "What we measured" (the fixed protocol's tables) quotes committed JSON only."""
+    known: set[str] = set()
+    for f in sorted(RESULTS.glob("compare-*.json")) + sorted(RESULTS.glob("mask-swap-*.json")):
+        _figures_of_json(json.loads(f.read_text()), known)
+    for f in sorted((RESULTS / "gpu").glob("*.md")):  # the one-seed GPU comparison it mentions
+        known |= set(FIGURE.findall(f.read_text()))
+    text = (REPO / "docs" / "training.md").read_text()
+    part = text.split("**What we measured**", 1)[1].split("**Which configuration at which budget**", 1)[0]
+    figures = FIGURE.findall(part)
+    assert len(figures) > 10
+    assert [x for x in figures if x not in known] == []
