@@ -41,7 +41,6 @@ KNOWN = {
     "model": {"ModelSettings", "FinetuneConfig", "GenerateConfig", "ZeroShotOptions"},
     "seed": {"SeedSettings", "GenerateConfig", "ZeroShotOptions"},
     "output_dir": {"OutputSettings", "SweepOptions", "ZeroShotOptions"},
-    "kernels": {"RunConfig", "BenchInferenceConfig", "GenerateConfig", "ZeroShotOptions"},
     "json": {"BenchInferenceConfig", "GenerateConfig", "FitOptions", "ZeroShotOptions"},
     "plot": {"BenchInferenceConfig", "FitOptions"},
     "threads": {"RunConfig", "GenerateConfig"},
@@ -155,6 +154,18 @@ def test_prune_and_quantize_share_their_calibration_settings_with_train():
         assert fields[0][name] is fields[1][name] is fields[2][name], name
     for name in ("calib_batch_size", "device"):
         assert fields[0][name] is fields[1][name], name
+
+
+def test_every_command_that_runs_our_kernels_takes_one_kernels_setting():
+    from cast_llm.cli.eval_zeroshot import ZeroShotOptions
+    from cast_llm.cli.generate import GenerateConfig
+    from cast_llm.deploy.config import BenchInferenceConfig
+    from cast_llm.finetune.config import FinetuneConfig
+    from cast_llm.train.config import TrainConfig
+
+    kernels = [{f.name: f for f in dataclasses.fields(c)}["kernels"]
+               for c in (TrainConfig, FinetuneConfig, BenchInferenceConfig, GenerateConfig, ZeroShotOptions)]
+    assert all(f is kernels[0] for f in kernels)
 
 
 def test_the_library_bench_config_is_the_commands():

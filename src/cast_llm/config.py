@@ -76,11 +76,6 @@ def recompute_mode(value) -> str:
     return text
 
 
-def kernels_option(section: str | None = None):
-    """The ``--kernels auto|reference`` field every command that runs our kernels has."""
-    return option("auto", KERNELS_HELP, choices=KERNEL_MODES, section=section, resume="free")
-
-
 def resume_keys(cls) -> tuple[str, ...]:
     """The settings of ``cls`` (a job's config dataclass) that a resume must match: its fields marked
     ``option(..., resume="must_match")``, in declaration order (the checkpoint's fingerprint)."""
@@ -391,3 +386,10 @@ class SeedSettings:
 @dataclasses.dataclass
 class ProgressSettings:
     progress: bool = option(True, "show a progress bar", resume="free")
+
+
+@dataclasses.dataclass
+class KernelSettings:
+    """``--kernels auto|reference``: every command that runs our kernels takes it."""
+
+    kernels: str = option("auto", KERNELS_HELP, choices=KERNEL_MODES, resume="free")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import kernels_option, option
+from cast_llm.config import KernelSettings, option
 from cast_llm.errors import CastError
 
 # kept here (not imported from cast_llm.eval.zeroshot) so that `cast-llm --help` does not import lm-eval
@@ -42,7 +42,9 @@ MODEL, TASKS, OUTPUT = "model", "tasks", "output"
 
 
 @dataclass
-class ZeroShotOptions:
+class ZeroShotOptions(KernelSettings):
+    OPTION_SECTIONS = {"kernels": MODEL}
+
     model: str | None = option(
         None, "the model to score (required): a local folder, a .gguf file, a hub id or an alias (smollm2-135m)",
         section=MODEL,
@@ -60,7 +62,6 @@ class ZeroShotOptions:
     batch_size: str = option("8", "items per forward pass, or 'auto'", parse=_parse_batch_size, section=TASKS)
     device: str = option("auto", "cpu, cuda, cuda:1, ... or auto (cuda when available)", section=MODEL)
     dtype: str = option("float32", "dtype the model is loaded in", choices=DTYPES, section=MODEL)
-    kernels: str = kernels_option(section=MODEL)
     max_length: int | None = option(None, "longest context in tokens (default: the model's maximum)", section=MODEL)
     include_path: str | None = option(None, "a folder of extra lm-eval task YAML files (local tasks)", section=TASKS)
     output_dir: str = option(".", "folder where zeroshot.json and zeroshot.md are written", section=OUTPUT)

@@ -16,14 +16,16 @@ import sys
 from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import kernels_option, option
+from cast_llm.config import KernelSettings, option
 from cast_llm.errors import CastError
 
 MODEL, TEXT, OUTPUT = "model", "text", "output"
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(KernelSettings):
+    OPTION_SECTIONS = {"kernels": MODEL}
+
     model: str = option("", "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
                             "folder) or alias (smollm2-135m)", section=MODEL)
     prompt: str = option("", "the text to continue", section=TEXT)
@@ -40,7 +42,6 @@ class GenerateConfig:
                         section=MODEL)
     threads: int = option(0, "CPU threads (0: the cores less those other processes are using)", min=0,
                           section=MODEL)
-    kernels: str = kernels_option(section=MODEL)
     json: bool = option(False, "print one JSON object (text, tokens, timings) instead of text", section=OUTPUT)
 
     def validate(self) -> None:

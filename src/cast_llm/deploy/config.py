@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import ModelSettings, NMSettings, OutputSettings, SeedSettings, kernels_option, option
+from cast_llm.config import KernelSettings, ModelSettings, NMSettings, OutputSettings, SeedSettings, option
 from cast_llm.errors import CastError
 
 FORMATS = ("hf", "compressed", "compressed-tensors")
@@ -75,7 +75,7 @@ class BenchConfig:
 
 
 @dataclass
-class BenchInferenceConfig(SeedSettings, BenchConfig, ModelSettings):
+class BenchInferenceConfig(SeedSettings, KernelSettings, BenchConfig, ModelSettings):
     """``cast-llm bench-inference``: :class:`BenchConfig` on a model loaded (or built at random) here, at one or
     several batch sizes, reported as tables, JSON and a plot."""
 
@@ -84,7 +84,6 @@ class BenchInferenceConfig(SeedSettings, BenchConfig, ModelSettings):
     dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
                         choices=("fp16", "bf16", "fp32"), section=MODEL)
     device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", section=MODEL)
-    kernels: str = kernels_option(section=MODEL)
     json: bool = option(False, "print the report as one JSON object instead of a table", section=OUTPUT)
     json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
     plot: str | None = option(None, "also draw the report (tokens/s dense vs 2:4, per-linear speed-ups) into this "
@@ -94,7 +93,7 @@ class BenchInferenceConfig(SeedSettings, BenchConfig, ModelSettings):
         "model": "model folder, hub id, alias (smollm2-135m) or random:llama-2-7b / random:llama-2-13b",
         "seed": "seed of the random prompt (and of random: models)",
     }
-    OPTION_SECTIONS = {"seed": TIMING}
+    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL}
 
     def validate(self) -> None:
         if not self.model:

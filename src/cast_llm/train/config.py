@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from cast_llm.config import (
     FSDP_PRECISIONS,
     RECOMPUTE_MODES,
+    KernelSettings,
     OutputSettings,
     PatternSettings,
     ProgressSettings,
     SeedSettings,
     check_ranges,
-    kernels_option,
     option,
     parse_count,
     parse_hist_steps,
@@ -76,11 +76,11 @@ def _resume(v) -> str | None:
 
 
 @dataclass
-class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings, WindowSettings):
+class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings, KernelSettings, WindowSettings):
     """What every job of the one training loop shares."""
 
     OPTION_SECTIONS = {"n": BUDGET, "m": BUDGET, "skip_incompatible": BUDGET, "seq_len": BUDGET, "output_dir": RUN,
-                       "overwrite": RUN, "seed": RUN, "progress": RUN}
+                       "overwrite": RUN, "seed": RUN, "progress": RUN, "kernels": RUN}
 
     resume: str | None = option(None, "continue the run in --output-dir from its newest complete checkpoint, with "
                                       "its own config.yaml (flags typed with it must agree); 'auto': start "
@@ -96,7 +96,6 @@ class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings,
     threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use); on a "
                              "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN,
                              resume="free")
-    kernels: str = kernels_option(section=RUN)
     max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET, resume="must_match")
     batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET,
                              resume="must_match")
