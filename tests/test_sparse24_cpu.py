@@ -473,6 +473,24 @@ def test_one_real_measurement_on_this_cpu(kernel):
     assert note is None and math.isfinite(s) and 0 < s < 0.1, (s, note)
 
 
+def test_the_candidates_of_one_key_are_timed_interleaved_and_a_failing_one_is_inf():
+    from cast_llm.deploy.sparse24.cycles import cycled_many
+
+    order = []
+    a, b = torch.zeros(4), torch.zeros(4)
+    cycled_many([(lambda w: order.append("a"), a), (lambda w: order.append("b"), b)], repeats=3, min_time=0)
+    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    assert runs == ["a", "b"] * 4  # a's warm-up, b's, then one round of a and one of b in turn, three times
+    kernels = ["dense", "dense-careful", *(f"cpu-{p}" for p in PATHS if p != "amx-bf16"), "cusparselt"]
+    got = timing.measure_gemms(kernels, 256, 512, torch.bfloat16, 1, "eager", torch.device("cpu"))
+    assert list(got) == kernels
+    assert math.isinf(got["cusparselt"][0]) and got["cusparselt"][1]  # cannot run on a CPU: inf, with why
+    for k in kernels[:-1]:
+        if k == "dense" or (k == "dense-careful" and cpu24.dense_unavailable_reason() is None) or \
+                k.removeprefix("cpu-") in PATHS:
+            assert got[k][1] is None and 0 < got[k][0] < 0.1, (k, got[k])
+
+
 # ------------------------------------------------------------------ 4. a compressed checkpoint, no dense copy
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
@@ -636,6 +654,7 @@ def generate_env(monkeypatch, tmp_path):
         return {"cpu-unpack": 5.0, "dense": 4.0}.get(kernel, 1.0), None
 
     monkeypatch.setattr(timing, "measure_gemm", fake_measure)
+    monkeypatch.setattr(timing, "measure_gemms", lambda kernels, *a: {k: fake_measure(k, *a) for k in kernels})
     monkeypatch.setenv("CAST_LLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(cast_kernels.MODE_ENV, "auto")
     threads = torch.get_num_threads()

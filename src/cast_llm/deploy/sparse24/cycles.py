@@ -8,11 +8,11 @@ from __future__ import annotations
 import glob
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["MAX_COPIES", "cycled", "l3_bytes", "nbytes"]
+__all__ = ["MAX_COPIES", "cycled", "cycled_many", "l3_bytes", "nbytes"]
 
 MAX_COPIES = 512  # tiny layers (tests) would need thousands of copies to fill the cache: their timing is host-bound
 
@@ -44,19 +44,31 @@ def _clone(held):
 def cycled(fn: Callable[[object], object], held, *, repeats: int = 5, min_time: float = 0.02) -> float:
     """Median seconds per ``fn(copy)`` call over copies of ``held`` (a weight or a compressed state) that hold
     at least 2× the last-level cache together (at most :data:`MAX_COPIES`)."""
-    count = min(MAX_COPIES, max(2, -(-2 * l3_bytes() // max(nbytes(held), 1))))
-    copies = [held] + [_clone(held) for _ in range(count - 1)]
-    for c in copies[:2]:
-        fn(c)
-    t0 = time.perf_counter()
-    for c in copies:
-        fn(c)
-    rounds = max(1, int(min_time / max(time.perf_counter() - t0, 1e-9)))
-    times = []
-    for _ in range(repeats):
+    return cycled_many([(fn, held)], repeats=repeats, min_time=min_time)[0]
+
+
+def cycled_many(cases: Sequence[tuple[Callable[[object], object], object]], *, repeats: int = 5,
+                min_time: float = 0.02) -> list[float]:
+    """:func:`cycled` for several ``(fn, held)`` candidates at once, **interleaved**: each of the ``repeats``
+    runs one round (``min_time`` of calls over the copies) of every candidate in turn, so a slow spell of the
+    memory system (a CPU's bandwidth moves by ±30 % over tenths of a second, docs/results/cpu24-notes.md §11)
+    falls on all of them alike and their comparison is paired. Median seconds per call of each, in order."""
+    plans = []
+    for fn, held in cases:
+        count = min(MAX_COPIES, max(2, -(-2 * l3_bytes() // max(nbytes(held), 1))))
+        copies = [held] + [_clone(held) for _ in range(count - 1)]
+        for c in copies[:2]:
+            fn(c)
         t0 = time.perf_counter()
-        for _ in range(rounds):
-            for c in copies:
-                fn(c)
-        times.append((time.perf_counter() - t0) / (rounds * len(copies)))
-    return statistics.median(times)
+        for c in copies:
+            fn(c)
+        plans.append((fn, copies, max(1, int(min_time / max(time.perf_counter() - t0, 1e-9)))))
+    times: list[list[float]] = [[] for _ in plans]
+    for _ in range(repeats):
+        for i, (fn, copies, rounds) in enumerate(plans):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                for c in copies:
+                    fn(c)
+            times[i].append((time.perf_counter() - t0) / (rounds * len(copies)))
+    return [statistics.median(t) for t in times]

@@ -17,7 +17,8 @@ change kernel speed) — and remembers the winner:
 Decisions live in memory and, with ``cache_path``, in a small JSON file (``{"written_by": CACHE_MARKER,
 "format": 1, "entries": {key: decision}}``). A file that exists without that marker is never read as a cache
 nor overwritten. The timing itself is injected (``measure``), so all of this is tested on CPU with a fake
-timer; the real one is :func:`cast_llm.deploy.sparse24.timing.measure_gemm`.
+timer; the real one is :func:`cast_llm.deploy.sparse24.timing.measure_gemms` (on a CPU the candidates of one key
+timed interleaved, a paired comparison).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from cast_llm.deploy.sparse24 import timing
 from cast_llm.deploy.sparse24.buckets import MAX_BUCKET, token_bucket
 from cast_llm.errors import CastError
 from cast_llm.io import atomic_write_json
@@ -132,10 +134,17 @@ class Dispatcher:
 
     def measure(self, kernel, out_features, in_features, dtype, tokens, mode) -> tuple[float, str | None]:
         if self._measure is None:
-            from cast_llm.deploy.sparse24.timing import measure_gemm
-
-            return measure_gemm(kernel, out_features, in_features, dtype, tokens, mode, self.device)
+            return timing.measure_gemm(kernel, out_features, in_features, dtype, tokens, mode, self.device)
         return self._measure(kernel, out_features, in_features, dtype, tokens, mode)
+
+    def measure_all(self, kernels, out_features, in_features, dtype, tokens, mode) -> dict[str, tuple[float, str | None]]:
+        """Every candidate of ``kernels`` measured: the real timer takes them together (on a CPU interleaved, a
+        paired comparison: :func:`~cast_llm.deploy.sparse24.timing.measure_gemms`), an injected one by one."""
+        if not kernels:
+            return {}
+        if self._measure is None:
+            return timing.measure_gemms(kernels, out_features, in_features, dtype, tokens, mode, self.device)
+        return {k: self._measure(k, out_features, in_features, dtype, tokens, mode) for k in kernels}
 
     def decide(self, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
                candidates: Sequence[str]) -> Decision:
@@ -149,8 +158,8 @@ class Dispatcher:
         seconds = dict(found.seconds) if found else {}
         notes = dict(found.notes) if found else {}
         missing = [c for c in candidates if c not in seconds]
-        for c in missing:
-            seconds[c], note = self.measure(c, out_features, in_features, dtype, bucket, mode)
+        for c, (sec, note) in self.measure_all(missing, out_features, in_features, dtype, bucket, mode).items():
+            seconds[c] = sec
             if note:
                 notes[c] = note
         kernel = choose_kernel(seconds, candidates, self.min_speedup)

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.deploy.sparse24 import cpu
-from cast_llm.deploy.sparse24.cycles import cycled, l3_bytes
+from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, l3_bytes
 from cast_llm.sparsity.mask import nm_mask
 
 DENSE_CAREFUL = "dense-careful"  # = dispatch.DENSE_CAREFUL (dispatch imports this module: not imported from there)
 
-__all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "random_24_weight", "time_call"]
+__all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "measure_gemms", "random_24_weight", "time_call"]
 
 WRONG_RESULT_TOL = 0.02  # max|Δ|/max|y| of a bf16 GEMM vs F.linear is ~0.4 %; 2 % means a wrong kernel
 
@@ -123,22 +123,66 @@ def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], 
     return lambda: sparse_linear(k, x, state, None, out_features)
 
 
+def _cpu_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
+    """``(fn, held)`` for :func:`.cycles.cycled`: ``kernel``'s call on one copy of what it reads (the dense
+    weight, or its compressed state)."""
+    from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
+
+    if kernel == "dense":
+        return (lambda w: F.linear(x, w)), weight
+    if kernel == DENSE_CAREFUL:
+        return (lambda w: cpu.dense_mm(x, w)), weight
+    k, out_features = KERNELS[kernel], weight.shape[0]
+    return (lambda s: sparse_linear(k, x, s, None, out_features)), k.compress(weight)
+
+
+def _cpu_inputs(out_features: int, in_features: int, dtype: torch.dtype, tokens: int):
+    weight = random_24_weight(out_features, in_features, dtype, "cpu")
+    x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return weight, x
+
+
 def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, *,
                    repeats: int = 5, min_time: float = 0.02) -> float:
     """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU at this shape, the weight
     cycled past the last-level cache (:func:`cast_llm.deploy.sparse24.cycles.cycled`)."""
-    from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
+    weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
+    fn, held = _cpu_case(kernel, weight, x)
+    return cycled(fn, held, repeats=repeats, min_time=min_time)
 
-    weight = random_24_weight(out_features, in_features, dtype, "cpu")
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, in_features, generator=gen).to(dtype)
-    if kernel == "dense":
-        return cycled(lambda w: F.linear(x, w), weight, repeats=repeats, min_time=min_time)
-    if kernel == DENSE_CAREFUL:
-        return cycled(lambda w: cpu.dense_mm(x, w), weight, repeats=repeats, min_time=min_time)
-    k = KERNELS[kernel]
-    return cycled(lambda s: sparse_linear(k, x, s, None, out_features), k.compress(weight), repeats=repeats,
-                  min_time=min_time)
+
+def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
+                  device: torch.device) -> dict[str, tuple[float, str | None]]:
+    """:func:`measure_gemm` for several candidates. On the CPU in eager mode they are checked one by one and then
+    timed **interleaved** (:func:`.cycles.cycled_many`: a paired comparison, robust to the memory system's slow
+    spells); elsewhere one after another."""
+    device = torch.device(device)
+    if device.type != "cpu" or mode != "eager":
+        return {k: measure_gemm(k, out_features, in_features, dtype, tokens, mode, device) for k in kernels}
+    weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
+    ref = F.linear(x, weight)
+    results, cases = {}, {}
+    for k in kernels:
+        try:
+            fn, held = _cpu_case(k, weight, x)
+            if k != "dense" and (err := rel_err(fn(held), ref)) > WRONG_RESULT_TOL:
+                raise RuntimeError(f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear")
+            cases[k] = (fn, held)
+        except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
+            results[k] = (math.inf, _why(e))
+    if cases:
+        try:
+            for k, sec in zip(cases, cycled_many(list(cases.values()))):
+                results[k] = (sec, None)
+        except Exception:  # noqa: BLE001 - a failure while timing: each candidate alone, as measure_gemm does
+            for k in cases:
+                results[k] = measure_gemm(k, out_features, in_features, dtype, tokens, mode, device)
+    return {k: results[k] for k in kernels}
+
+
+def _why(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first}"
 
 
 def measure_gemm(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
@@ -163,5 +207,4 @@ def measure_gemm(kernel: str, out_features: int, in_features: int, dtype: torch.
             return cycled_seconds(kernel, out_features, in_features, dtype, tokens), None
         return time_call(fn, mode=mode, device=device, validate=None if kernel == "dense" else validate), None
     except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        return math.inf, f"{type(e).__name__}: {first}"
+        return math.inf, _why(e)
