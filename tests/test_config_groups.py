@@ -39,7 +39,6 @@ KNOWN = {
     "dtype": {"ExportConfig", "QuantizeConfig", "BenchInferenceConfig", "GenerateConfig", "ZeroShotOptions"},
     # commands not yet moved onto the groups (generate, eval zeroshot, scaling-law, finetune's MODEL)
     "model": {"ModelSettings", "FinetuneConfig", "GenerateConfig", "ZeroShotOptions"},
-    "seed": {"SeedSettings", "GenerateConfig", "ZeroShotOptions"},
     "output_dir": {"OutputSettings", "SweepOptions", "ZeroShotOptions"},
     "json": {"BenchInferenceConfig", "GenerateConfig", "FitOptions", "ZeroShotOptions"},
     "plot": {"BenchInferenceConfig", "FitOptions"},

@@ -16,15 +16,16 @@ import sys
 from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import KernelSettings, option
+from cast_llm.config import KernelSettings, SeedSettings, option
 from cast_llm.errors import CastError
 
 MODEL, TEXT, OUTPUT = "model", "text", "output"
 
 
 @dataclass
-class GenerateConfig(KernelSettings):
-    OPTION_SECTIONS = {"kernels": MODEL}
+class GenerateConfig(SeedSettings, KernelSettings):
+    OPTION_TEXT = {"seed": "seed of the sampling"}
+    OPTION_SECTIONS = {"kernels": MODEL, "seed": TEXT}
 
     model: str = option("", "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
                             "folder) or alias (smollm2-135m)", section=MODEL)
@@ -35,7 +36,6 @@ class GenerateConfig(KernelSettings):
                                 section=TEXT)
     top_p: float = option(1.0, "nucleus sampling mass (with --sample)", min=0.0, max=1.0, min_exclusive=True,
                           section=TEXT)
-    seed: int = option(0, "seed of the sampling", section=TEXT)
     dense: bool = option(False, "run every layer dense (torch F.linear) instead of the 2:4 layers", section=MODEL)
     dtype: str = option("auto", "weights and activations dtype: auto (bf16; a compressed fp32 export stays fp32, "
                                 "an fp16 one loads as fp32), bf16 or fp32", choices=("auto", "bf16", "fp32"),
