@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import sys
 
-from cast_llm.plan import PlanConfig, make_plan, model_shape
+from cast_llm.plan import PlanOptions, model_shape, plan_run
 from cast_llm.plan.report import duration
 from cast_llm.plan.sizes import fmt_size
+from cast_llm.train.config import PRESETS, TrainConfig
 
 MODELS = ["smollm2-135m", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b"]
 GPUS = [1, 2, 8]
@@ -28,7 +29,8 @@ def rows(models=MODELS, gpus=GPUS) -> list[str]:
     for name in models:
         shape = model_shape(name)
         for g in gpus:
-            p = make_plan(PlanConfig(model=name, gpus=g, gpu_memory="80GB"), shape=shape)
+            run = TrainConfig(**{**PRESETS["llama"], "model": name, "batch_size": 1, "output_dir": "(planned)"})
+            p = plan_run(run, PlanOptions(gpus=g, gpu_memory="80GB"), shape=shape)
             ok = p.memory.fits(p.capacity)
             if ok:
                 fix, then, t = "—", "—", p.time

@@ -186,12 +186,13 @@ def the_plan(out: Path, framework: int):
 
 
 def plan_8b() -> list[str]:
-    from cast_llm.plan import PlanConfig, make_plan
+    from cast_llm.plan import PlanOptions, plan_run
     from cast_llm.plan.report import plan_lines
+    from cast_llm.train.config import PRESETS, TrainConfig
 
-    cfg = PlanConfig(model="llama-3.1-8b", gpus=8, fsdp=True, activation_checkpointing="full", batch_size=0,
-                     host_memory="1TB")
-    return plan_lines(make_plan(cfg))
+    run = TrainConfig(**{**PRESETS["llama"], "model": "llama-3.1-8b", "fsdp": True,
+                         "activation_checkpointing": "full", "output_dir": "(planned)"})
+    return plan_lines(plan_run(run, PlanOptions(gpus=8, host_memory="1TB")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -242,10 +242,10 @@ def test_mfu_default_reproduces_the_published_fsdp_throughput():
     (1D), 8 H100s, bf16, local batch 2 × 8192 tokens, selective recomputation, eager: 5,762 tokens/s per
     GPU. Plain training (no teacher, no weight scaling) planned with the default MFU gives that figure; the
     NVLink communication stays below the compute (hidden, as in the published run)."""
-    from cast_llm.plan.config import PlanConfig
+    from cast_llm.plan.config import PlanOptions
     from cast_llm.plan.timing import ASSUMED_MFU, plan_time
 
-    assert PlanConfig.__dataclass_fields__["mfu"].default == ASSUMED_MFU
+    assert PlanOptions.__dataclass_fields__["mfu"].default == ASSUMED_MFU
     s8 = model_shape("llama-3.1-8b")
     plain = Setup(world=8, strategy="fsdp", batch_size=2, seq_len=8192, grad_accum=1, kd=False, scaling=False,
                   activation_checkpointing="selective")
@@ -337,7 +337,9 @@ def test_plan_cli_8b_on_8_gpus_offline_in_seconds(capsys, monkeypatch):
         assert needle in out, needle
     assert main(["plan", "--model", "llama-3.2-1b", "--json", "--tokens", "1B", "--tokens-per-s", "1e5"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["fits"] and d["time"]["measured"] and d["time"]["seconds"] == pytest.approx(1e4)
+    assert d["fits"] and d["time"]["measured"] and d["time"]["seconds"] == pytest.approx(d["time"]["tokens"] / 1e5)
+    # the run trains whole steps: 1B tokens rounded up to a step of 256 × 4096
+    assert d["time"]["tokens"] == d["time"]["steps"] * 256 * 4096 and 0 <= d["time"]["tokens"] - 1e9 < 256 * 4096
 
 
 def test_plan_json_8b_fsdp_reports_policy_recomputation_margin_communication_largest_term(capsys, monkeypatch):
@@ -462,29 +464,37 @@ def test_plan_around_the_steps_8b_on_8_gpus(capsys, monkeypatch):
 
 
 def test_plan_takes_trains_flags_preset_and_config_and_forecasts_with_the_runs_schedule(tmp_path, monkeypatch):
-    """`cast-llm plan` reads the training configuration `cast-llm train` would (flags, --preset, --config); the
-    decay forecast runs on the learning rates the run's own schedule code gives (warm-up, min-lr ratio)."""
-    import cast_llm.plan as plan_module
+    """`cast-llm plan` reads the training configuration `cast-llm train` would (flags, --preset, --config): the
+    same TrainConfig; the decay forecast runs on the learning rates the run's own schedule code gives
+    (warm-up, min-lr ratio) and the run's own repair fraction."""
+    import cast_llm.plan.run as plan_run_module
     from cast_llm.cli import build_parser
     from cast_llm.cli.plan import build_config as plan_config
     from cast_llm.cli.train import build_config as train_config
-    from cast_llm.optim.schedule import schedule_lrs
+    from cast_llm.optim.schedule import TRAIN_WARMUP, schedule_lrs
 
     parser = build_parser()
     flags = ["--model", "smollm2-135m", "--max-steps", "40", "--warmup-steps", "6", "--min-lr-ratio", "0.25",
              "--lr", "1e-4", "--seq-len", "128", "--batch-size", "2", "--global-batch", "8"]
     run = train_config(parser.parse_args(["train", *flags, "--output-dir", str(tmp_path / "run")]))
-    cfg = plan_config(parser.parse_args(["plan", *flags, "--gpus", "2"]))
-    assert (cfg.max_steps, cfg.warmup_steps, cfg.min_lr_ratio, cfg.global_batch) == (40, 6, 0.25, 8)
+    planned, options = plan_config(parser.parse_args(["plan", *flags, "--gpus", "2"]))
+    assert replace(planned, output_dir=run.output_dir) == run and options.gpus == 2
     seen = {}
-    real = plan_module.plan_decay
-    monkeypatch.setattr(plan_module, "plan_decay", lambda lrs, **kw: (seen.setdefault("lrs", lrs), real(lrs, **kw))[1])
-    plan = plan_module.make_plan(cfg)
+    real = plan_run_module.plan_decay
+    monkeypatch.setattr(plan_run_module, "plan_decay",
+                        lambda lrs, **kw: (seen.update(lrs=lrs, **kw), real(lrs, **kw))[1])
+    plan = plan_run_module.plan_run(planned, options)
     assert plan.setup.batch_size * plan.setup.grad_accum * plan.setup.world == 8 and plan.time.steps == 40
-    assert seen["lrs"] == schedule_lrs(run, 40, run.lr, default_warmup=0.02)  # what CAST's forecasts use
+    assert seen["lrs"] == schedule_lrs(run, 40, run.lr, default_warmup=TRAIN_WARMUP)  # what CAST's forecasts use
     assert seen["lrs"][6] == 1e-4 and abs(seen["lrs"][-1] - 0.25e-4) < 1e-6  # warm-up and the floor honoured
+    assert seen["prune_step"] == 40 - round(run.effective_repair_fraction * 40) and seen["warm_start"]
     # --preset and --config as train reads them
-    assert plan_config(parser.parse_args(["plan", "--model", "llama-3.1-8b", "--preset", "gpt2"])).seq_len == 1024
-    (tmp_path / "run.yaml").write_text("model: llama-3.2-1b\nseq_len: 2048\nfsdp: true\n")
-    from_file = plan_config(parser.parse_args(["plan", "--config", str(tmp_path / "run.yaml"), "--gpus", "4"]))
-    assert (from_file.model, from_file.seq_len, from_file.fsdp, from_file.gpus) == ("llama-3.2-1b", 2048, True, 4)
+    assert plan_config(parser.parse_args(["plan", "--model", "llama-3.1-8b", "--preset", "gpt2"]))[0].seq_len == 1024
+    (tmp_path / "run.yaml").write_text("model: llama-3.2-1b\nseq_len: 2048\nfsdp: true\nmax_steps: 100\n")
+    from_file, opts = plan_config(parser.parse_args(["plan", "--config", str(tmp_path / "run.yaml"), "--gpus", "4"]))
+    assert (from_file.model, from_file.seq_len, from_file.fsdp, opts.gpus) == ("llama-3.2-1b", 2048, True, 4)
+    # without a preset or config file: train's --preset llama
+    from cast_llm.train.config import PRESETS
+
+    default, _ = plan_config(parser.parse_args(["plan", "--model", "llama-3.1-8b"]))
+    assert all(getattr(default, k) == v for k, v in PRESETS["llama"].items())

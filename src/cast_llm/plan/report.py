@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from cast_llm.plan.advice import remedy
 from cast_llm.plan.memory import CPU_RETENTION, CUDA_CONTEXT, FRAGMENTATION, MemoryPlan, Setup
-from cast_llm.plan.sizes import fmt_size, parse_size
+from cast_llm.plan.sizes import fmt_size
 from cast_llm.plan.startup import startup_fits
 
-__all__ = ["plan_lines", "memory_lines", "startup_lines", "setup_line", "precision_text", "duration"]
+__all__ = ["plan_lines", "memory_lines", "startup_lines", "work_line", "setup_line", "precision_text", "duration"]
 
 _STRATEGY = {"single": "one process", "ddp": "DDP", "fsdp": "FSDP2"}
 
@@ -60,6 +60,19 @@ def memory_lines(plan: MemoryPlan, capacity: int | None, *, indent: str = "  ") 
     return out
 
 
+def work_line(work) -> str:
+    """What the run does around its steps (a :class:`cast_llm.plan.startup.StartupWork`), in one line."""
+    parts = ["baseline evaluation " + (("of the dense model" + ("" if work.warm_start else
+                                                                 " and its one-shot magnitude mask"))
+                                       if work.baseline_eval else "off (--no-baseline-eval)")]
+    parts.append("starts from the one-shot model" if work.warm_start else "starts from the dense weights")
+    if work.sparsegpt:
+        parts.append(f"SparseGPT calibrates on {work.calib_tokens:,} tokens")
+    parts.append(f"an evaluation scores {work.eval_tokens:,} tokens (test split and WikiText-2) in forwards of "
+                 f"{work.eval_window:,}, the final one {work.val_tokens:,} validation tokens more")
+    return "around the steps: " + "; ".join(parts)
+
+
 def startup_lines(sp, s: Setup, *, indent: str = "  ") -> list[str]:
     """Around the steps (:mod:`cast_llm.plan.startup`): start-up and end peaks, host memory per node, the
     checkpoint per rank, rank 0's own work and the timeouts derived from it."""
@@ -84,7 +97,7 @@ def plan_lines(p) -> list[str]:
     unit = "GPU" if s.device == "cuda" else "process"
     lines = [
         f"model {sh.name} ({sh.source}): {sh.params / 1e9:.2f}B parameters, {sh.target_params / 1e9:.2f}B of them "
-        f"in the 2:4 targets; {sh.layers} blocks, hidden {sh.hidden}, vocabulary {sh.vocab}, LM head "
+        f"in the {p.run.n}:{p.run.m} targets; {sh.layers} blocks, hidden {sh.hidden}, vocabulary {sh.vocab}, LM head "
         f"{'tied' if sh.tied else 'untied'}",
         f"run: {setup_line(s)}; {fmt_size(p.capacity)} per {unit}",
         "",
@@ -108,16 +121,15 @@ def plan_lines(p) -> list[str]:
         for opt, mp in p.effects:
             ok = "fits" if mp.fits(p.capacity) else "does not fit"
             lines.append(f"  {opt.flag:<38}{fmt_size(mp.needed()):>11}  {ok:<13} {opt.what}")
-    if p.startup is not None:
-        lines += ["", *startup_lines(p.startup, s)]
-        host = p.cfg.host_memory and parse_size(p.cfg.host_memory, "--host-memory")
-        f = startup_fits(p.startup, s, p.capacity, host)
-        verdict = "fits" if f["device_fits"] else "DOES NOT FIT (--no-baseline-eval, or more memory per GPU)"
-        lines.append(f"  start-up and end: needs {fmt_size(f['device_needed'])} of {fmt_size(p.capacity)} per {unit}: "
-                     f"{verdict}")
-        if f["host_fits"] is not None:
-            lines.append(f"  host per node: {fmt_size(p.startup.host_peak_per_node)} of {fmt_size(host)}: "
-                         + ("fits" if f["host_fits"] else "DOES NOT FIT"))
+    lines += ["", work_line(p.work), *startup_lines(p.startup, s)]
+    host = p.host_memory
+    f = startup_fits(p.startup, s, p.capacity, host)
+    verdict = "fits" if f["device_fits"] else "DOES NOT FIT (--no-baseline-eval, or more memory per GPU)"
+    lines.append(f"  start-up and end: needs {fmt_size(f['device_needed'])} of {fmt_size(p.capacity)} per {unit}: "
+                 f"{verdict}")
+    if f["host_fits"] is not None:
+        lines.append(f"  host per node: {fmt_size(p.startup.host_peak_per_node)} of {fmt_size(host)}: "
+                     + ("fits" if f["host_fits"] else "DOES NOT FIT"))
     lines += ["", _time_line(p)]
     if p.fit_time is not None:
         lines.append(f"  with the options above: {duration(p.fit_time.seconds)} "
@@ -135,16 +147,16 @@ def tokens_text(n: int) -> str:
 
 
 def _time_line(p) -> str:
-    t, cfg = p.time, p.cfg
+    t, opts, run = p.time, p.options, p.run
     if t.tokens_per_s != t.tokens_per_s:  # NaN: a CPU without a measured throughput
         return (f"time: {tokens_text(t.tokens)} tokens = {t.steps:,} steps; give --tokens-per-s (a short run's "
                 "tokens_per_s in metrics.jsonl) for the time: there is no FLOP rate to assume for a CPU")
     if t.measured:
         how = "measured throughput (--tokens-per-s)"
     else:
-        how = (f"estimated: {t.flops_per_token / 1e9:.1f} GFLOP per token at {cfg.gpu_tflops:g} TFLOP/s × "
-               f"{cfg.mfu:.0%} MFU per GPU; --tokens-per-s from a short run replaces it")
-    budget = "" if cfg.tokens else " (the paper's 7,500 steps)"
+        how = (f"estimated: {t.flops_per_token / 1e9:.1f} GFLOP per token at {opts.gpu_tflops:g} TFLOP/s × "
+               f"{opts.mfu:.0%} MFU per GPU; --tokens-per-s from a short run replaces it")
+    budget = f" (--tokens {tokens_text(run.tokens)})" if run.tokens else f" (--max-steps {run.max_steps:,})"
     line = (f"time: {tokens_text(t.tokens)} tokens{budget} = {t.steps:,} steps at {t.tokens_per_s:,.0f} tokens/s "
             f"→ {duration(t.seconds)} ({how})")
     if t.comm and not t.measured:
@@ -168,9 +180,9 @@ def _decay_lines(p) -> list[str]:
     if not d.finishes:
         tips = []
         if d.lr_factor:
-            tips.append(f"--lr {p.cfg.lr * d.lr_factor:.3g}")
+            tips.append(f"--lr {p.run.lr * d.lr_factor:.3g}")
         if d.l1_factor:
-            tips.append(f"--l1-decay {p.cfg.l1_decay * d.l1_factor:.3g}")
+            tips.append(f"--l1-decay {p.run.l1_decay * d.l1_factor:.3g}")
         if tips:
             lines.append(f"  forecast to reach it with {' or '.join(tips)}; the trainer's own forecast after the "
                          "first backward (measured noise) supersedes this one")

@@ -142,8 +142,9 @@ def _from_dict(d: dict, where: str):
         raise CastError(f"{where}: transformers does not know model_type {model_type!r} ({e})") from None
 
 
-def model_shape(name: str) -> ModelShape:
-    """The :class:`ModelShape` of a model named as ``cast-llm plan`` takes it (see :func:`model_config`)."""
+def model_shape(name: str, *, n: int = 2, m: int = 4) -> ModelShape:
+    """The :class:`ModelShape` of a model named as ``cast-llm plan`` takes it (see :func:`model_config`), its
+    targets those of the ``n``:``m`` pattern."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -154,7 +155,7 @@ def model_shape(name: str) -> ModelShape:
     except Exception as e:
         raise CastError(f"model '{name}' ({source}): transformers cannot build a causal LM from its config "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    return shape_of(model, name=name, source=source)
+    return shape_of(model, name=name, source=source, n=n, m=m)
 
 
 def shape_of(model, *, name: str = "", source: str = "", n: int = 2, m: int = 4) -> ModelShape:

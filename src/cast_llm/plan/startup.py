@@ -53,9 +53,11 @@ class StartupWork:
     """What a run does around its steps (the parts the step plan's :class:`Setup` does not say)."""
 
     baseline_eval: bool = True  # dense (and, without a warm start, one-shot magnitude) evaluation at the start
-    warm_start: bool = True  # SparseGPT one-shot start (also with --init-mask sparsegpt alone)
-    calib_tokens: int = 128 * 4096  # calibration tokens of the warm start (--calib-samples × --seq-len)
-    eval_tokens: int = 16 * 4096 + 64 * 4096  # tokens scored by one evaluation (held-out + WikiText-2)
+    warm_start: bool = True  # the run starts from the one-shot model (evaluated as such after the baseline)
+    sparsegpt: bool = True  # SparseGPT calibrates the initial mask (a warm start's default; any --init-mask sparsegpt)
+    calib_tokens: int = 128 * 2048  # calibration tokens of SparseGPT (--calib-samples × its window length)
+    eval_tokens: int = 16 * 4096 + 64 * 4096  # tokens scored by one evaluation (test split + WikiText-2)
+    val_tokens: int = 16 * 4096  # tokens the final evaluation scores beside them (the validation split)
     eval_window: int = 4096  # tokens per evaluation forward
     native_bytes: int = 2  # bytes per parameter of the model's own dtype (the export's)
     gpus_per_node: int = 8
@@ -145,7 +147,7 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
     m["rank 0 host: loading the model (fp32, and its file)"] = (4 + work.native_bytes) * P
     if work.baseline_eval:
         m["rank 0 device: baseline evaluation (whole fp32 model)"] = 4 * P + eval_act
-    if work.warm_start:
+    if work.sparsegpt:
         m["rank 0 device: SparseGPT warm start (one block)"] = sparsegpt_bytes(shape, work.calib_tokens)
         m["rank 0 host: SparseGPT's masks (bool)"] = shape.target_params
     # a checkpoint copies each rank's shards from the GPU to host memory, then writes them one tensor at a time
@@ -172,17 +174,18 @@ def plan_startup(shape: ModelShape, setup: Setup, work: StartupWork) -> StartupP
     rate = FLOPS["cuda" if gpu else "cpu"]
     sec = plan.seconds
     sec["load the model (rank 0)"] = P * work.native_bytes / STORAGE_BYTES_PER_S
-    evals = 2.0 * P * work.eval_tokens / rate["bf16" if s.autocast else "fp32"]
+    flop_rate = rate["bf16" if s.autocast else "fp32"]
+    evals = 2.0 * P * work.eval_tokens / flop_rate
     if work.baseline_eval:
         sec["baseline evaluation (rank 0)"] = evals * (1 if work.warm_start else 2)  # + one-shot magnitude
-    if work.warm_start:
+    if work.sparsegpt:
         sec["SparseGPT warm start (rank 0)"] = sparsegpt_flops(shape, work.calib_tokens) / rate["fp32"]
-        if work.baseline_eval:
-            sec["one-shot evaluation (rank 0)"] = evals
+    if work.warm_start and work.baseline_eval:
+        sec["one-shot evaluation (rank 0)"] = evals
     sec["a checkpoint (each rank: write + hash)"] = (plan.checkpoint_bytes / STORAGE_BYTES_PER_S
                                                    + plan.checkpoint_bytes / HASH_BYTES_PER_S)
     sec["export (rank 0)"] = P * work.native_bytes / STORAGE_BYTES_PER_S
-    sec["final evaluation (rank 0)"] = evals
+    sec["final evaluation (rank 0)"] = evals + 2.0 * P * work.val_tokens / flop_rate
     alone = [v for k, v in sec.items() if "(rank 0)" in k]
     plan.timeouts = Timeouts(
         collective=max(MIN_COLLECTIVE_S, TIMEOUT_MARGIN * sec["a checkpoint (each rank: write + hash)"]),

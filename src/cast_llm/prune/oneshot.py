@@ -27,6 +27,11 @@ from cast_llm.targets import find_targets
 log = logging.getLogger(__name__)
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
+# the calibration window of the one-shot methods' papers (SparseGPT, Wanda: 128 sequences of 2048 tokens). A
+# training run calibrates its initial mask on training windows cut to this length when they are longer: the
+# Hessian statistics need tokens, not long contexts, and the calibration activations of one block grow with
+# the tokens (at 32k-token sequences 128 whole windows would hold ~136 GiB of them for an 8B model).
+CALIBRATION_SEQ_LEN = 2048
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The memory plan of a training run (printed at its top) and the peak it actually reached (at its end).
 
 :func:`plan_for_run` is :mod:`cast_llm.plan` applied to the model ``cast-llm train`` loaded, with the run's
-own options; :class:`PeakMemory` measures the same quantity over the training steps:
+own options (the same :func:`~cast_llm.plan.run.setup_for_run` and :func:`~cast_llm.plan.run.startup_work`
+that ``cast-llm plan`` calls); :class:`PeakMemory` measures the same quantity over the training steps:
 
 * on CUDA, ``torch.cuda.max_memory_allocated`` — what the caching allocator handed out, the quantity the
   plan predicts (the CUDA context and the allocator's cached-but-free blocks are outside it; the plan's
@@ -14,18 +15,23 @@ own options; :class:`PeakMemory` measures the same quantity over the training st
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cast_llm import dtensor
+from cast_llm.data import steps_for_tokens
 from cast_llm.errors import CastError
 from cast_llm.machine import machine_ram
-from cast_llm.plan import fmt_size, plan_memory, setup_for_run, shape_of, startup_fits
+from cast_llm.plan import fmt_size, plan_memory, shape_of, startup_fits
 from cast_llm.plan.advice import make_it_fit
 from cast_llm.plan.report import memory_lines, startup_lines
-from cast_llm.plan.startup import StartupWork, plan_startup
+from cast_llm.plan.run import setup_for_run, startup_work
+from cast_llm.plan.startup import plan_startup
 
-__all__ = ["PeakMemory", "plan_for_run", "device_capacity", "peak_rss", "reset_rss_peak", "refuse_if_too_large",
-           "startup_work_for_run"]
+SPLIT_WINDOWS_UNKNOWN = 64  # see plan_for_run
+
+__all__ = ["PeakMemory", "plan_for_run", "device_capacity", "peak_rss", "reset_rss_peak", "refuse_if_too_large"]
 
 
 def peak_rss() -> int | None:
@@ -127,27 +133,10 @@ class PeakMemory:
 
 def device_capacity(device: torch.device, world: int) -> int:
     """Bytes one process may use: the GPU's memory, or this machine's RAM shared by its processes."""
-    import os
-
     if device.type == "cuda":
         index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         return int(torch.cuda.get_device_properties(index).total_memory)
     return machine_ram() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-
-
-def startup_work_for_run(cfg, *, native_bytes: int, world: int) -> StartupWork:
-    """The :class:`StartupWork` of a ``cast-llm train`` configuration."""
-    import os
-
-    eval_len = cfg.eval_seq_len or cfg.seq_len
-    windows = cfg.wikitext_windows if cfg.wikitext_windows else 64
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return StartupWork(baseline_eval=cfg.baseline_eval,
-                       warm_start=cfg.use_warm_start or cfg.effective_init_mask == "sparsegpt",
-                       calib_tokens=cfg.calib_samples * cfg.seq_len,
-                       eval_tokens=(cfg.val_sequences or 64) * cfg.seq_len + windows * eval_len,
-                       eval_window=max(eval_len, cfg.seq_len * max(1, cfg.batch_size)), native_bytes=native_bytes,
-                       gpus_per_node=local, host_memory=machine_ram())
 
 
 def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str, framework: int,
@@ -157,7 +146,13 @@ def plan_for_run(cfg, model, *, world: int, device: torch.device, precision: str
     shape = shape_of(model, name=cfg.model, source="loaded", n=cfg.n, m=cfg.m)
     setup = setup_for_run(cfg, world=world, device_type=device.type, precision=precision, framework=framework)
     plan = plan_memory(shape, setup)
-    startup = plan_startup(shape, setup, startup_work_for_run(cfg, native_bytes=native_bytes, world=world))
+    per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world
+    steps = cfg.max_steps or steps_for_tokens(cfg.tokens, per_step)
+    # --test-sequences / --val-sequences 0 score all their split holds, unknown before the data is read: the
+    # start-up estimate (the timeouts) then assumes SPLIT_WINDOWS_UNKNOWN windows
+    work = startup_work(cfg, native_bytes=native_bytes, train_tokens=steps * per_step,
+                        all_split_windows=SPLIT_WINDOWS_UNKNOWN, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)), host_memory=machine_ram())
+    startup = plan_startup(shape, setup, work)
     capacity = device_capacity(device, world)
     lines = [f"memory plan (cast-llm plan; {fmt_size(framework)} of it measured before loading the model):"
              if device.type == "cpu" else "memory plan (cast-llm plan):"]

@@ -3,7 +3,8 @@ refreshes (Eq. 6, :func:`cast_llm.sparsity.mask.magnitude_mask`) are due, and th
 reports its masks to the loop.
 
 The initial mask is magnitude (Eq. 6) by default, Wanda / SparseGPT (method.md §6) calibrated on
-``--calib-samples`` sequences of the run's own training data through :func:`cast_llm.prune.prune_model`, or
+``--calib-samples`` sequences of the run's own training data (cut to the one-shot methods' calibration
+length, :data:`cast_llm.prune.oneshot.CALIBRATION_SEQ_LEN`, when longer) through :func:`cast_llm.prune.prune_model`, or
 a mask from a file (``--mask-file``: :mod:`cast_llm.sparsity.mask_io`; only the mask is taken).
 """
 
@@ -19,6 +20,7 @@ from cast_llm.data import calibration_samples
 from cast_llm.errors import CastError
 from cast_llm.models import load_model
 from cast_llm.prune import prune_model
+from cast_llm.prune.oneshot import CALIBRATION_SEQ_LEN
 from cast_llm.sparsity.mask import magnitude_mask
 from cast_llm.sparsity.mask_io import load_masks, mask_of_zeros
 from cast_llm.targets import find_targets
@@ -45,7 +47,7 @@ def initial_masks(model: nn.Module, cfg, *, data=None, device=None, apply: bool 
     if data is None:
         raise CastError(f"--init-mask {cfg.effective_init_mask} needs calibration data; pass the run's data to prepare_model")
     samples = min(cfg.calib_samples, data.train.shape[0])
-    calib = calibration_samples(data, samples, seed=cfg.seed)
+    calib = calibration_samples(data, samples, seed=cfg.seed)[:, :CALIBRATION_SEQ_LEN]  # (the one-shot methods' own)
     subject = model if apply else copy.deepcopy(model)  # a copy: the one-shot pruner edits weights in place
     sub_targets = targets if apply else find_targets(subject, n=cfg.n, m=cfg.m,
                                                      skip_incompatible=cfg.skip_incompatible)
