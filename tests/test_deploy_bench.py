@@ -47,14 +47,31 @@ def test_cpu_measures_both_paths_with_the_cpu_kernels():
 
 
 @torch.no_grad()
-def test_the_noise_floor_swaps_the_reference_in_and_back_out():
-    """The floor's fp32-accumulated forward leaves the model exactly as it was (dense nn.Linear, same logits)."""
-    model = sparse_model("llama").bfloat16()
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_noise_floor_is_the_emulated_kernel_and_leaves_the_model_as_it_was(arch):
+    """The floor's fp32-accumulated forward equals the model run on the torch emulated kernel (fp32 accumulation,
+    one rounding), and leaves the model exactly as it was (same modules, same logits, no hooks left)."""
+    import copy
+
+    from cast_llm.deploy.sparse24 import to_sparse24_
+
+    model = (sparse_model("llama") if arch == "llama" else tiny.model("gpt2")).bfloat16()
+    if arch == "gpt2":
+        from cast_llm.prune.magnitude import magnitude_prune_
+
+        for t in find_targets(model, n=2, m=4, skip_incompatible=True):
+            w = t.weight.data
+            magnitude_prune_(w.t() if t.transposed else w, 2, 4)
+    modules = list(model.modules())
     prompt = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     before = model(input_ids=prompt).logits
     floor = noise_floor_logits(model, prompt, find_targets(model, n=2, m=4, skip_incompatible=True))
-    assert not sparse24_layers(model)
+    assert list(model.modules()) == modules and not any(m._forward_hooks for m in modules)
     assert torch.equal(model(input_ids=prompt).logits, before)
+    emulated = copy.deepcopy(model)
+    to_sparse24_(emulated, kernels=["emulated"], dispatch=False)
+    assert sparse24_layers(emulated)
+    assert torch.equal(emulated(input_ids=prompt).logits, floor)
     assert floor.dtype == torch.bfloat16 and rel_err(floor, before) < 0.05  # another rounding of the same model
     assert within_noise_bound(0.0) == 0.01 and within_noise_bound(0.1) == pytest.approx(0.3)
 

@@ -39,7 +39,6 @@ from cast_llm.deploy.sparse24 import (
     Dispatcher,
     Sparse24Linear,
     available_kernels,
-    from_sparse24_,
     plan_sparse24_,
     sparse24_layers,
     sparse24_memory,
@@ -301,14 +300,28 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 @torch.no_grad()
 def noise_floor_logits(model, prompt: torch.Tensor, targets) -> torch.Tensor:
-    """The prompt's logits with every target GEMM accumulated in fp32 and rounded once to the model's dtype (the
-    torch ``emulated`` kernel, swapped in and back out in place): the same dense model under another correct
-    rounding order, so ``rel_err(these, dense)`` is the bf16 noise floor of this model on this prompt."""
-    to_sparse24_(model, targets=targets, kernels=["emulated"], dispatch=False, skip_incompatible=True)
+    """The prompt's logits with every target GEMM accumulated in fp32 and rounded once to the model's dtype (what
+    the torch ``emulated`` kernel computes; done with forward hooks, so nothing of the model is replaced or
+    copied): the same dense model under another correct rounding order, so ``rel_err(these, dense)`` is the bf16
+    noise floor of this model on this prompt."""
+
+    def fp32_once(t):
+        def hook(module, inputs, out):
+            x = inputs[0]
+            w = t.weight.float()
+            y = x.float() @ (w if t.transposed else w.t())  # Conv1D stores (in, out)
+            if getattr(module, "bias", None) is not None:
+                y = y + module.bias.float()
+            return y.to(out.dtype)
+        return hook
+
+    handles = [t.module.register_forward_hook(fp32_once(t)) for t in targets]
     try:
-        return model(input_ids=prompt).logits
+        with torch.no_grad():
+            return model(input_ids=prompt).logits
     finally:
-        from_sparse24_(model)
+        for h in handles:
+            h.remove()
 
 
 def _device_name(device: torch.device) -> str:
