@@ -109,7 +109,7 @@ VALUES = {  # a value other than the default, for every option `cast-llm plan` t
     "device": ["--device", "cpu"], "precision": ["--precision", "fp32"], "threads": ["--threads", "2"],
     "kernels": ["--kernels", "reference"], "max_steps": ["--max-steps", "100"], "batch_size": ["--batch-size", "2"],
     "grad_accum": ["--grad-accum", "4"], "weight_decay": ["--weight-decay", "0.1"],
-    "warmup_steps": ["--warmup-steps", "1000"], "lr_schedule": ["--lr-schedule", "constant"],
+    "warmup_steps": ["--warmup-steps", "5"], "lr_schedule": ["--lr-schedule", "constant"],
     "min_lr_ratio": ["--min-lr-ratio", "0.5"], "grad_clip": ["--grad-clip", "0.5"], "log_every": ["--log-every", "5"],
     "eval_every": ["--eval-every", "5"], "baseline_eval": ["--no-baseline-eval"], "save_every": ["--save-every", "5"],
     "keep_last": ["--keep-last", "3"], "keep_checkpoints_after": ["--keep-checkpoints-after"],
@@ -140,7 +140,7 @@ VALUES = {  # a value other than the default, for every option `cast-llm plan` t
     "link_bandwidth": ["--link-bandwidth", "10"], "weight_rms": ["--weight-rms", "0.05"],
     "grad_rms": ["--grad-rms", "1e-3"], "json": ["--json"],
 }
-BASE = ["--model", "smollm2-135m", "--gpus", "8"]
+BASE = ["--model", "smollm2-135m", "--gpus", "8", "--tokens", "20M"]  # (20 steps: the decay forecast is quick)
 
 
 def test_every_flag_plan_takes_changes_its_report_or_is_refused(monkeypatch, tmp_path):

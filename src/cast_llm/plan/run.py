@@ -44,10 +44,10 @@ from cast_llm.prune.oneshot import CALIBRATION_SEQ_LEN
 __all__ = ["Plan", "plan_run", "setup_for_run", "startup_work", "calibration_tokens", "evaluation_windows",
            "training_precision", "CHARS_PER_TOKEN"]
 
-# characters per token of English text under the BPE vocabularies of LLaMA-class models (WikiText-2's test
-# text under SmolLM2's tokenizer: 1,288,556 characters, 297,350 tokens: 4.33). The plan has no tokenizer: it
-# estimates how many WikiText-2 windows the text holds from its length.
-CHARS_PER_TOKEN = 4.33
+# characters per token of English text under a BPE vocabulary: WikiText-2's packaged test text under SmolLM2's
+# tokenizer (cast_llm.eval.ppl.tokenize_text) is 1,294,336 characters, 304,986 tokens: 4.24. The plan has no
+# tokenizer: it estimates how many WikiText-2 windows the text holds from its length at this ratio.
+CHARS_PER_TOKEN = 4.24
 DEFAULT_GPU_MEMORY = 80 * 10**9  # an 80 GB card (H100 / A100 80GB), unless --gpu-memory says otherwise
 
 
