@@ -40,7 +40,6 @@ KNOWN = {
     # commands not yet moved onto the groups (generate, eval zeroshot, scaling-law, finetune's MODEL)
     "model": {"ModelSettings", "FinetuneConfig", "GenerateConfig", "ZeroShotOptions"},
     "output_dir": {"OutputSettings", "SweepOptions", "ZeroShotOptions"},
-    "json": {"BenchInferenceConfig", "GenerateConfig", "FitOptions", "ZeroShotOptions"},
     "plot": {"BenchInferenceConfig", "FitOptions"},
     "threads": {"RunConfig", "GenerateConfig"},
     "max_new_tokens": {"FinetuneConfig", "GenerateConfig"},

@@ -393,3 +393,8 @@ class KernelSettings:
     """``--kernels auto|reference``: every command that runs our kernels takes it."""
 
     kernels: str = option("auto", KERNELS_HELP, choices=KERNEL_MODES, resume="free")
+
+
+@dataclasses.dataclass
+class JsonSettings:
+    json: bool = option(False, "print the result as one JSON object")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import KernelSettings, SeedSettings, option
+from cast_llm.config import JsonSettings, KernelSettings, SeedSettings, option
 from cast_llm.errors import CastError
 
 # kept here (not imported from cast_llm.eval.zeroshot) so that `cast-llm --help` does not import lm-eval
@@ -42,9 +42,10 @@ MODEL, TASKS, OUTPUT = "model", "tasks", "output"
 
 
 @dataclass
-class ZeroShotOptions(SeedSettings, KernelSettings):
-    OPTION_TEXT = {"seed": "seed of python/numpy/torch and of the few-shot sampler"}
-    OPTION_SECTIONS = {"kernels": MODEL, "seed": TASKS}
+class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings):
+    OPTION_TEXT = {"seed": "seed of python/numpy/torch and of the few-shot sampler",
+                   "json": "print the result as JSON instead of a table"}
+    OPTION_SECTIONS = {"kernels": MODEL, "seed": TASKS, "json": OUTPUT}
 
     model: str | None = option(
         None, "the model to score (required): a local folder, a .gguf file, a hub id or an alias (smollm2-135m)",
@@ -66,7 +67,6 @@ class ZeroShotOptions(SeedSettings, KernelSettings):
     max_length: int | None = option(None, "longest context in tokens (default: the model's maximum)", section=MODEL)
     include_path: str | None = option(None, "a folder of extra lm-eval task YAML files (local tasks)", section=TASKS)
     output_dir: str = option(".", "folder where zeroshot.json and zeroshot.md are written", section=OUTPUT)
-    json: bool = option(False, "print the result as JSON instead of a table", section=OUTPUT)
     verbose: bool = option(False, "show lm-eval's own log", section=OUTPUT)
 
     def validate(self) -> None:

@@ -16,16 +16,17 @@ import sys
 from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import KernelSettings, SeedSettings, option
+from cast_llm.config import JsonSettings, KernelSettings, SeedSettings, option
 from cast_llm.errors import CastError
 
 MODEL, TEXT, OUTPUT = "model", "text", "output"
 
 
 @dataclass
-class GenerateConfig(SeedSettings, KernelSettings):
-    OPTION_TEXT = {"seed": "seed of the sampling"}
-    OPTION_SECTIONS = {"kernels": MODEL, "seed": TEXT}
+class GenerateConfig(JsonSettings, SeedSettings, KernelSettings):
+    OPTION_TEXT = {"seed": "seed of the sampling",
+                   "json": "print one JSON object (text, tokens, timings) instead of text"}
+    OPTION_SECTIONS = {"kernels": MODEL, "seed": TEXT, "json": OUTPUT}
 
     model: str = option("", "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
                             "folder) or alias (smollm2-135m)", section=MODEL)
@@ -42,7 +43,6 @@ class GenerateConfig(SeedSettings, KernelSettings):
                         section=MODEL)
     threads: int = option(0, "CPU threads (0: the cores less those other processes are using)", min=0,
                           section=MODEL)
-    json: bool = option(False, "print one JSON object (text, tokens, timings) instead of text", section=OUTPUT)
 
     def validate(self) -> None:
         if not self.model:

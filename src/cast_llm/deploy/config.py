@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import KernelSettings, ModelSettings, NMSettings, OutputSettings, SeedSettings, option
+from cast_llm.config import (
+    JsonSettings,
+    KernelSettings,
+    ModelSettings,
+    NMSettings,
+    OutputSettings,
+    SeedSettings,
+    option,
+)
 from cast_llm.errors import CastError
 
 FORMATS = ("hf", "compressed", "compressed-tensors")
@@ -75,7 +83,7 @@ class BenchConfig:
 
 
 @dataclass
-class BenchInferenceConfig(SeedSettings, KernelSettings, BenchConfig, ModelSettings):
+class BenchInferenceConfig(JsonSettings, SeedSettings, KernelSettings, BenchConfig, ModelSettings):
     """``cast-llm bench-inference``: :class:`BenchConfig` on a model loaded (or built at random) here, at one or
     several batch sizes, reported as tables, JSON and a plot."""
 
@@ -84,7 +92,6 @@ class BenchInferenceConfig(SeedSettings, KernelSettings, BenchConfig, ModelSetti
     dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
                         choices=("fp16", "bf16", "fp32"), section=MODEL)
     device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", section=MODEL)
-    json: bool = option(False, "print the report as one JSON object instead of a table", section=OUTPUT)
     json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
     plot: str | None = option(None, "also draw the report (tokens/s dense vs 2:4, per-linear speed-ups) into this "
                                     "PNG file", section=OUTPUT)
@@ -92,8 +99,9 @@ class BenchInferenceConfig(SeedSettings, KernelSettings, BenchConfig, ModelSetti
     OPTION_TEXT = {
         "model": "model folder, hub id, alias (smollm2-135m) or random:llama-2-7b / random:llama-2-13b",
         "seed": "seed of the random prompt (and of random: models)",
+        "json": "print the report as one JSON object instead of a table",
     }
-    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL}
+    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL, "json": OUTPUT}
 
     def validate(self) -> None:
         if not self.model:
