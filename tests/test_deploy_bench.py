@@ -110,3 +110,32 @@ def test_cli_cuda_without_cuda_is_a_one_line_error(tmp_path, capsys):
     assert "CUDA is not available" in one_line_error(capsys)
     assert cli("bench-inference", "random:llama-1b", "--device", "cpu") == 2
     assert "random:llama-2-7b" in one_line_error(capsys)
+
+
+@pytest.mark.skipif(HAS_SM80, reason="checks the CPU report")
+def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch):
+    import cast_llm.deploy.bench as bench
+
+    if cpu24.extension_reason() is not None:
+        pytest.skip("no CPU 2:4 extension here: there is no 2:4 path to pair with")
+    order, real, models = [], bench._generate, []
+
+    def recording(model, prompt, gen_len):  # the model run_bench was given is the one swapped to 2:4 in place
+        order.append("sparse" if model is models[-1] else "dense")
+        return real(model, prompt, gen_len)
+
+    monkeypatch.setattr(bench, "_generate", recording)
+    cfg = BenchConfig(batch_size=1, prompt_len=8, gen_len=2, warmup=1, repeats=3, linear_repeats=1)
+    models.append(sparse_model("llama"))
+    report = run_bench(models[-1], name="tiny", cfg=cfg)
+    assert report.timing.startswith("paired") and "timing: paired" in format_report(report)
+    assert report.dense.decode_tokens_per_s > 0 and report.sparse.decode_tokens_per_s > 0
+    assert order[-6:] == ["dense", "sparse"] * 3  # each timed repeat: one dense generation, then one 2:4
+    assert report.logits_rel_err < 1e-5  # fp32: the twin's and the 2:4 model's prompt logits agree
+
+    order.clear()
+    monkeypatch.setattr(bench, "available_memory", lambda: 0)
+    models.append(sparse_model("llama"))
+    report = run_bench(models[-1], name="tiny", cfg=cfg)
+    assert report.timing.startswith("sequential") and "does not fit" in report.timing
+    assert order == ["sparse"] * 8  # one model only (no twin): its dense warm-up and repeats, then its 2:4 ones

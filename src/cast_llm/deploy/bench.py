@@ -25,6 +25,7 @@ report says so.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -69,7 +70,7 @@ class BenchReport:
     device: str
     dtype: str
     config: dict[str, Any]
-    dense: PathResult
+    dense: PathResult | None  # None only until a paired timing fills it (run_bench)
     sparse: PathResult | None = None
     sparse_skipped: str | None = None
     per_linear: list[dict[str, Any]] = field(default_factory=list)
@@ -82,6 +83,7 @@ class BenchReport:
     logits_noise_floor: float | None = None
     logits_within_noise: bool | None = None  # logits_rel_err <= max(0.01, 3 x floor), the GPU path's rule
     plan: dict[str, dict[str, int]] = field(default_factory=dict)  # "<mode>:<tokens>" -> {kernel: layers}
+    timing: str = ""  # how the two paths' generations were ordered (paired where a dense twin fits, see run_bench)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +148,52 @@ def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> tuple[P
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [_generate(model, prompt, cfg.gen_len) for _ in range(cfg.repeats)]
+    return _path_result(model, prompt, cfg, fqns, runs), runs[0][2]
+
+
+def measure_paired(dense_model, sparse_model, prompt: torch.Tensor, cfg: BenchConfig,
+                   fqns) -> tuple[PathResult, PathResult, torch.Tensor]:
+    """Both paths timed **paired**: each repeat generates once with the dense twin, then once with the 2:4 model,
+    so a slow spell of the host falls on both (a CPU's memory bandwidth drifts by ±30 % within seconds;
+    docs/results/cpu24-notes.md §11). (dense result, 2:4 result, the 2:4 prompt logits)."""
+    for _ in range(cfg.warmup):
+        _generate(dense_model, prompt, min(cfg.gen_len, 4))
+        _generate(sparse_model, prompt, min(cfg.gen_len, 4))
+    dense_runs, sparse_runs = [], []
+    for _ in range(cfg.repeats):
+        dense_runs.append(_generate(dense_model, prompt, cfg.gen_len))
+        sparse_runs.append(_generate(sparse_model, prompt, cfg.gen_len))
+    return (_path_result(dense_model, prompt, cfg, fqns, dense_runs),
+            _path_result(sparse_model, prompt, cfg, fqns, sparse_runs), sparse_runs[0][2])
+
+
+def paired_fits(model, device: torch.device) -> str | None:
+    """None where a dense twin of ``model`` fits beside it and its 2:4 forms (a CPU with MemAvailable above 3× the
+    model's bytes), else why the timing stays sequential."""
+    if device.type != "cpu":
+        return "on a GPU the two paths are timed one after the other (the allocator's peak is reported per path)"
+    need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_memory()
+    if free is None or free < need:
+        have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
+        return f"a dense twin does not fit (needs {need / 2**30:.1f} GiB available, {have} is)"
+    return None
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _path_result(model, prompt: torch.Tensor, cfg: BenchConfig, fqns, runs) -> PathResult:
+    device = prompt.device
     prefill = statistics.median(r[0] for r in runs)
     decode = statistics.median(r[1] for r in runs)
     b, p = prompt.shape
@@ -160,7 +208,7 @@ def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> tuple[P
     if device.type == "cuda":
         result.cuda_allocated_bytes = torch.cuda.memory_allocated(device)
         result.cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
-    return result, runs[0][2]
+    return result
 
 
 def linear_shapes(targets) -> dict[tuple[int, int], list[str]]:
@@ -244,12 +292,18 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (cfg.batch_size, cfg.prompt_len), generator=gen).to(device)
-    dense, dense_logits = measure_path(model, prompt, cfg, fqns)
-    floor_logits = noise_floor_logits(model, prompt, targets)
     tokens = {"prefill": cfg.batch_size * cfg.prompt_len, "decode": cfg.batch_size}
     if cfg.backend not in BACKENDS:
         raise CastError(f"unknown 2:4 backend {cfg.backend!r}; use {', '.join(BACKENDS)}")
     kernels, why = available_kernels(device, dtype, BACKENDS[cfg.backend] or default_kernels(device))
+    why_not_paired = paired_fits(model, device) if kernels else "no 2:4 kernel runs here"
+    twin = None
+    if why_not_paired is None:  # timed later, paired with the 2:4 model: here only the prompt's logits
+        twin = copy.deepcopy(model)
+        dense, dense_logits = None, _generate(model, prompt, 0)[2]
+    else:
+        dense, dense_logits = measure_path(model, prompt, cfg, fqns)
+    floor_logits = noise_floor_logits(model, prompt, targets)
     report = BenchReport(model=name, device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
                          config=asdict(cfg), dense=dense, notes=notes)
     report.per_linear = bench_linears(linear_shapes(targets), tokens, dtype=dtype, device=device, kernels=kernels,
@@ -275,7 +329,13 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
             notes.append(head)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    report.sparse, sparse_logits = measure_path(model, prompt, cfg, fqns)
+    if twin is not None:
+        report.dense, report.sparse, sparse_logits = measure_paired(twin, model, prompt, cfg, fqns)
+        del twin
+        report.timing = "paired: each repeat generates with the dense twin, then with the 2:4 model"
+    else:
+        report.sparse, sparse_logits = measure_path(model, prompt, cfg, fqns)
+        report.timing = f"sequential: the dense path's repeats, then the 2:4 path's ({why_not_paired})"
     diff = (sparse_logits.float() - dense_logits.float()).abs().max()
     report.max_abs_logit_diff = float(diff)
     report.logits_rel_err = float(diff / dense_logits.float().abs().max())
@@ -360,6 +420,8 @@ def format_report(r: BenchReport) -> str:
                          higher_better=False))
     if r.sparse_skipped:
         lines.append(f"  sparse path skipped: {r.sparse_skipped}")
+    if r.timing:
+        lines.append(f"  timing: {r.timing}")
     if r.max_abs_logit_diff is not None:
         line = (f"  logits on the prompt: max|dense - 2:4| = {r.max_abs_logit_diff:.4g}, "
                 f"/ max|logit| = {r.logits_rel_err:.3g}")
