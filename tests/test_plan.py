@@ -476,7 +476,7 @@ def test_plan_takes_trains_flags_preset_and_config_and_forecasts_with_the_runs_s
     parser = build_parser()
     flags = ["--model", "smollm2-135m", "--max-steps", "40", "--warmup-steps", "6", "--min-lr-ratio", "0.25",
              "--lr", "1e-4", "--seq-len", "128", "--batch-size", "2", "--global-batch", "8"]
-    run = train_config(parser.parse_args(["train", *flags, "--output-dir", str(tmp_path / "run")]))
+    run = train_config(parser.parse_args(["train", *flags, "--preset", "llama", "--output-dir", str(tmp_path / "run")]))
     planned, options = plan_config(parser.parse_args(["plan", *flags, "--gpus", "2"]))
     assert replace(planned, output_dir=run.output_dir) == run and options.gpus == 2
     seen = {}
