@@ -153,16 +153,20 @@ def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> tuple[P
 
 def measure_paired(dense_model, sparse_model, prompt: torch.Tensor, cfg: BenchConfig,
                    fqns) -> tuple[PathResult, PathResult, torch.Tensor]:
-    """Both paths timed **paired**: each repeat generates once with the dense twin, then once with the 2:4 model,
-    so a slow spell of the host falls on both (a CPU's memory bandwidth drifts by ±30 % within seconds;
-    docs/results/cpu24-notes.md §11). (dense result, 2:4 result, the 2:4 prompt logits)."""
+    """Both paths timed **paired**: each repeat generates once with the dense twin and once with the 2:4 model, so
+    a slow spell of the host falls on both (a CPU's memory bandwidth drifts by ±30 % within seconds), in the order
+    dense, 2:4 on even repeats and 2:4, dense on odd ones, because on the CPU the first generation of a pair
+    measured 8-10 % faster than the second whichever model it was (docs/results/cpu24-notes.md §11).
+    (dense result, 2:4 result, the 2:4 prompt logits)."""
     for _ in range(cfg.warmup):
         _generate(dense_model, prompt, min(cfg.gen_len, 4))
         _generate(sparse_model, prompt, min(cfg.gen_len, 4))
-    dense_runs, sparse_runs = [], []
-    for _ in range(cfg.repeats):
-        dense_runs.append(_generate(dense_model, prompt, cfg.gen_len))
-        sparse_runs.append(_generate(sparse_model, prompt, cfg.gen_len))
+    runs = {"dense": [], "sparse": []}
+    models = {"dense": dense_model, "sparse": sparse_model}
+    for r in range(cfg.repeats):
+        for path in (("dense", "sparse") if r % 2 == 0 else ("sparse", "dense")):
+            runs[path].append(_generate(models[path], prompt, cfg.gen_len))
+    dense_runs, sparse_runs = runs["dense"], runs["sparse"]
     return (_path_result(dense_model, prompt, cfg, fqns, dense_runs),
             _path_result(sparse_model, prompt, cfg, fqns, sparse_runs), sparse_runs[0][2])
 
@@ -332,7 +336,8 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     if twin is not None:
         report.dense, report.sparse, sparse_logits = measure_paired(twin, model, prompt, cfg, fqns)
         del twin
-        report.timing = "paired: each repeat generates with the dense twin, then with the 2:4 model"
+        report.timing = ("paired: each repeat generates once with the dense twin and once with the 2:4 model, the "
+                         "order alternating between repeats")
     else:
         report.sparse, sparse_logits = measure_path(model, prompt, cfg, fqns)
         report.timing = f"sequential: the dense path's repeats, then the 2:4 path's ({why_not_paired})"
