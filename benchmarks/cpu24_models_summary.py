@@ -32,7 +32,10 @@ def summarise(folder: Path) -> dict:
                "logits_rel_err": r.get("logits_rel_err"), "logits_noise_floor": r.get("logits_noise_floor"),
                "logits_within_noise": r.get("logits_within_noise")}
         runs[f.name] = row
-        key = re.sub(r"-(interleaved-)?run\d+$", "", f.stem)
+        paired = str(r.get("timing", "")).startswith("paired")
+        key = re.sub(r"-(interleaved-|paired-alternating-|paired-)?run\d+$", "", f.stem)
+        key += " (paired)" if paired else " (sequential)"
+        row["timing"] = "paired" if paired else "sequential"
         if row["gen_len"] >= 64:  # decode ratios over short generations are not pooled with the long ones
             by_model.setdefault(key, []).append(row["decode_ratio"])
     models = {k: {"runs": len(v), "decode_ratio_min": min(v), "decode_ratio_max": max(v),

@@ -23,11 +23,13 @@ def test_ratios_ranges_and_medians_come_from_the_runs(tmp_path):
     (tmp_path / "x-decode.json").write_text(json.dumps(_run(5.0, 10.0)))
     (tmp_path / "x-decode-run2.json").write_text(json.dumps(_run(5.0, 8.0)))
     (tmp_path / "x-decode-interleaved-run1.json").write_text(json.dumps(_run(4.0, 9.0)))
+    (tmp_path / "x-decode-paired-run1.json").write_text(json.dumps({**_run(4.0, 10.0), "timing": "paired: ..."}))
     (tmp_path / "x-short.json").write_text(json.dumps(_run(4.0, 2.0, gen_len=8)))
     (tmp_path / "skipped.json").write_text(json.dumps({"dense": {}, "sparse": None}))
     out = mod.summarise(tmp_path)
     assert out["runs"]["x-decode.json"]["decode_ratio"] == 2.0
     assert out["runs"]["x-short.json"]["decode_ratio"] == 0.5 and "skipped.json" not in out["runs"]
-    m = out["models"]["x-decode"]
+    m = out["models"]["x-decode (sequential)"]
     assert (m["runs"], m["decode_ratio_min"], m["decode_ratio_max"], m["decode_ratio_median"]) == (3, 1.6, 2.25, 2.0)
-    assert "x-short" not in out["models"]  # 8 decode steps are not pooled with the long runs
+    assert out["models"]["x-decode (paired)"]["decode_ratio_median"] == 2.5  # not pooled with the sequential runs
+    assert not any(k.startswith("x-short") for k in out["models"])  # 8 decode steps are not pooled with the long runs
