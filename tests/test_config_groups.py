@@ -16,9 +16,8 @@ from cast_llm.config import add_arguments, option, shown
 
 CONFIG_NAME = re.compile(r"(Config|Settings|Options)$")
 
-# PlanConfig / PlanOptions (cast_llm.plan.config) is being rebuilt to read the run's own config (issue 51 item 1,
-# "the plan reads the run"): its copied fields go there, so it is left out of this scan until that lands.
-EXCLUDED_MODULES = ("cast_llm.plan.config",)
+# (PlanOptions, cast_llm.plan.config, is scanned too since the plan reads the run's own TrainConfig: issue 51 item 1)
+EXCLUDED_MODULES: tuple[str, ...] = ()
 
 # Field names still declared in more than one config dataclass, each with the classes that declare it. The list
 # may only shrink: a new double declaration fails below, and so does an entry here that no longer exists (take it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import option
+from cast_llm.config import JsonSettings, option
 
 RUN, TIME, DECAY = ("the machine", "time", "decay forecast assumptions")
 SECTIONS = (RUN, TIME, DECAY)
@@ -21,7 +21,7 @@ WEIGHT_RMS = {"smollm2-135m": 0.193}  # measured rms of the target weights; othe
 
 
 @dataclass
-class PlanOptions:
+class PlanOptions(JsonSettings):
     """What only the plan asks: the machine (GPUs, their memory and links, nodes) and the estimates' assumptions.
     ``cast-llm plan`` takes these beside the flags of ``cast-llm train`` (:func:`cast_llm.plan.run.plan_run`)."""
 
@@ -53,4 +53,6 @@ class PlanOptions:
     grad_rms: float | None = option(None, "gradient-noise rms of a pruned entry at the run's batch (default: "
                                           "SmolLM2-135M's 3.9e-4 at 512 tokens, × sqrt(512 / tokens per step))",
                                     min=0, min_exclusive=True, section=DECAY)
-    json: bool = option(False, "print the plan as one JSON object", section=RUN)
+
+    OPTION_TEXT = {"json": "print the plan as one JSON object"}
+    OPTION_SECTIONS = {"json": RUN}
