@@ -481,6 +481,13 @@ def test_the_candidates_of_one_key_are_timed_interleaved_and_a_failing_one_is_in
     cycled_many([(lambda w: order.append("a"), a), (lambda w: order.append("b"), b)], repeats=3, min_time=0)
     runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
     assert runs == ["a", "b"] * 4  # a's warm-up, b's, then one round of a and one of b in turn, three times
+    nan_kernel = type(KERNELS["emulated"])()  # a kernel that returns NaN is wrong, not fast
+    nan_kernel.name, nan_kernel.mm = "nan-test", lambda x2d, state, bias, out: torch.full(
+        (x2d.shape[0], out), float("nan"), dtype=x2d.dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(KERNELS, "nan-test", nan_kernel)
+        got = timing.measure_gemms(["dense", "nan-test"], 64, 128, torch.float32, 1, "eager", torch.device("cpu"))
+    assert math.isinf(got["nan-test"][0]) and "wrong results" in got["nan-test"][1] and math.isfinite(got["dense"][0])
     kernels = ["dense", "dense-careful", *(f"cpu-{p}" for p in PATHS if p != "amx-bf16"), "cusparselt"]
     got = timing.measure_gemms(kernels, 256, 512, torch.bfloat16, 1, "eager", torch.device("cpu"))
     assert list(got) == kernels
