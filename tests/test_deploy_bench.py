@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import tiny
 import torch
 from deploy_helpers import cli, one_line_error, save_hf, sparse_model
 
+import cast_llm.deploy.bench as bench
 from cast_llm.deploy.bench import (
     BenchConfig,
     format_report,
@@ -18,7 +20,8 @@ from cast_llm.deploy.bench import (
     within_noise_bound,
 )
 from cast_llm.deploy.sparse24 import cpu as cpu24
-from cast_llm.deploy.sparse24 import sparse24_layers
+from cast_llm.deploy.sparse24 import sparse24_layers, to_sparse24_
+from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
 
 HAS_SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
@@ -51,14 +54,8 @@ def test_cpu_measures_both_paths_with_the_cpu_kernels():
 def test_the_noise_floor_is_the_emulated_kernel_and_leaves_the_model_as_it_was(arch):
     """The floor's fp32-accumulated forward equals the model run on the torch emulated kernel (fp32 accumulation,
     one rounding), and leaves the model exactly as it was (same modules, same logits, no hooks left)."""
-    import copy
-
-    from cast_llm.deploy.sparse24 import to_sparse24_
-
     model = (sparse_model("llama") if arch == "llama" else tiny.model("gpt2")).bfloat16()
     if arch == "gpt2":
-        from cast_llm.prune.magnitude import magnitude_prune_
-
         for t in find_targets(model, n=2, m=4, skip_incompatible=True):
             w = t.weight.data
             magnitude_prune_(w.t() if t.transposed else w, 2, 4)
@@ -114,8 +111,6 @@ def test_cli_cuda_without_cuda_is_a_one_line_error(tmp_path, capsys):
 
 @pytest.mark.skipif(HAS_SM80, reason="checks the CPU report")
 def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch):
-    import cast_llm.deploy.bench as bench
-
     if cpu24.extension_reason() is not None:
         pytest.skip("no CPU 2:4 extension here: there is no 2:4 path to pair with")
     order, real, models = [], bench._generate, []
@@ -134,7 +129,7 @@ def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch
     assert report.logits_rel_err < 1e-5  # fp32: the twin's and the 2:4 model's prompt logits agree
 
     order.clear()
-    monkeypatch.setattr(bench, "available_memory", lambda: 0)
+    monkeypatch.setattr(bench.machine, "available_memory", lambda: 0)
     models.append(sparse_model("llama"))
     report = run_bench(models[-1], name="tiny", cfg=cfg)
     assert report.timing.startswith("sequential") and "does not fit" in report.timing

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cpu_model", "process_rss", "machine_ram"]
+__all__ = ["available_memory", "cpu_model", "process_rss", "machine_ram"]
 
 
 def process_rss() -> int:
@@ -25,6 +25,16 @@ def machine_ram() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     except (OSError, StopIteration):
         return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0
+
+
+def available_memory() -> int | None:
+    """RAM available to a new allocation without swapping (bytes): /proc/meminfo's MemAvailable, None where it
+    cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def cpu_model() -> str:

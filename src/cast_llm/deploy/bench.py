@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cast_llm import machine
 from cast_llm.deploy.config import BenchConfig
 from cast_llm.deploy.export import sparsity_report
 from cast_llm.deploy.sparse24 import (
@@ -46,7 +47,7 @@ from cast_llm.deploy.sparse24 import (
     to_sparse24_,
 )
 from cast_llm.deploy.sparse24.kernels import default_kernels
-from cast_llm.deploy.sparse24.timing import gemm_fn
+from cast_llm.deploy.sparse24.timing import gemm_fn, rel_err
 from cast_llm.errors import CastError
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
@@ -177,22 +178,10 @@ def paired_fits(model, device: torch.device) -> str | None:
     if device.type != "cpu":
         return "on a GPU the two paths are timed one after the other (the allocator's peak is reported per path)"
     need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-    free = available_memory()
+    free = machine.available_memory()
     if free is None or free < need:
         have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
         return f"a dense twin does not fit (needs {need / 2**30:.1f} GiB available, {have} is)"
-    return None
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
     return None
 
 
@@ -355,12 +344,6 @@ NOISE_MIN, NOISE_FACTOR = 0.01, 3.0  # "within bf16 noise": <= max(0.01, 3 x the
 def within_noise_bound(floor: float) -> float:
     """The largest logits difference (max|Δ| / max|logit|) that is still bf16 rounding, given the floor."""
     return max(NOISE_MIN, NOISE_FACTOR * floor)
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|y - ref| / max|ref| in fp32."""
-    ref = ref.float()
-    return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 @torch.no_grad()

@@ -1,5 +1,7 @@
-import torch, sys
+import torch
+
 from cast_llm.deploy.sparse24.dispatch import Dispatcher
+
 shapes = [(2048, 2048), (256, 2048), (5632, 2048), (2048, 5632)]
 for rep in range(3):
     for (o, i) in shapes:

@@ -111,21 +111,13 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """``x Wᵀ`` by ``kernel`` (``"dense"`` = ``F.linear``, ``"dense-careful"`` = the CPU extension's dense GEMM) as a
     no-argument callable; compresses once."""
-    if kernel == "dense":
-        return lambda: F.linear(x, weight)
-    if kernel == DENSE_CAREFUL:
-        return lambda: cpu.dense_mm(x, weight)
-    from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
-
-    k = KERNELS[kernel]
-    state = k.compress(weight)
-    out_features = weight.shape[0]
-    return lambda: sparse_linear(k, x, state, None, out_features)
+    fn, held = _gemm_case(kernel, weight, x)
+    return lambda: fn(held)
 
 
-def _cpu_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
-    """``(fn, held)`` for :func:`.cycles.cycled`: ``kernel``'s call on one copy of what it reads (the dense
-    weight, or its compressed state)."""
+def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
+    """``(fn, held)``: ``kernel``'s call on one copy of what it reads (the dense weight, or its compressed state),
+    so that :func:`.cycles.cycled` can cycle copies of ``held``."""
     from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
 
     if kernel == "dense":
@@ -134,6 +126,12 @@ def _cpu_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
         return (lambda w: cpu.dense_mm(x, w)), weight
     k, out_features = KERNELS[kernel], weight.shape[0]
     return (lambda s: sparse_linear(k, x, s, None, out_features)), k.compress(weight)
+
+
+def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why ``y`` is not ``ref`` to a bf16 GEMM's rounding (None: it is; NaN is wrong)."""
+    err = rel_err(y, ref)
+    return None if err <= WRONG_RESULT_TOL else f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear"
 
 
 def _cpu_inputs(out_features: int, in_features: int, dtype: torch.dtype, tokens: int):
@@ -147,7 +145,7 @@ def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torc
     """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU at this shape, the weight
     cycled past the last-level cache (:func:`cast_llm.deploy.sparse24.cycles.cycled`)."""
     weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
-    fn, held = _cpu_case(kernel, weight, x)
+    fn, held = _gemm_case(kernel, weight, x)
     return cycled(fn, held, repeats=repeats, min_time=min_time)
 
 
@@ -164,19 +162,20 @@ def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dty
     results, cases = {}, {}
     for k in kernels:
         try:
-            fn, held = _cpu_case(k, weight, x)
-            if k != "dense" and not (err := rel_err(fn(held), ref)) <= WRONG_RESULT_TOL:  # NaN fails too
-                raise RuntimeError(f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear")
+            fn, held = _gemm_case(k, weight, x)
+            if k != "dense" and (why := _wrong(fn(held), ref)):
+                raise RuntimeError(why)
             cases[k] = (fn, held)
         except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
             results[k] = (math.inf, _why(e))
-    if cases:
-        try:
-            for k, sec in zip(cases, cycled_many(list(cases.values()))):
-                results[k] = (sec, None)
-        except Exception:  # noqa: BLE001 - a failure while timing: each candidate alone, as measure_gemm does
-            for k in cases:
-                results[k] = measure_gemm(k, out_features, in_features, dtype, tokens, mode, device)
+    try:
+        results.update((k, (sec, None)) for k, sec in zip(cases, cycled_many(list(cases.values()))))
+    except Exception:  # noqa: BLE001 - a failure while timing them together: each alone, a failing one inf
+        for k, case in cases.items():
+            try:
+                results[k] = (cycled_many([case])[0], None)
+            except Exception as e:  # noqa: BLE001
+                results[k] = (math.inf, _why(e))
     return {k: results[k] for k in kernels}
 
 
@@ -188,23 +187,17 @@ def _why(e: Exception) -> str:
 def measure_gemm(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
                  device: torch.device) -> tuple[float, str | None]:
     """(seconds per call, None) for one dispatch candidate, or (inf, why) if it fails or is wrong. On the CPU
-    the weights are cycled past the last-level cache (:func:`cycled_seconds`)."""
+    the weights are cycled past the last-level cache (:func:`measure_gemms` with one candidate)."""
     device = torch.device(device)
+    if device.type == "cpu" and mode == "eager":
+        return measure_gemms([kernel], out_features, in_features, dtype, tokens, mode, device)[kernel]
     weight = random_24_weight(out_features, in_features, dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, in_features, generator=gen, device=device, dtype=torch.float32).to(dtype)
     ref = F.linear(x, weight)
-
-    def validate(y) -> str | None:
-        err = rel_err(y, ref)
-        return None if err <= WRONG_RESULT_TOL else f"wrong results: max|Δ|/max|y| = {err:.3g} against F.linear"
-
     try:
         fn = gemm_fn(kernel, weight, x)
-        if device.type == "cpu" and mode == "eager":
-            if kernel != "dense" and (why := validate(fn())):
-                raise RuntimeError(why)
-            return cycled_seconds(kernel, out_features, in_features, dtype, tokens), None
-        return time_call(fn, mode=mode, device=device, validate=None if kernel == "dense" else validate), None
+        return time_call(fn, mode=mode, device=device,
+                         validate=None if kernel == "dense" else (lambda y: _wrong(y, ref))), None
     except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
         return math.inf, _why(e)
