@@ -194,6 +194,11 @@ DEFAULT_ABLATIONS = [
     Entry("cast-best-no-decay", "CAST default w/o AdamS decay and mask updates (λ 0, fixed mask)", "train",
           ["--method", "cast", *CAST_BEST, "--fixed-mask"], kd=True, adams=True, weight_update="AdamS (λ 0)",
           mask="fixed (SparseGPT)", seeded=True),
+    # the default without its warm start's weights: SparseGPT's mask only, the dense weights under it (issue 50)
+    Entry("cast-best-dense-start", "CAST default w/o the warm start's weights (SparseGPT mask, dense weights)",
+          "train", ["--method", "cast", "--no-warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0.2",
+                    "--final-prune", "hard"], kd=True, adams=True, weight_update="AdamS",
+          mask="Eq. 6 every T1 (SparseGPT mask, dense start)", seeded=True),
 ]
 # Candidates for learned masks that beat the best fixed mask (the default's masks never move: its warm start
 # leaves the pruned weights at exactly 0, too far below the kept ones to win a place at lr 1e-4):
