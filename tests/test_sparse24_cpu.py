@@ -851,3 +851,33 @@ def test_the_careful_head_is_swapped_only_when_it_measures_faster_and_is_undone(
     else:
         assert now is head and "torch's F.linear" in note, note
         assert ("cannot run here" in note) == (decide == "reference")
+
+
+def test_pairs_path_across_row_blocks_token_blocks_and_chunks():
+    """avx512-bf16-pairs keeps 512 rows' sums at a time, 64 tokens a block and 16 groups a chunk: a layer of
+    1030 rows, 1028 inputs (an odd group count) and 130 tokens crosses every one of those edges."""
+    if "avx512-bf16-pairs" not in PATHS:
+        pytest.skip("this CPU lacks AVX512-BF16")
+    w, _ = planted(1030, 1028, seed=3, dtype=torch.bfloat16)
+    state = cpu24.compress(w)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(130, 1028, generator=g).to(torch.bfloat16)
+    bias = torch.randn(1030, generator=g).to(torch.bfloat16)
+    y = cpu24.sparse24_mm("avx512-bf16-pairs", x, state, bias)
+    assert rel(y, ref64(x, w, bias)) <= BOUND[torch.bfloat16]
+    # every output is its own row's and token's (a transposed store writes the wrong cell, not a small error)
+    y1 = cpu24.sparse24_mm("avx512-bf16-pairs", x[77:78], state, bias)
+    assert rel(y1, ref64(x[77:78], w, bias)) <= BOUND[torch.bfloat16]
+
+
+def test_positions_that_are_not_a_2to4_rows_are_found():
+    """The pairs path (and the dense mask of the rebuild) read two distinct, ascending positions per group:
+    cpu24.bad_position_rows finds every other byte, padding nibbles excepted."""
+    w, _ = planted(6, 12, seed=1)
+    meta = cpu24.compress(w)["meta"].clone()
+    assert cpu24.bad_position_rows(meta, 12).tolist() == []  # 12 inputs: the last byte's high nibble is padding
+    meta[2, 0] = (meta[2, 0] & 0xF0) | 0b0101  # positions (1, 1)
+    meta[4, 1] = (meta[4, 1] & 0xF0) | 0b0001  # positions (1, 0)
+    assert cpu24.bad_position_rows(meta, 12).tolist() == [2, 4]
+    with pytest.raises(ValueError, match=r"^layer\.x: 2 row\(s\) \(first 2\).*not a 2:4 compressed weight$"):
+        cpu24.check_positions(meta, 12, "layer.x")

@@ -226,6 +226,7 @@ def _load_sparse24(path: Path, index: dict[str, Any], dtype: torch.dtype, dispat
                 else:
                     codes = NMSparseWeight(values, positions, (out_f, in_f), 2, 4, "index").positions_tensor()
                     meta = cpu24.pack_positions(codes.reshape(out_f, in_f // 2).to(torch.uint8))
+                cpu24.check_positions(meta, in_f, f"{path / WEIGHTS_FILE}: {key}.positions")
                 state = {"values": values.contiguous(), "meta": meta.contiguous()}
             keys -= {key + ".values", key + ".positions"}
             bias_key = fqn + ".bias"

@@ -7,7 +7,7 @@ dense weight. The compressed form (``values (out, in/2)``, ``meta (out, ceil(in/
 value) is bit for bit the ``positions`` stream of ``--format compressed`` checkpoints for rows of a multiple of
 8 inputs, so :func:`cast_llm.deploy.compressed.load_compressed` hands the file's tensors to the kernel as they are.
 
-Four instruction paths, chosen per CPU at run time from one build (``PATHS``):
+Five instruction paths, chosen per CPU at run time from one build (``PATHS``):
 
 * ``avx512-bf16`` — bf16 activations and values, vpermt2w gathers the kept activations, vdpbf16ps accumulates
   in fp32 (AVX512-BW/VBMI/BF16: AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+);
@@ -15,6 +15,11 @@ Four instruction paths, chosen per CPU at run time from one build (``PATHS``):
   expanded into a dense panel in L1 (vpexpandw), multiplied on AMX tiles; reads each weight byte once per call
   whatever the token count, so it is the multi-token path there (one token: ``avx512-bf16`` is faster). Linux
   grants AMX's tile state on request (``arch_prctl``); where it refuses, the path is reported missing;
+* ``avx512-bf16-pairs`` — bf16 activations and values, for many tokens (prefill): lanes over 16 tokens instead
+  of kept values; the activations laid out once per call as the six pairs a group of four can keep, so each
+  row's group is one broadcast of its two kept values and a vdpbf16ps per 16 tokens against the pair its
+  positions name — no permute, half a dense GEMM's multiply-adds (AVX512-BF16; rows must hold two distinct,
+  ascending positions per group, which :func:`check_positions` enforces where a file is loaded);
 * ``avx512`` — fp32 activations (a bf16 input is widened once per call), fp32 / bf16 / int8 values;
 * ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512.
 
@@ -39,13 +44,13 @@ import torch
 
 from cast_llm.sparsity.mask import nm_mask
 
-__all__ = ["PATHS", "available_paths", "compress", "decompress", "dense_mm", "dense_path", "dense_unavailable_reason",
+__all__ = ["PATHS", "available_paths", "bad_position_rows", "check_positions", "compress", "decompress", "dense_mm", "dense_path", "dense_unavailable_reason",
            "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
            "unpack_mm"]
 
-BF16_PATHS = ("avx512-bf16", "amx-bf16")  # bf16 activations only
-NO_W8_PATHS = ("amx-bf16",)  # no int8-values variant
-PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512": 1, "avx2": 2}  # name -> the extension's isa id
+BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-pairs")  # bf16 activations only
+NO_W8_PATHS = ("amx-bf16", "avx512-bf16-pairs")  # no int8-values variant
+PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-pairs": 4, "avx512": 1, "avx2": 2}  # name -> isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
 NAME = "cast_llm_cpu24"
@@ -180,6 +185,31 @@ def pack_positions(pos: torch.Tensor) -> torch.Tensor:
         pos = torch.cat([pos, pos.new_zeros(out_f, pad)], dim=1)
     p = pos.reshape(out_f, -1, 4).to(torch.uint8)
     return (p[..., 0] | (p[..., 1] << 2) | (p[..., 2] << 4) | (p[..., 3] << 6)).contiguous()
+
+
+# the six nibbles (p0 | p1 << 2, p0 < p1) a group of a 2:4 row can have
+_PAIR_NIBBLES = (0b0100, 0b1000, 0b1100, 0b1001, 0b1101, 0b1110)
+
+
+def bad_position_rows(meta: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Indices of the rows of ``meta`` (``(out, ceil(in/8))``) whose groups do not each hold two distinct
+    positions in ascending order (what :func:`compress` writes): such bytes are not a 2:4 weight."""
+    ok = torch.zeros(16, dtype=torch.bool)
+    ok[list(_PAIR_NIBBLES)] = True
+    m = meta.to(torch.long)
+    good = ok[m & 15]
+    hi = ok[m >> 4]
+    if in_features % 8:  # the last byte's high nibble is padding
+        hi[:, -1] = True
+    return torch.nonzero(~(good & hi).all(dim=1)).flatten()
+
+
+def check_positions(meta: torch.Tensor, in_features: int, name: str) -> None:
+    """Raise a one-line ValueError naming ``name`` where a row's positions are not a 2:4 row's."""
+    bad = bad_position_rows(meta, in_features)
+    if bad.numel():
+        raise ValueError(f"{name}: {bad.numel()} row(s) (first {int(bad[0])}) of the positions do not keep two "
+                         f"distinct positions of each group of four in order: not a 2:4 compressed weight")
 
 
 def unpack_positions(meta: torch.Tensor, kept: int) -> torch.Tensor:
