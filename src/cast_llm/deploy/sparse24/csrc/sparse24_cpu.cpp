@@ -1041,11 +1041,7 @@ CAST_VBMI2 int64_t unpack_row_vbmi2(const uint16_t* v, const uint8_t* m, uint16_
   return whole * 8;  // groups done
 }
 
-bool has_vbmi2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2");
-}
+bool has_vbmi2() { return isa_supported(kAvx512) && __builtin_cpu_supports("avx512vbmi2"); }
 
 // The dense weight rebuilt from the compressed form into ``out`` (N, K) — for large token counts, where a dense
 // GEMM outruns the gather kernels: the layer keeps only the compressed bytes and rebuilds into one shared
