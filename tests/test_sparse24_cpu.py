@@ -853,21 +853,43 @@ def test_the_careful_head_is_swapped_only_when_it_measures_faster_and_is_undone(
         assert ("cannot run here" in note) == (decide == "reference")
 
 
-def test_pairs_path_across_row_blocks_token_blocks_and_chunks():
-    """avx512-bf16-pairs keeps 512 rows' sums at a time, 64 tokens a block and 16 groups a chunk: a layer of
-    1030 rows, 1028 inputs (an odd group count) and 130 tokens crosses every one of those edges."""
-    if "avx512-bf16-pairs" not in PATHS:
+@pytest.mark.parametrize("path", ["avx512-bf16-pairs", "avx512-bf16-rows"])
+def test_prefill_paths_across_row_blocks_token_blocks_and_chunks(path):
+    """avx512-bf16-pairs keeps 512 rows' sums at a time, 64 tokens a block and 16 groups a chunk; avx512-bf16-rows
+    packs 48 rows a set (three lane blocks), six tokens a tile and eight groups' positions a gather: a layer of
+    1030 rows (a partial lane block and set), 1028 inputs (an odd group count, a tail of 1 group past the
+    gathers) and 130 tokens crosses every one of those edges."""
+    if path not in PATHS:
         pytest.skip("this CPU lacks AVX512-BF16")
     w, _ = planted(1030, 1028, seed=3, dtype=torch.bfloat16)
     state = cpu24.compress(w)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(130, 1028, generator=g).to(torch.bfloat16)
     bias = torch.randn(1030, generator=g).to(torch.bfloat16)
-    y = cpu24.sparse24_mm("avx512-bf16-pairs", x, state, bias)
+    y = cpu24.sparse24_mm(path, x, state, bias)
     assert rel(y, ref64(x, w, bias)) <= BOUND[torch.bfloat16]
     # every output is its own row's and token's (a transposed store writes the wrong cell, not a small error)
-    y1 = cpu24.sparse24_mm("avx512-bf16-pairs", x[77:78], state, bias)
+    y1 = cpu24.sparse24_mm(path, x[77:78], state, bias)
     assert rel(y1, ref64(x[77:78], w, bias)) <= BOUND[torch.bfloat16]
+
+
+def test_rows_path_reads_any_positions():
+    """avx512-bf16-rows takes each kept value's activation by its own 2-bit position (vpermw indices), so a group
+    whose two positions repeat or descend is the sum it names, not a wrong pattern's product."""
+    if "avx512-bf16-rows" not in PATHS:
+        pytest.skip("this CPU lacks AVX512-BF16")
+    g = torch.Generator().manual_seed(2)
+    n, k = 53, 44
+    meta = torch.randint(0, 256, (n, (k + 7) // 8), generator=g, dtype=torch.uint8)  # every nibble, 2:4 or not
+    values = torch.randn(n, k // 2, generator=g).to(torch.bfloat16)
+    w = torch.zeros(n, k, dtype=torch.float64)
+    for r in range(n):
+        for j in range(k // 2):
+            p = (int(meta[r, j // 4]) >> (2 * (j % 4))) & 3
+            w[r, 4 * (j // 2) + p] += float(values[r, j])
+    x = torch.randn(13, k, generator=g).to(torch.bfloat16)
+    y = cpu24.load_extension().sparse24_mm(x, values, meta, None, None, cpu24.PATHS["avx512-bf16-rows"])
+    assert rel(y, x.double() @ w.t()) <= BOUND[torch.bfloat16]
 
 
 def test_positions_that_are_not_a_2to4_rows_are_found():

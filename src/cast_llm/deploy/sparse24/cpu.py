@@ -48,9 +48,10 @@ __all__ = ["PATHS", "available_paths", "bad_position_rows", "check_positions", "
            "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
            "unpack_mm"]
 
-BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-pairs")  # bf16 activations only
-NO_W8_PATHS = ("amx-bf16", "avx512-bf16-pairs")  # no int8-values variant
-PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-pairs": 4, "avx512": 1, "avx2": 2}  # name -> isa id
+BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-pairs", "avx512-bf16-rows")  # bf16 activations only
+NO_W8_PATHS = ("amx-bf16", "avx512-bf16-pairs", "avx512-bf16-rows")  # no int8-values variant
+PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512-bf16-pairs": 4, "avx512": 1,
+         "avx2": 2}  # name -> isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
 NAME = "cast_llm_cpu24"

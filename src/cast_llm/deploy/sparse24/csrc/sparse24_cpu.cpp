@@ -47,6 +47,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -747,8 +749,115 @@ void sparse24_mm_pairs(const uint16_t* x, const uint16_t* values, const uint8_t*
   }
 }
 
+// ---------------------------------------------------------------- avx512-bf16-rows: lanes over output rows
+// For many tokens (prefill), lanes over 16 output rows as a dense GEMM's are. Per thread, a set of up to 48 rows
+// (kRowBlocks lane blocks) is packed once per call: for every group, the 16 rows' two kept values (one vector of
+// bf16 pairs, a gather) and their positions as vpermw indices (lane word 0 = the group's nibble p0 | p1 << 2,
+// word 1 = p1; vpermw reads 5 bits, and the broadcast below repeats the group's four activations every four
+// words, so word p0 + 4 p1 holds x[p0]). Then kRowTokens tokens at a time, every group is one 8-byte broadcast of
+// each token's four activations and, per lane block and token, one vpermw (the kept activations of 16 rows) and one
+// vdpbf16ps: half a dense GEMM's multiply-adds, every load from a sequential stream (no address taken from the
+// positions), the outputs contiguous in y. Any positions are read correctly (repeated or descending ones too).
+constexpr int kRowBlocks = 3;
+constexpr int kRowTokens = 6;
+
+CAST_AVX512_BF16 void rows_pack(const uint16_t* values, const uint8_t* meta, int64_t N, int64_t K, int64_t r0,
+                                int RB, __m512i* Wp, __m512i* Ip) {
+  const int64_t G = K / 4, mbytes = (K + 7) / 8;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i vstride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(K / 4)));  // dwords
+  const __m512i mstride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(mbytes)));  // bytes
+  const __m512i nib_mask = _mm512_set1_epi32(15);
+  for (int b = 0; b < RB; ++b) {
+    const int64_t rb = r0 + 16 * b, n = std::min<int64_t>(16, N - rb);
+    const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+    const uint32_t* vbase = reinterpret_cast<const uint32_t*>(values) + rb * (K / 4);
+    const uint8_t* mbase = meta + rb * mbytes;
+    for (int64_t g = 0; g < G; ++g)
+      Wp[g * RB + b] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, vstride, vbase + g, 4);
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {  // one 4-byte gather: eight groups' nibbles of 16 rows (inside every row)
+      const __m512i d = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, mstride, mbase + g / 2, 1);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(d, 4 * j), nib_mask);
+        Ip[(g + j) * RB + b] = _mm512_or_si512(nib, _mm512_slli_epi32(nib, 14));
+      }
+    }
+    for (; g < G; ++g) {  // the last groups of a row, one lane at a time
+      alignas(64) uint32_t idx[16] = {0};
+      for (int64_t l = 0; l < n; ++l) {
+        const uint32_t nib = (mbase[l * mbytes + g / 2] >> (4 * (g % 2))) & 15u;
+        idx[l] = nib | (nib << 14);
+      }
+      Ip[g * RB + b] = _mm512_load_si512(idx);
+    }
+  }
+}
+
+template <int RB, int T>
+CAST_AVX512_BF16 void rows_tile(const __m512i* Wp, const __m512i* Ip, const uint16_t* x, int64_t K, int64_t t0,
+                                const float* bias, uint16_t* y, int64_t N, int64_t r0) {
+  const int64_t G = K / 4;
+  __m512 acc[RB][T];
+  for (int b = 0; b < RB; ++b)
+    for (int t = 0; t < T; ++t) acc[b][t] = _mm512_setzero_ps();
+  const uint16_t* xt[T];
+  for (int t = 0; t < T; ++t) xt[t] = x + (t0 + t) * K;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i w[RB], id[RB];
+    for (int b = 0; b < RB; ++b) {
+      w[b] = _mm512_load_si512(Wp + g * RB + b);
+      id[b] = _mm512_load_si512(Ip + g * RB + b);
+    }
+    for (int t = 0; t < T; ++t) {
+      long long q;
+      std::memcpy(&q, xt[t] + 4 * g, 8);
+      const __m512i xb = _mm512_set1_epi64(q);
+      for (int b = 0; b < RB; ++b)
+        acc[b][t] = _mm512_dpbf16_ps(acc[b][t], (__m512bh)_mm512_permutexvar_epi16(id[b], xb), (__m512bh)w[b]);
+    }
+  }
+  for (int b = 0; b < RB; ++b) {
+    const int64_t rb = r0 + 16 * b, n = std::min<int64_t>(16, N - rb);
+    const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + rb) : _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t)
+      _mm256_mask_storeu_epi16(y + (t0 + t) * N + rb, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][t], bv)));
+  }
+}
+
+using RowsTileFn = void (*)(const __m512i*, const __m512i*, const uint16_t*, int64_t, int64_t, const float*,
+                            uint16_t*, int64_t, int64_t);
+template <int RB, int... Ts>
+constexpr std::array<RowsTileFn, sizeof...(Ts)> rows_tiles(std::integer_sequence<int, Ts...>) {
+  return {&rows_tile<RB, Ts + 1>...};
+}
+const std::array<std::array<RowsTileFn, kRowTokens>, kRowBlocks> kRowsTable = {
+    rows_tiles<1>(std::make_integer_sequence<int, kRowTokens>{}),
+    rows_tiles<2>(std::make_integer_sequence<int, kRowTokens>{}),
+    rows_tiles<3>(std::make_integer_sequence<int, kRowTokens>{})};
+
+void sparse24_mm_rows(const uint16_t* x, const uint16_t* values, const uint8_t* meta, const float* bias,
+                      uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / 4, set_rows = 16 * kRowBlocks, sets = (N + set_rows - 1) / set_rows;
+  at::parallel_for(0, sets, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<uint8_t> hold(static_cast<size_t>(2 * G * kRowBlocks * 64 + 64));
+    __m512i* Wp = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(hold.data()) + 63) & ~uintptr_t{63});
+    __m512i* Ip = Wp + G * kRowBlocks;
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t r0 = s * set_rows;
+      const int RB = static_cast<int>(std::min<int64_t>(kRowBlocks, (N - r0 + 15) / 16));
+      rows_pack(values, meta, N, K, r0, RB, Wp, Ip);
+      for (int64_t t0 = 0; t0 < M; t0 += kRowTokens) {
+        const int T = static_cast<int>(std::min<int64_t>(kRowTokens, M - t0));
+        kRowsTable[RB - 1][T - 1](Wp, Ip, x, K, t0, bias, y, N, r0);
+      }
+    }
+  });
+}
+
 // ----------------------------------------------------------------------------------------------- driver
-enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Pairs = 4 };
+enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Pairs = 4, kAvx512Bf16Rows = 5 };
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -765,6 +874,7 @@ bool isa_supported(int64_t isa) {
     case kAmxBf16:
       return isa_supported(kAvx512Bf16) && amx_cpu() && amx_permitted();
     case kAvx512Bf16Pairs:
+    case kAvx512Bf16Rows:
       return isa_supported(kAvx512Bf16);
     default:
       return false;
@@ -884,11 +994,13 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
               "sparse24_mm: the amx-bf16 path takes bf16 x and bf16 values");
   TORCH_CHECK(isa != kAvx512Bf16Pairs || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the avx512-bf16-pairs path takes bf16 x and bf16 values");
+  TORCH_CHECK(isa != kAvx512Bf16Rows || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
+              "sparse24_mm: the avx512-bf16-rows path takes bf16 x and bf16 values");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == N, "sparse24_mm: bias must have out entries");
 
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
   // fp32 paths read fp32 activations: a bf16 x is widened once per call (M x K, from L1/L2)
-  const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAmxBf16 || isa == kAvx512Bf16Pairs;
+  const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAmxBf16 || isa == kAvx512Bf16Pairs || isa == kAvx512Bf16Rows;
   const at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
   at::Tensor bias_f, scale_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
@@ -905,6 +1017,12 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
     sparse24_mm_pairs(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
                       mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                       static_cast<uint16_t*>(y.data_ptr()), M, N, K);
+    return y;
+  }
+  if (isa == kAvx512Bf16Rows) {
+    sparse24_mm_rows(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
+                     mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                     static_cast<uint16_t*>(y.data_ptr()), M, N, K);
     return y;
   }
   const Table& table = table_for(isa, kind);
