@@ -752,7 +752,7 @@ void sparse24_mm_pairs(const uint16_t* x, const uint16_t* values, const uint8_t*
 // ---------------------------------------------------------------- avx512-bf16-rows: lanes over output rows
 // For many tokens (prefill), lanes over 16 output rows as a dense GEMM's are. Per thread, a set of up to 48 rows
 // (kRowBlocks lane blocks) is packed once per call: for every group, the 16 rows' two kept values (one vector of
-// bf16 pairs, a gather) and their positions as vpermw indices (lane word 0 = the group's nibble p0 | p1 << 2,
+// bf16 pairs, by 16 x 16 transposes) and their positions as vpermw indices (lane word 0 = the group's nibble p0 | p1 << 2,
 // word 1 = p1; vpermw reads 5 bits, and the broadcast below repeats the group's four activations every four
 // words, so word p0 + 4 p1 holds x[p0]). Then kRowTokens tokens at a time, every group is one 8-byte broadcast of
 // each token's four activations and, per lane block and token, one vpermw (the kept activations of 16 rows) and one
@@ -760,36 +760,72 @@ void sparse24_mm_pairs(const uint16_t* x, const uint16_t* values, const uint8_t*
 // positions), the outputs contiguous in y. Any positions are read correctly (repeated or descending ones too).
 constexpr int kRowBlocks = 3;
 constexpr int kRowTokens = 6;
+#ifndef CAST_ROW_AHEAD
+#define CAST_ROW_AHEAD 4
+#endif
+constexpr int kRowAhead = CAST_ROW_AHEAD;  // chunks of 16 groups a row's prefetch runs ahead
 
+// r[l] = 16 dwords of row l -> r[c] = dword c of rows 0..15 (unpacks within 128-bit lanes, then lane shuffles)
+CAST_AVX512_BF16 inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane k: column 4k + j of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i s0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), s1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);       // column j      (lane k = 0)
+    r[4 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);   // column 4 + j  (k = 1)
+    r[8 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);   // column 8 + j  (k = 2)
+    r[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);  // column 12 + j (k = 3)
+  }
+}
+
+// Rows [r0, r0 + 16 RB) (rows >= N read as zero) into Wp / Ip[g * RB + b]: 16 rows x 16 groups of kept pairs (one
+// 64-byte load a row, masked at the row's end) and 16 rows x 128 groups of positions a transpose
 CAST_AVX512_BF16 void rows_pack(const uint16_t* values, const uint8_t* meta, int64_t N, int64_t K, int64_t r0,
                                 int RB, __m512i* Wp, __m512i* Ip) {
   const int64_t G = K / 4, mbytes = (K + 7) / 8;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i vstride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(K / 4)));  // dwords
-  const __m512i mstride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(mbytes)));  // bytes
   const __m512i nib_mask = _mm512_set1_epi32(15);
   for (int b = 0; b < RB; ++b) {
     const int64_t rb = r0 + 16 * b, n = std::min<int64_t>(16, N - rb);
-    const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const uint32_t* vbase = reinterpret_cast<const uint32_t*>(values) + rb * (K / 4);
     const uint8_t* mbase = meta + rb * mbytes;
-    for (int64_t g = 0; g < G; ++g)
-      Wp[g * RB + b] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, vstride, vbase + g, 4);
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) {  // one 4-byte gather: eight groups' nibbles of 16 rows (inside every row)
-      const __m512i d = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, mstride, mbase + g / 2, 1);
-      for (int j = 0; j < 8; ++j) {
-        const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(d, 4 * j), nib_mask);
-        Ip[(g + j) * RB + b] = _mm512_or_si512(nib, _mm512_slli_epi32(nib, 14));
+    __m512i r[16];
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int64_t ng = std::min<int64_t>(16, G - g0);
+      const __mmask16 m = ng == 16 ? 0xffff : static_cast<__mmask16>((1u << ng) - 1);
+      for (int l = 0; l < 16; ++l) {
+        // 16 row streams K bytes apart: ask for each row's line kRowAhead chunks ahead (past the end of the
+        // arrays the address is only an integer: a prefetch may point anywhere)
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(vbase + l * (K / 4) + g0) +
+                                                   64 * kRowAhead), _MM_HINT_T0);
+        r[l] = l < n ? _mm512_maskz_loadu_epi32(m, vbase + l * (K / 4) + g0) : _mm512_setzero_si512();
       }
+      transpose16x16(r);
+      for (int64_t c = 0; c < ng; ++c) Wp[(g0 + c) * RB + b] = r[c];
     }
-    for (; g < G; ++g) {  // the last groups of a row, one lane at a time
-      alignas(64) uint32_t idx[16] = {0};
-      for (int64_t l = 0; l < n; ++l) {
-        const uint32_t nib = (mbase[l * mbytes + g / 2] >> (4 * (g % 2))) & 15u;
-        idx[l] = nib | (nib << 14);
+    for (int64_t g0 = 0; g0 < G; g0 += 128) {  // 64 bytes of a row's positions: 128 groups
+      const int64_t nb = std::min<int64_t>(64, mbytes - g0 / 2);
+      const __mmask64 m = nb == 64 ? ~__mmask64{0} : ((__mmask64{1} << nb) - 1);
+      for (int l = 0; l < 16; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(mbase + l * mbytes + g0 / 2) + 64),
+                     _MM_HINT_T0);
+        r[l] = l < n ? _mm512_maskz_loadu_epi8(m, mbase + l * mbytes + g0 / 2) : _mm512_setzero_si512();
       }
-      Ip[g * RB + b] = _mm512_load_si512(idx);
+      transpose16x16(r);  // r[c]: groups g0 + 8c .. g0 + 8c + 7 of rows 0..15, 4 bits each
+      for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 128); ++g) {
+        const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(r[(g - g0) / 8], 4 * ((g - g0) % 8)), nib_mask);
+        Ip[g * RB + b] = _mm512_or_si512(nib, _mm512_slli_epi32(nib, 14));
+      }
     }
   }
 }
