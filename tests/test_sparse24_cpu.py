@@ -853,12 +853,11 @@ def test_the_careful_head_is_swapped_only_when_it_measures_faster_and_is_undone(
         assert ("cannot run here" in note) == (decide == "reference")
 
 
-@pytest.mark.parametrize("path", ["avx512-bf16-pairs", "avx512-bf16-rows"])
-def test_prefill_paths_across_row_blocks_token_blocks_and_chunks(path):
-    """avx512-bf16-pairs keeps 512 rows' sums at a time, 64 tokens a block and 16 groups a chunk; avx512-bf16-rows
-    packs 48 rows a set (three lane blocks), six tokens a tile and eight groups' positions a gather: a layer of
-    1030 rows (a partial lane block and set), 1028 inputs (an odd group count, a tail of 1 group past the
-    gathers) and 130 tokens crosses every one of those edges."""
+def test_rows_path_across_row_sets_token_tiles_and_pack_chunks():
+    """avx512-bf16-rows packs 48 rows a set (three lane blocks of 16), 16 groups of kept pairs and 128 groups of
+    positions a transpose, and runs six tokens a tile: a layer of 1030 rows (a partial lane block and set), 1028
+    inputs (257 groups: a one-group tail past both transposes) and 130 tokens crosses every one of those edges."""
+    path = "avx512-bf16-rows"
     if path not in PATHS:
         pytest.skip("this CPU lacks AVX512-BF16")
     w, _ = planted(1030, 1028, seed=3, dtype=torch.bfloat16)
@@ -893,7 +892,7 @@ def test_rows_path_reads_any_positions():
 
 
 def test_positions_that_are_not_a_2to4_rows_are_found():
-    """The pairs path (and the dense mask of the rebuild) read two distinct, ascending positions per group:
+    """The rebuild's dense mask (vpexpandw) reads two distinct, ascending positions per group:
     cpu24.bad_position_rows finds every other byte, padding nibbles excepted."""
     w, _ = planted(6, 12, seed=1)
     meta = cpu24.compress(w)["meta"].clone()

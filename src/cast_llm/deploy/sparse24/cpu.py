@@ -15,11 +15,12 @@ Five instruction paths, chosen per CPU at run time from one build (``PATHS``):
   expanded into a dense panel in L1 (vpexpandw), multiplied on AMX tiles; reads each weight byte once per call
   whatever the token count, so it is the multi-token path there (one token: ``avx512-bf16`` is faster). Linux
   grants AMX's tile state on request (``arch_prctl``); where it refuses, the path is reported missing;
-* ``avx512-bf16-pairs`` — bf16 activations and values, for many tokens (prefill): lanes over 16 tokens instead
-  of kept values; the activations laid out once per call as the six pairs a group of four can keep, so each
-  row's group is one broadcast of its two kept values and a vdpbf16ps per 16 tokens against the pair its
-  positions name — no permute, half a dense GEMM's multiply-adds (AVX512-BF16; rows must hold two distinct,
-  ascending positions per group, which :func:`check_positions` enforces where a file is loaded);
+* ``avx512-bf16-rows`` — bf16 activations and values, for many tokens (prefill): lanes over 16 output rows, as
+  a dense GEMM's are; each call packs 48 rows at a time (16×16 transposes) into one vector of the 16 rows' kept
+  pairs and one of their positions as vpermw indices per group, then per group and token one broadcast of the
+  token's four activations, and per 16 rows one vpermw and one vdpbf16ps — half a dense GEMM's multiply-adds
+  (AVX512-BF16). Measured on a Zen 4: 1.35-1.41× torch's bf16 GEMM at 512 tokens (docs/results/cpu24-notes.md
+  §13);
 * ``avx512`` — fp32 activations (a bf16 input is widened once per call), fp32 / bf16 / int8 values;
 * ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512.
 
@@ -48,10 +49,9 @@ __all__ = ["PATHS", "available_paths", "bad_position_rows", "check_positions", "
            "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
            "unpack_mm"]
 
-BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-pairs", "avx512-bf16-rows")  # bf16 activations only
-NO_W8_PATHS = ("amx-bf16", "avx512-bf16-pairs", "avx512-bf16-rows")  # no int8-values variant
-PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512-bf16-pairs": 4, "avx512": 1,
-         "avx2": 2}  # name -> isa id
+BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-rows")  # bf16 activations only
+NO_W8_PATHS = ("amx-bf16", "avx512-bf16-rows")  # no int8-values variant
+PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512": 1, "avx2": 2}  # name -> isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
 NAME = "cast_llm_cpu24"

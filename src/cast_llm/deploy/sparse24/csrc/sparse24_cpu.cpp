@@ -15,9 +15,10 @@
 //                vpmultishiftqb (AVX512-VBMI) + and + add, vpermt2w gathers x, vdpbf16ps multiplies pairs
 //                and accumulates in fp32 (bf16 x bf16 products are exact in fp32);
 //                int8 values (2:4 + W8) widened to bf16 exactly in registers, the row scale applied once at the end;
-//   avx512-bf16-pairs  bf16 x and values, many tokens: lanes over 16 tokens, x laid out once per call as the six
-//                pairs a group of four can keep, one broadcast of a row's two kept values and a vdpbf16ps per
-//                16 tokens and group (no permute, half a dense GEMM's multiply-adds);
+//   avx512-bf16-rows  bf16 x and values, many tokens (prefill): lanes over 16 output rows, the rows packed once
+//                per call by 16 x 16 transposes; per group a broadcast of each token's four activations, then a
+//                vpermw (the kept activations of 16 rows) and a vdpbf16ps per 16 rows and token (half a dense
+//                GEMM's multiply-adds);
 //   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
 //                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
 //   amx-bf16     bf16 x and values, CPUs with AMX: 16 rows at a time expanded (vpexpandw) into a dense bf16
@@ -591,164 +592,6 @@ void sparse24_mm_amx(const uint16_t* x, const uint16_t* values, const uint8_t* m
   });
 }
 
-// ------------------------------------------------------------------------- avx512-bf16-pairs (prefill)
-// Many tokens, lanes over tokens instead of kept values. For each block of 16*U tokens (U <= 4) the activations
-// are laid out once per call as, for every group of four inputs, the six pairs a 2:4 row can keep -- (0,1) (0,2)
-// (0,3) (1,2) (1,3) (2,3) -- each pair of 16 tokens one 64-byte vector of bf16 pairs (two 32-bit gathers per
-// group and 16 tokens, then and/or/shift). A row's group then costs one broadcast of its two kept values (one
-// 32-bit load) and U vdpbf16ps against the pair its positions name: no permute, and half the multiply-adds of
-// a dense GEMM. The pairs are read in chunks that fit L1 (kPairChunkBytes); for each chunk, a thread's rows pass
-// two at a time (2U independent vdpbf16ps chains), their fp32 sums waiting in an L2 buffer between chunks and
-// their bytes prefetched kPairAhead rows ahead; each row's sums are rounded once into y. Positions must be a 2:4
-// row's (two distinct, ascending in a group): the loaders check it (cpu.check_positions).
-// Measured (docs/results/cpu24-notes.md section 12): bounded by one 64-byte load a vdpbf16ps, 0.74x torch's bf16
-// GEMM at 512 tokens and ~0.9x at 64 on this project's Zen 4 host -- a candidate for compressed-only layers at
-// 16-128 tokens, where it beats the gather path and the rebuild.
-constexpr int kPairSlots = 6;
-constexpr int kPairMaxU = 4;
-constexpr int kPairTokens = 16 * kPairMaxU;  // tokens a block
-// nibble (p0 | p1 << 2) -> slot; the ten nibbles no 2:4 row has map to 0 (refused before the kernel runs)
-constexpr int8_t kSlotOf[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 3, 0, 0, 2, 4, 5, 0};
-
-template <int U>
-CAST_AVX512_BF16 void pairs_build(const uint16_t* x, __m512i* P, int64_t t0, int64_t M, int64_t K, int64_t g0,
-                                  int64_t g1) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i stride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(K)));
-  const __m512i lo = _mm512_set1_epi32(0xffff), hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int u = 0; u < U; ++u) {
-    const int64_t tb = t0 + 16 * u;
-    const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, M - tb));
-    const __mmask16 mask = valid == 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
-    const uint16_t* base = x + (valid ? tb * K : 0);
-    for (int64_t g = g0; g < g1; ++g) {
-      const __m512i a = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, stride, base + 4 * g, 2);
-      const __m512i b = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, stride, base + 4 * g + 2, 2);
-      const __m512i alo = _mm512_and_si512(a, lo), ahi = _mm512_srli_epi32(a, 16);
-      const __m512i blo = _mm512_slli_epi32(b, 16), bhi = _mm512_and_si512(b, hi);
-      __m512i* q = P + g * kPairSlots * U + u;
-      q[0 * U] = a;                             // (0, 1)
-      q[1 * U] = _mm512_or_si512(alo, blo);     // (0, 2)
-      q[2 * U] = _mm512_or_si512(alo, bhi);     // (0, 3)
-      q[3 * U] = _mm512_or_si512(ahi, blo);     // (1, 2)
-      q[4 * U] = _mm512_or_si512(ahi, bhi);     // (1, 3)
-      q[5 * U] = b;                             // (2, 3)
-    }
-  }
-}
-
-template <int U>
-CAST_AVX512_BF16 inline __attribute__((always_inline)) void pairs_group(const __m512i* P, uint32_t v, unsigned nib,
-                                                                       int64_t g, __m512 (&a)[U]) {
-  const __m512i* p = P + (g * kPairSlots + kSlotOf[nib]) * U;
-  const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
-  for (int u = 0; u < U; ++u) a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_load_si512(p + u), w);
-}
-
-// Rows r, r + 1 (R of them) over groups [g0, g1) (g0 even), their sums in acc[(r - r0) * 16U + token]: two rows
-// at a time give 2U independent vdpbf16ps chains (one row's U chains wait on the instruction's latency)
-constexpr int64_t kPairAhead = 16;
-template <int U, int R>
-CAST_AVX512_BF16 inline void pairs_rows(const uint16_t* values, const uint8_t* meta, const __m512i* P, float* acc,
-                                        int64_t r, int64_t g0, int64_t g1, int64_t K, bool first) {
-  const int64_t mbytes = (K + 7) / 8;
-  // the rows kPairAhead ahead: their bytes of this chunk, a stride of K bytes away from each other, are not
-  // streamed by the hardware prefetcher (without this the loop waited on each row's first load)
-  // (addresses as integers: past the last row they point outside the arrays, which a prefetch may, a pointer not)
-  for (int i = 0; i < R; ++i) {
-    const uintptr_t v = reinterpret_cast<uintptr_t>(values) + 2 * ((r + kPairAhead + i) * (K / 2) + 2 * g0);
-    _mm_prefetch(reinterpret_cast<const char*>(v), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(v + 4 * (g1 - g0) - 1), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(meta) + (r + kPairAhead + i) * mbytes + g0 / 2),
-                 _MM_HINT_T0);
-  }
-  __m512 a[R][U];
-  for (int i = 0; i < R; ++i)
-    for (int u = 0; u < U; ++u) a[i][u] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (i * U + u) * 16);
-  int64_t g = g0;
-  for (; g + 2 <= g1; g += 2)
-    for (int i = 0; i < R; ++i) {
-      const unsigned byte = meta[(r + i) * mbytes + g / 2];
-      uint32_t v[2];
-      std::memcpy(v, values + (r + i) * (K / 2) + 2 * g, 8);
-      pairs_group<U>(P, v[0], byte & 15u, g, a[i]);
-      pairs_group<U>(P, v[1], byte >> 4, g + 1, a[i]);
-    }
-  if (g < g1)
-    for (int i = 0; i < R; ++i) {
-      uint32_t v;
-      std::memcpy(&v, values + (r + i) * (K / 2) + 2 * g, 4);
-      pairs_group<U>(P, v, meta[(r + i) * mbytes + g / 2] & 15u, g, a[i]);
-    }
-  for (int i = 0; i < R; ++i)
-    for (int u = 0; u < U; ++u) _mm512_store_ps(acc + (i * U + u) * 16, a[i][u]);
-}
-
-// A thread's rows [n0, n1) for one token block: chunks of groups whose pairs fit L1 (kPairChunkBytes) outside,
-// the rows inside, each row's fp32 sums in an L2 buffer between chunks (kPairRows rows at a time)
-constexpr int64_t kPairChunkBytes = 24 * 1024;
-constexpr int64_t kPairRows = 512;
-
-// The sums of rows [s0, s1) (acc[(r - s0) * 16U + t]) into y's tokens t0 .. t0 + T: sixteen rows of one token a
-// gather, biased, rounded to bf16 (round to nearest even, as f32_to_bf16) and stored as one 32-byte row piece
-template <int U>
-CAST_AVX512_BF16 void pairs_store(const float* acc, const float* bias, uint16_t* y, int64_t t0, int64_t T,
-                                  int64_t N, int64_t s0, int64_t s1) {
-  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                         _mm512_set1_epi32(16 * U));
-  for (int64_t r = s0; r < s1; r += 16) {
-    const int64_t n = std::min<int64_t>(16, s1 - r);
-    const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + r) : _mm512_setzero_ps();
-    const float* base = acc + (r - s0) * 16 * U;
-    for (int64_t t = 0; t < T; ++t) {
-      const __m512 v = _mm512_add_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base + t, 4), b);
-      _mm256_mask_storeu_epi16(y + (t0 + t) * N + r, m, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
-}
-
-template <int U>
-void pairs_token_block(const uint16_t* x, const uint16_t* values, const uint8_t* meta, const float* bias,
-                       uint16_t* y, int64_t t0, int64_t M, int64_t N, int64_t K, __m512i* P) {
-  const int64_t G = K / 4, T = std::min<int64_t>(16 * U, M - t0);
-  const int64_t chunk = std::max<int64_t>(2, (kPairChunkBytes / (kPairSlots * U * 64)) & ~int64_t{1});
-  at::parallel_for(0, G, 256, [&](int64_t g0, int64_t g1) { pairs_build<U>(x, P, t0, M, K, g0, g1); });
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    std::vector<float> hold(static_cast<size_t>(kPairRows * 16 * U + 16));
-    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(hold.data()) + 63) & ~uintptr_t{63});
-    for (int64_t s0 = n0; s0 < n1; s0 += kPairRows) {
-      const int64_t s1 = std::min(n1, s0 + kPairRows);
-      for (int64_t c0 = 0; c0 < G; c0 += chunk) {
-        const int64_t c1 = std::min(G, c0 + chunk);
-        int64_t r = s0;
-        for (; r + 2 <= s1; r += 2) pairs_rows<U, 2>(values, meta, P, acc + (r - s0) * 16 * U, r, c0, c1, K, c0 == 0);
-        if (r < s1) pairs_rows<U, 1>(values, meta, P, acc + (r - s0) * 16 * U, r, c0, c1, K, c0 == 0);
-      }
-      pairs_store<U>(acc, bias, y, t0, T, N, s0, s1);
-    }
-  });
-}
-
-void sparse24_mm_pairs(const uint16_t* x, const uint16_t* values, const uint8_t* meta, const float* bias,
-                       uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t G = K / 4;
-  const int Umax = static_cast<int>(std::min<int64_t>(kPairMaxU, (M + 15) / 16));
-  // torch's CPU allocator aligns to 64 bytes (the kernels' aligned loads and stores need it)
-  const at::Tensor buf = at::empty({G * kPairSlots * Umax * 64 + 64}, at::kByte);
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(buf.data_ptr());
-  __m512i* P = reinterpret_cast<__m512i*>((raw + 63) & ~uintptr_t{63});
-  for (int64_t t0 = 0; t0 < M; t0 += kPairTokens) {
-    const int U = static_cast<int>(std::min<int64_t>(kPairMaxU, (M - t0 + 15) / 16));
-    switch (U) {
-#define CAST_PAIRS_CASE(UU) case UU: pairs_token_block<UU>(x, values, meta, bias, y, t0, M, N, K, P); break;
-      CAST_PAIRS_CASE(1) CAST_PAIRS_CASE(2) CAST_PAIRS_CASE(3)
-      default: pairs_token_block<4>(x, values, meta, bias, y, t0, M, N, K, P);
-#undef CAST_PAIRS_CASE
-    }
-  }
-}
-
 // ---------------------------------------------------------------- avx512-bf16-rows: lanes over output rows
 // For many tokens (prefill), lanes over 16 output rows as a dense GEMM's are. Per thread, a set of up to 48 rows
 // (kRowBlocks lane blocks) is packed once per call: for every group, the 16 rows' two kept values (one vector of
@@ -893,7 +736,7 @@ void sparse24_mm_rows(const uint16_t* x, const uint16_t* values, const uint8_t* 
 }
 
 // ----------------------------------------------------------------------------------------------- driver
-enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Pairs = 4, kAvx512Bf16Rows = 5 };
+enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Rows = 5 };  // (4: a removed path)
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -909,7 +752,6 @@ bool isa_supported(int64_t isa) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAmxBf16:
       return isa_supported(kAvx512Bf16) && amx_cpu() && amx_permitted();
-    case kAvx512Bf16Pairs:
     case kAvx512Bf16Rows:
       return isa_supported(kAvx512Bf16);
     default:
@@ -1028,15 +870,14 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
               "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 or int8 values");
   TORCH_CHECK(isa != kAmxBf16 || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the amx-bf16 path takes bf16 x and bf16 values");
-  TORCH_CHECK(isa != kAvx512Bf16Pairs || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
-              "sparse24_mm: the avx512-bf16-pairs path takes bf16 x and bf16 values");
   TORCH_CHECK(isa != kAvx512Bf16Rows || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the avx512-bf16-rows path takes bf16 x and bf16 values");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == N, "sparse24_mm: bias must have out entries");
 
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
   // fp32 paths read fp32 activations: a bf16 x is widened once per call (M x K, from L1/L2)
-  const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAmxBf16 || isa == kAvx512Bf16Pairs || isa == kAvx512Bf16Rows;
+  const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAmxBf16 ||
+                           isa == kAvx512Bf16Rows;
   const at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
   at::Tensor bias_f, scale_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
@@ -1047,12 +888,6 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
     sparse24_mm_amx(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
                     mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                     static_cast<uint16_t*>(y.data_ptr()), M, N, K);
-    return y;
-  }
-  if (isa == kAvx512Bf16Pairs) {
-    sparse24_mm_pairs(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
-                      mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-                      static_cast<uint16_t*>(y.data_ptr()), M, N, K);
     return y;
   }
   if (isa == kAvx512Bf16Rows) {
