@@ -901,5 +901,33 @@ def test_positions_that_are_not_a_2to4_rows_are_found():
     meta[2, 0] = (meta[2, 0] & 0xF0) | 0b0101  # positions (1, 1)
     meta[4, 1] = (meta[4, 1] & 0xF0) | 0b0001  # positions (1, 0)
     assert cpu24.bad_position_rows(meta, 12).tolist() == [2, 4]
-    with pytest.raises(ValueError, match=r"^layer\.x: 2 row\(s\) \(first 2\).*not a 2:4 compressed weight$"):
+    with pytest.raises(cpu24.BadPositionsError,
+                       match=r"^layer\.x: 2 row\(s\) \(first 2\).*not a 2:4 compressed weight \(export the model "
+                             r"again: cast-llm export --format compressed\)$"):
         cpu24.check_positions(meta, 12, "layer.x")
+
+
+def test_a_planted_compressed_file_with_non_2to4_positions_is_refused_at_load(ckpts, generate_env, tmp_path, capsys):
+    """A compressed folder whose positions stream names a group's position twice is not a 2:4 weight: the loader
+    refuses it in one line naming the file and tensor (library and `cast-llm generate`), never a silently wrong
+    model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cast_llm.deploy.compressed import WEIGHTS_FILE, load_compressed
+
+    planted_dir = tmp_path / "planted"
+    shutil.copytree(ckpts["bf16"], planted_dir)
+    tensors = load_file(str(planted_dir / WEIGHTS_FILE))
+    key = next(k for k in sorted(tensors) if k.endswith("q_proj.weight.positions"))
+    pos = tensors[key].clone()
+    flat = pos.view(-1)
+    flat[0] = (flat[0] & 0xF0) | 0b0101  # group 0 of row 0 keeps position 1 twice
+    tensors[key] = pos
+    save_file(tensors, str(planted_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{key}.*not a 2:4 compressed weight"):
+        load_compressed(planted_dir, sparse24=True, dispatch=False)
+    assert cli("generate", "--model", planted_dir, "--prompt", PROMPT, "--max-new-tokens", "2") != 0
+    line = one_line_error(capsys)
+    assert key in line and "not a 2:4 compressed weight" in line, line

@@ -43,9 +43,10 @@ from pathlib import Path
 
 import torch
 
+from cast_llm.errors import CastError
 from cast_llm.sparsity.mask import nm_mask
 
-__all__ = ["PATHS", "available_paths", "bad_position_rows", "check_positions", "compress", "decompress", "dense_mm", "dense_path", "dense_unavailable_reason",
+__all__ = ["PATHS", "BadPositionsError", "available_paths", "bad_position_rows", "check_positions", "compress", "decompress", "dense_mm", "dense_path", "dense_unavailable_reason",
            "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
            "unpack_mm"]
 
@@ -205,12 +206,18 @@ def bad_position_rows(meta: torch.Tensor, in_features: int) -> torch.Tensor:
     return torch.nonzero(~(good & hi).all(dim=1)).flatten()
 
 
+class BadPositionsError(CastError, ValueError):
+    """A compressed weight's positions are not a 2:4 row's (a damaged or planted file)."""
+
+
 def check_positions(meta: torch.Tensor, in_features: int, name: str) -> None:
-    """Raise a one-line ValueError naming ``name`` where a row's positions are not a 2:4 row's."""
+    """Raise a one-line :class:`BadPositionsError` naming ``name`` where a row's positions are not a 2:4 row's
+    (the CLI prints it as one line, like every :class:`~cast_llm.errors.CastError`)."""
     bad = bad_position_rows(meta, in_features)
     if bad.numel():
-        raise ValueError(f"{name}: {bad.numel()} row(s) (first {int(bad[0])}) of the positions do not keep two "
-                         f"distinct positions of each group of four in order: not a 2:4 compressed weight")
+        raise BadPositionsError(f"{name}: {bad.numel()} row(s) (first {int(bad[0])}) of the positions do not keep "
+                                f"two distinct positions of each group of four in order: not a 2:4 compressed "
+                                f"weight (export the model again: cast-llm export --format compressed)")
 
 
 def unpack_positions(meta: torch.Tensor, kept: int) -> torch.Tensor:
