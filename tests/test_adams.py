@@ -133,6 +133,30 @@ def test_dense_groups_equal_torch_adamw(path, wd):
         assert torch.equal(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
 
 
+def test_zero_decay_is_the_reference_not_adam():
+    """λ = 0 (the `cast-best-no-decay` row) is AdamS without its decay, not Adam: Eq. 8 builds v from the first
+    moment (μ~²), not from g², on every entry, and Eq. 7 still mixes a pruned entry's moment down by (1 - α_t).
+    So no entry follows torch's Adam, and that row is not an AdamW-on-the-dense-forward row (README, issue 50)."""
+    g = torch.Generator().manual_seed(3)
+    init = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    ours, theirs = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    opt = AdamS([{"params": [ours], "sparse": True}], **HP, l1_decay=0.0, total_steps=10, mask_interval=0,
+                foreach=False)
+    ref = torch.optim.Adam([theirs], **HP, foreach=False)
+    alg1 = ReferenceAdamS(init.tolist(), **HP, lam=0.0, total=10, interval=0, n=2, m=4)
+    for _ in range(12):
+        grad = torch.randn(init.shape, generator=g, dtype=torch.float64)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+        alg1.step(grad.tolist())
+    torch.testing.assert_close(ours.detach(), torch.tensor(alg1.theta, dtype=torch.float64), rtol=0, atol=1e-12)
+    kept = opt.mask(ours)
+    assert kept.any() and not kept.all()
+    for where in (kept, ~kept):
+        assert ((ours.detach() - theirs.detach())[where].abs() > 1e-6).all()
+
+
 # ----------------------------------------------------------------------------- fast path = reference
 def _run(steps=25, dtype=torch.float64, **kw):
     g = torch.Generator().manual_seed(2)
