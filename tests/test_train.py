@@ -642,3 +642,31 @@ def test_a_slow_one_shot_start_is_saved_at_once_and_checkpoints_follow_the_clock
     monkeypatch.setattr(loop, "START_CHECKPOINT_S", 60.0)
     assert _train(workdir, tmp_path / "short", "--max-steps", "3", "--keep-checkpoints-after") == 0
     assert list_checkpoints(tmp_path / "short") == []
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--preset", "llama", "--grad-accum", "1"],
+     r"^--grad-accum 1 with --global-batch 256 \(from --preset llama\) and --batch-size 0: .*leave --grad-accum out$"),
+    (["--global-batch", "8", "--batch-size", "2", "--grad-accum", "2"],
+     r"^--grad-accum 2 contradicts --global-batch 8 with --batch-size 2 on 1 process\(es\), which needs "
+     r"--grad-accum 4; give one of them$"),
+])
+def test_an_explicit_grad_accum_is_never_replaced_by_the_global_batchs(flags, match, monkeypatch):
+    """`--grad-accum 1` under a preset's --global-batch used to become the derived accumulation without a word
+    (1 is also the default, which the launch reads as "derive it"): refused at the command line now."""
+    import argparse
+
+    from cast_llm.cli import train as train_cli
+    from cast_llm.cli.train import build_config
+    from cast_llm.errors import CastError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    train_cli.register(sub)
+    args = parser.parse_args(["train", "--model", "m", "--data", "d", "--output-dir", "o", "--tokens", "1000", *flags])
+    with pytest.raises(CastError, match=match):
+        build_config(args)
+    ok = parser.parse_args(["train", "--model", "m", "--data", "d", "--output-dir", "o", "--tokens", "1000", "--global-batch", "8",
+                            "--batch-size", "2", "--grad-accum", "4"])
+    assert build_config(ok).grad_accum == 4

@@ -10,9 +10,40 @@ from cast_llm.cli.options import add_config_command, resolve_options
 def build_config(args: argparse.Namespace):
     """defaults < (with --resume: the run's config.yaml) < --preset < --config YAML < flags typed; a budget
     typed on the command line replaces the preset's / file's budget of the other kind."""
+    from cast_llm.config import cli_layer, load_yaml
     from cast_llm.train.config import PRESETS, TrainConfig
 
-    return resolve_options(TrainConfig, args, presets=PRESETS, run_folder=True, one_of=("tokens", "max_steps"))
+    cfg = resolve_options(TrainConfig, args, presets=PRESETS, run_folder=True, one_of=("tokens", "max_steps"))
+    given = set(cli_layer(args, TrainConfig))
+    if getattr(args, "config", None):
+        given |= {k.replace("-", "_") for k in load_yaml(args.config)}
+    refuse_replaced_grad_accum(cfg, given, getattr(args, "preset", None))
+    return cfg
+
+
+def refuse_replaced_grad_accum(cfg, given: set[str], preset: str | None) -> None:
+    """A --grad-accum the user gave (typed or in a --config file) is never silently replaced by the accumulation
+    a --global-batch derives at launch (the launch treats 1 as "derive it": the default cannot tell them apart)."""
+    import os
+
+    from cast_llm.errors import CastError
+
+    if "grad_accum" not in given or not cfg.global_batch:
+        return
+    source = "" if "global_batch" in given or not preset else f" (from --preset {preset})"
+    if cfg.batch_size == 0:
+        raise CastError(f"--grad-accum {cfg.grad_accum} with --global-batch {cfg.global_batch}{source} and --batch-size "
+                        "0: the accumulation follows from the largest micro-batch that fits; give --batch-size N "
+                        "instead, or leave --grad-accum out")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    share, rest = divmod(cfg.global_batch, world)
+    if rest or share % cfg.batch_size:
+        return  # the launch refuses these, naming the split
+    need = share // cfg.batch_size
+    if need != cfg.grad_accum:
+        raise CastError(f"--grad-accum {cfg.grad_accum} contradicts --global-batch {cfg.global_batch}{source} with "
+                        f"--batch-size {cfg.batch_size} on {world} process(es), which needs --grad-accum {need}; "
+                        "give one of them")
 
 
 def run(args: argparse.Namespace) -> int:
