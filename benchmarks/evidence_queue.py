@@ -34,9 +34,9 @@ ROWS = REPO / "docs" / "results" / "compare-rows"
 RECORDS = ("compare_row.json", "tuning.json", "forecast.json")
 
 
-def _git(*args: str, cwd: Path = REPO, check: bool = True) -> str:
+def _git(*args: str, cwd: Path | None = None, check: bool = True) -> str:
     for attempt in range(20):  # another git process of this checkout may hold the index lock for a moment
-        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+        r = subprocess.run(["git", *args], cwd=cwd or REPO, capture_output=True, text=True)
         if r.returncode == 0 or "index.lock" not in r.stderr:
             break
         time.sleep(1 + attempt)
@@ -100,6 +100,31 @@ def sync(state: Path, runs: Path) -> None:
         rels = [str(p.relative_to(REPO)) for p in paths]
         _git("add", "--", *rels)
         _git("commit", "-q", "--only", "-m", msg, "--", *rels)
+        print(f"[queue] committed {msg}", flush=True)
+    drop_set_aside(runs)
+
+
+def drop_set_aside(runs: Path) -> None:
+    """A seed that compare_methods set aside in the queue's runs (``seed-N`` renamed ``seed-N.superseded-*`` when a
+    later tuning chose another setting) leaves its committed ``seed-N`` behind, which a table made from the committed
+    rows would count beside the new seeds (one row at two settings). Once the set-aside copy is committed with the
+    same content, the committed ``seed-N`` (the queue's own copy of that run) is removed, until the new run lands."""
+    for old in sorted(ROWS.glob("*/**/seed-*/compare_row.json")):
+        rel = old.relative_to(ROWS)
+        seed_dir = rel.parent
+        if not seed_dir.name.removeprefix("seed-").isdigit() or (runs / rel).is_file():
+            continue
+        text = old.read_text()
+        kept = [p for p in (ROWS / seed_dir.parent).glob(f"{seed_dir.name}.superseded-*/compare_row.json")
+                if p.read_text() == text and (runs / p.relative_to(ROWS)).is_file()]
+        if not kept:
+            continue
+        tracked = [x for x in _git("ls-files", "--", str((ROWS / seed_dir).relative_to(REPO))).splitlines() if x]
+        if not tracked:
+            continue
+        msg = f"{'/'.join(seed_dir.parts)}: set aside as {kept[0].parent.name} (committed), removed"
+        _git("rm", "-q", "--", *tracked)
+        _git("commit", "-q", "--only", "-m", msg, "--", *tracked)
         print(f"[queue] committed {msg}", flush=True)
 
 

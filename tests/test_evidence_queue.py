@@ -1,0 +1,61 @@
+"""benchmarks/evidence_queue.py: the committed rows follow the queue's runs when a seed is set aside."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _queue(monkeypatch, repo: Path):
+    spec = importlib.util.spec_from_file_location("evidence_queue_t", BENCHMARKS / "evidence_queue.py")
+    q = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q)
+    monkeypatch.setattr(q, "REPO", repo)
+    monkeypatch.setattr(q, "ROWS", repo / "docs" / "results" / "compare-rows")
+    return q
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def test_a_seed_set_aside_by_a_new_tuning_leaves_the_committed_rows(monkeypatch, tmp_path):
+    repo, runs, state = tmp_path / "repo", tmp_path / "runs", tmp_path / "state"
+    state.mkdir()
+    row = repo / "docs" / "results" / "compare-rows" / "b48k" / "row"
+    (row / "seed-1").mkdir(parents=True)
+    old = json.dumps({"seed": 1, "wall_s": 1.0, "hyperparameters": {"lr": 2e-4}}) + "\n"
+    (row / "seed-1" / "compare_row.json").write_text(old)
+    (row / "seed-2").mkdir()
+    (row / "seed-2" / "compare_row.json").write_text(old.replace('"seed": 1', '"seed": 2'))
+    _git(tmp_path, "init", "-q", str(repo))
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "rows")
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "t")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@t")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "t")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@t")
+    q = _queue(monkeypatch, repo)
+    # the queue's runs: seed 1 set aside (its new run still under way, no row yet), seed 2 untouched
+    (runs / "b48k" / "row" / "seed-1.superseded-lr-0.0002").mkdir(parents=True)
+    (runs / "b48k" / "row" / "seed-1.superseded-lr-0.0002" / "compare_row.json").write_text(old)
+    (runs / "b48k" / "row" / "seed-1" / "model").mkdir(parents=True)
+    (runs / "b48k" / "row" / "seed-2").mkdir(parents=True)
+    (runs / "b48k" / "row" / "seed-2" / "compare_row.json").write_text(
+        (row / "seed-2" / "compare_row.json").read_text())
+    q.sync(state, runs)
+    assert (row / "seed-1.superseded-lr-0.0002" / "compare_row.json").read_text() == old
+    assert not (row / "seed-1").exists() and (row / "seed-2" / "compare_row.json").is_file()
+    tracked = _git(repo, "ls-files").split()
+    assert "docs/results/compare-rows/b48k/row/seed-1/compare_row.json" not in tracked
+    assert "docs/results/compare-rows/b48k/row/seed-1.superseded-lr-0.0002/compare_row.json" in tracked
+    assert _git(repo, "status", "--porcelain") == ""
+    # the new run lands: committed where the old one was
+    new = old.replace("0.0002", "0.0004")
+    (runs / "b48k" / "row" / "seed-1" / "compare_row.json").write_text(new)
+    q.sync(state, runs)
+    assert (row / "seed-1" / "compare_row.json").read_text() == new
