@@ -185,7 +185,7 @@ def test_unpack_kernel_rebuilds_the_weight_bit_exactly_and_matches_float64(dtype
 def test_w8_kernels_match_their_dequantized_weight(name, dtype):
     if KERNELS[name].path not in PATHS:
         pytest.skip(f"{name}: this CPU lacks the instructions")
-    if KERNELS[name].path == "avx512-bf16" and dtype != torch.bfloat16:
+    if KERNELS[name].path in cpu24.BF16_PATHS and dtype != torch.bfloat16:
         assert KERNELS[name].unavailable_reason("cpu", dtype)  # bf16 activations only: refused, not wrong
         return
     bad = []
@@ -789,7 +789,10 @@ def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
         assert {"out", "in", "rows", "bytes", "ms", "gbps", "max_rel_err", "x_torch", "x_careful", "w8_x_torch",
                 "careful_x_torch", "shape", "threads"} <= set(r)
         extra = {label for p, label in bench.EXTRA.items() if p in PATHS}  # amx, rows: where this CPU runs them
-        assert set(r["ms"]) == {"torch", "careful", "2:4", "2:4+W8", *extra} and all(v > 0 for v in r["ms"].values())
+        extra_w8 = {bench.EXTRA[p].replace("2:4", "2:4+W8") for p in bench.EXTRA if p in PATHS
+                    and p not in cpu24.NO_W8_PATHS}
+        assert set(r["ms"]) == {"torch", "careful", "2:4", "2:4+W8", *extra, *extra_w8}
+        assert all(v > 0 for v in r["ms"].values())
         assert r["ms"][r["best"]] == min(r["ms"][k] for k in ("2:4", *extra))
         assert r["bytes"]["2:4"] == r["bytes"]["dense_bf16"] * 0.5625
         assert r["bytes"]["2:4+W8"] == r["bytes"]["dense_bf16"] * 0.3125 + 4 * r["out"]  # + the fp32 row scales

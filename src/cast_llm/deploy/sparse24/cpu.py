@@ -15,7 +15,7 @@ Five instruction paths, chosen per CPU at run time from one build (``PATHS``):
   expanded into a dense panel in L1 (vpexpandw), multiplied on AMX tiles; reads each weight byte once per call
   whatever the token count, so it is the multi-token path there (one token: ``avx512-bf16`` is faster). Linux
   grants AMX's tile state on request (``arch_prctl``); where it refuses, the path is reported missing;
-* ``avx512-bf16-rows`` — bf16 activations and values, for many tokens (prefill): lanes over 16 output rows, as
+* ``avx512-bf16-rows`` — bf16 activations, bf16 or int8 values (2:4 + W8), for many tokens (prefill): lanes over 16 output rows, as
   a dense GEMM's are; each call packs 48 rows at a time (16×16 transposes) into one vector of the 16 rows' kept
   pairs and one of their positions as vpermw indices per group, then per group and token one broadcast of the
   token's four activations, and per 16 rows one vpermw and one vdpbf16ps — half a dense GEMM's multiply-adds
@@ -51,7 +51,7 @@ __all__ = ["PATHS", "BadPositionsError", "available_paths", "bad_position_rows",
            "unpack_mm"]
 
 BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-rows")  # bf16 activations only
-NO_W8_PATHS = ("amx-bf16", "avx512-bf16-rows")  # no int8-values variant
+NO_W8_PATHS = ("amx-bf16",)  # no int8-values variant
 PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512": 1, "avx2": 2}  # name -> isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes

@@ -388,7 +388,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (CusparseltDirectKernel(), Cusp
 GPU_KERNELS = ("cusparselt-direct", "cusparselt", "cutlass")
 # the exact CPU kernels, widest instructions first (the dispatcher times those that run here)
 CPU_KERNELS = tuple(f"cpu-{p}" for p in cpu24.PATHS) + ("cpu-unpack",)
-CPU_W8_KERNELS = ("cpu-w8-avx512-bf16", "cpu-w8-avx512", "cpu-w8-avx2")
+CPU_W8_KERNELS = tuple(f"cpu-w8-{p}" for p in cpu24.PATHS if p not in cpu24.NO_W8_PATHS)  # 2:4 + W8 (int8 values)
 
 
 def default_kernels(device) -> tuple[str, ...]:

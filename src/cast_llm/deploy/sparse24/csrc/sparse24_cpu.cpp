@@ -15,7 +15,7 @@
 //                vpmultishiftqb (AVX512-VBMI) + and + add, vpermt2w gathers x, vdpbf16ps multiplies pairs
 //                and accumulates in fp32 (bf16 x bf16 products are exact in fp32);
 //                int8 values (2:4 + W8) widened to bf16 exactly in registers, the row scale applied once at the end;
-//   avx512-bf16-rows  bf16 x and values, many tokens (prefill): lanes over 16 output rows, the rows packed once
+//   avx512-bf16-rows  bf16 x, bf16 or int8 values, many tokens (prefill): lanes over 16 output rows, the rows packed once
 //                per call by 16 x 16 transposes; per group a broadcast of each token's four activations, then a
 //                vpermw (the kept activations of 16 rows) and a vdpbf16ps per 16 rows and token (half a dense
 //                GEMM's multiply-adds);
@@ -634,24 +634,28 @@ CAST_AVX512_BF16 inline void transpose16x16(__m512i (&r)[16]) {
 
 // Rows [r0, r0 + 16 RB) (rows >= N read as zero) into Wp / Ip[g * RB + b]: 16 rows x 16 groups of kept pairs (one
 // 64-byte load a row, masked at the row's end) and 16 rows x 128 groups of positions a transpose
-CAST_AVX512_BF16 void rows_pack(const uint16_t* values, const uint8_t* meta, int64_t N, int64_t K, int64_t r0,
+// (int8 kept values, 2:4 + W8: widened to bf16 exactly as they are loaded, the row scales applied at the store)
+template <int Kind>
+CAST_AVX512_BF16 void rows_pack(const void* values, const uint8_t* meta, int64_t N, int64_t K, int64_t r0,
                                 int RB, __m512i* Wp, __m512i* Ip) {
   const int64_t G = K / 4, mbytes = (K + 7) / 8;
+  constexpr int64_t vb = Kind == kBF16 ? 2 : 1;  // bytes a kept value
   const __m512i nib_mask = _mm512_set1_epi32(15);
   for (int b = 0; b < RB; ++b) {
     const int64_t rb = r0 + 16 * b, n = std::min<int64_t>(16, N - rb);
-    const uint32_t* vbase = reinterpret_cast<const uint32_t*>(values) + rb * (K / 4);
+    const char* vbase = static_cast<const char*>(values) + rb * (K / 2) * vb;
     const uint8_t* mbase = meta + rb * mbytes;
     __m512i r[16];
     for (int64_t g0 = 0; g0 < G; g0 += 16) {
       const int64_t ng = std::min<int64_t>(16, G - g0);
-      const __mmask16 m = ng == 16 ? 0xffff : static_cast<__mmask16>((1u << ng) - 1);
+      const __mmask32 m = ng == 16 ? 0xffffffffu : static_cast<__mmask32>((1ull << (2 * ng)) - 1);
       for (int l = 0; l < 16; ++l) {
         // 16 row streams K bytes apart: ask for each row's line kRowAhead chunks ahead (past the end of the
         // arrays the address is only an integer: a prefetch may point anywhere)
-        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(vbase + l * (K / 4) + g0) +
+        const char* row = vbase + l * (K / 2) * vb;
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row + 2 * g0 * vb) +
                                                    64 * kRowAhead), _MM_HINT_T0);
-        r[l] = l < n ? _mm512_maskz_loadu_epi32(m, vbase + l * (K / 4) + g0) : _mm512_setzero_si512();
+        r[l] = l < n ? load32_bf16<Kind>(row, 2 * g0, m) : _mm512_setzero_si512();
       }
       transpose16x16(r);
       for (int64_t c = 0; c < ng; ++c) Wp[(g0 + c) * RB + b] = r[c];
@@ -693,7 +697,8 @@ inline int64_t l2_bytes() {
 
 template <int RB, int T>
 CAST_AVX512_BF16 void rows_tile(const __m512i* Wp, const __m512i* Ip, const uint16_t* x, int64_t K, int64_t t0,
-                                const float* bias, uint16_t* y, int64_t N, int64_t r0, RowsAhead next) {
+                                const float* bias, const float* scale, uint16_t* y, int64_t N, int64_t r0,
+                                RowsAhead next) {
   const int64_t G = K / 4;
   const int64_t lines = (next.row_bytes + 63) / 64;
   int64_t pf_row = 0, pf_line = 0;
@@ -728,13 +733,15 @@ CAST_AVX512_BF16 void rows_tile(const __m512i* Wp, const __m512i* Ip, const uint
     const int64_t rb = r0 + 16 * b, n = std::min<int64_t>(16, N - rb);
     const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + rb) : _mm512_setzero_ps();
+    const __m512 sv = scale ? _mm512_maskz_loadu_ps(m, scale + rb) : _mm512_set1_ps(1.f);
     for (int t = 0; t < T; ++t)
-      _mm256_mask_storeu_epi16(y + (t0 + t) * N + rb, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[b][t], bv)));
+      _mm256_mask_storeu_epi16(y + (t0 + t) * N + rb, m,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[b][t], sv, bv)));
   }
 }
 
 using RowsTileFn = void (*)(const __m512i*, const __m512i*, const uint16_t*, int64_t, int64_t, const float*,
-                            uint16_t*, int64_t, int64_t, RowsAhead);
+                            const float*, uint16_t*, int64_t, int64_t, RowsAhead);
 template <int RB, int... Ts>
 constexpr std::array<RowsTileFn, sizeof...(Ts)> rows_tiles(std::integer_sequence<int, Ts...>) {
   return {&rows_tile<RB, Ts + 1>...};
@@ -744,8 +751,9 @@ const std::array<std::array<RowsTileFn, kRowTokens>, kRowBlocks> kRowsTable = {
     rows_tiles<2>(std::make_integer_sequence<int, kRowTokens>{}),
     rows_tiles<3>(std::make_integer_sequence<int, kRowTokens>{})};
 
-void sparse24_mm_rows(const uint16_t* x, const uint16_t* values, const uint8_t* meta, const float* bias,
-                      uint16_t* y, int64_t M, int64_t N, int64_t K) {
+void sparse24_mm_rows(const uint16_t* x, const void* values, int kind, const uint8_t* meta, const float* scale,
+                      const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t vb = kind == kBF16 ? 2 : 1;
   const int64_t G = K / 4, set_rows = 16 * kRowBlocks, sets = (N + set_rows - 1) / set_rows;
   at::parallel_for(0, sets, 1, [&](int64_t s0, int64_t s1) {
     std::vector<uint8_t> hold(static_cast<size_t>(2 * G * kRowBlocks * 64 + 64));
@@ -754,16 +762,17 @@ void sparse24_mm_rows(const uint16_t* x, const uint16_t* values, const uint8_t* 
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r0 = s * set_rows;
       const int RB = static_cast<int>(std::min<int64_t>(kRowBlocks, (N - r0 + 15) / 16));
-      rows_pack(values, meta, N, K, r0, RB, Wp, Ip);
+      if (kind == kBF16) rows_pack<kBF16>(values, meta, N, K, r0, RB, Wp, Ip);
+      else rows_pack<kI8>(values, meta, N, K, r0, RB, Wp, Ip);
       RowsAhead next;
       if (s + 1 < s1 && 144 * K <= l2_bytes() * 3 / 4) {  // this set packed (96 K bytes) + the next's values (48 K)
-        next.base = reinterpret_cast<const char*>(values + (r0 + set_rows) * (K / 2));
-        next.row_bytes = K;  // K / 2 bf16 kept values
+        next.base = static_cast<const char*>(values) + (r0 + set_rows) * (K / 2) * vb;
+        next.row_bytes = (K / 2) * vb;
         next.rows = std::min<int64_t>(set_rows, N - r0 - set_rows);
       }
       for (int64_t t0 = 0; t0 < M; t0 += kRowTokens) {
         const int T = static_cast<int>(std::min<int64_t>(kRowTokens, M - t0));
-        kRowsTable[RB - 1][T - 1](Wp, Ip, x, K, t0, bias, y, N, r0, t0 == 0 ? next : RowsAhead{});
+        kRowsTable[RB - 1][T - 1](Wp, Ip, x, K, t0, bias, scale, y, N, r0, t0 == 0 ? next : RowsAhead{});
       }
     }
   });
@@ -904,8 +913,8 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
               "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 or int8 values");
   TORCH_CHECK(isa != kAmxBf16 || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the amx-bf16 path takes bf16 x and bf16 values");
-  TORCH_CHECK(isa != kAvx512Bf16Rows || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
-              "sparse24_mm: the avx512-bf16-rows path takes bf16 x and bf16 values");
+  TORCH_CHECK(isa != kAvx512Bf16Rows || (kind != kF32 && x.scalar_type() == at::kBFloat16),
+              "sparse24_mm: the avx512-bf16-rows path takes bf16 x and bf16 or int8 values");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == N, "sparse24_mm: bias must have out entries");
 
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
@@ -925,9 +934,10 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
     return y;
   }
   if (isa == kAvx512Bf16Rows) {
-    sparse24_mm_rows(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
-                     mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-                     static_cast<uint16_t*>(y.data_ptr()), M, N, K);
+    sparse24_mm_rows(static_cast<const uint16_t*>(xc.data_ptr()), vc.data_ptr(), kind, mc.data_ptr<uint8_t>(),
+                     scale.has_value() ? scale_f.data_ptr<float>() : nullptr,
+                     bias.has_value() ? bias_f.data_ptr<float>() : nullptr, static_cast<uint16_t*>(y.data_ptr()), M,
+                     N, K);
     return y;
   }
   const Table& table = table_for(isa, kind);
