@@ -76,7 +76,7 @@ TIERS: dict[str, dict] = {
                 device="cpu", precision="fp32", adams={},
                 row_lr={"naive-sgpt": {"lr": 1e-4}, "cast-best": {"lr": 1e-4}, "naive-kd-sgpt": {"lr": 1e-4},
                         "naive-kd-scaling-sgpt": {"lr": 1e-4}, "cast-best-no-scaling": {"lr": 1e-4},
-                        "cast-best-no-kd": {"lr": 1e-4}, "cast-best-no-repair": {"lr": 1e-4}, "cast-best-no-decay": {"lr": 1e-4, "l1_decay": 0.0}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
+                        "cast-best-no-kd": {"lr": 1e-4}, "cast-best-no-repair": {"lr": 1e-4}, "cast-best-no-decay": {"lr": 1e-4, "l1_decay": 0.0}, "cast-best-adamw": {"lr": 1e-4, "l1_decay": 0.0}, "cast-mix25": {"lr": 1e-4}, "cast-mix50": {"lr": 1e-4},
                         "cast-mix100": {"lr": 1e-4}, "cast-regrow10": {"lr": 1e-4},
                         "cast-regrow30": {"lr": 1e-4}, "ast-lr1e-4": {"lr": 1e-4}, "ast-lr1e-3": {"lr": 1e-3}}),
     # one GPU, bf16 autocast: tens of millions of tokens (bring a corpus larger than the budget via --data).
@@ -194,6 +194,11 @@ DEFAULT_ABLATIONS = [
     Entry("cast-best-no-decay", "CAST default w/o AdamS decay and mask updates (λ 0, fixed mask)", "train",
           ["--method", "cast", *CAST_BEST, "--fixed-mask"], kd=True, adams=True, weight_update="AdamS (λ 0)",
           mask="fixed (SparseGPT)", seeded=True),
+    # the default with AdamW in place of AdamS on the dense forward (no decay, v from g², the same fixed mask and
+    # masked repair): issue 50's ablation of AdamS itself, beside the λ = 0 row (which is still AdamS's update)
+    Entry("cast-best-adamw", "CAST default with AdamW on the dense forward (no decay, fixed mask)", "train",
+          ["--method", "cast", *CAST_BEST, "--fixed-mask", "--sparse-update", "adam"], kd=True, adams=True,
+          weight_update="AdamW", mask="fixed (SparseGPT)", seeded=True),
     # the default without its warm start's weights: SparseGPT's mask only, the dense weights under it (issue 50)
     Entry("cast-best-dense-start", "CAST default w/o the warm start's weights (SparseGPT mask, dense weights)",
           "train", ["--method", "cast", "--no-warm-start", "--init-mask", "sparsegpt", "--repair-fraction", "0.2",

@@ -157,6 +157,38 @@ def test_zero_decay_is_the_reference_not_adam():
         assert ((ours.detach() - theirs.detach())[where].abs() > 1e-6).all()
 
 
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_update_adam_is_torchs_adamw_with_the_masks_kept(wd):
+    """update="adam" (`--sparse-update adam`, AdamW on the dense forward): every entry of a sparse group follows
+    torch.optim.AdamW bit for bit, while the group's masks are Eq. 6's (the first step's, a set_mask kept with
+    mask_interval 0, refreshed every interval) and prune_ applies them."""
+    g = torch.Generator().manual_seed(4)
+    init = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    ours, fixed, theirs = (torch.nn.Parameter(init.clone()) for _ in range(3))
+    opt = AdamS([{"params": [ours], "sparse": True, "mask_interval": 5}, {"params": [fixed], "sparse": True,
+                 "mask_interval": 0}], **HP, l1_decay=0.3, total_steps=10, weight_decay=wd, update="adam")
+    planted = nm_mask(torch.randn(6, 16, generator=g), 2, 4)
+    opt.set_mask(fixed, planted)
+    ref = torch.optim.AdamW([theirs], **HP, weight_decay=wd) if wd else torch.optim.Adam([theirs], **HP)
+    first = nm_mask(init, 2, 4)
+    for step in range(12):
+        grad = torch.randn(init.shape, generator=g, dtype=torch.float64)
+        before = ours.detach().clone()
+        ours.grad, fixed.grad, theirs.grad = grad.clone(), grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+        if step == 0:
+            assert torch.equal(opt.mask(ours), first)  # Eq. 6 from θ_0 at the first step
+        if step == 4:  # t = 5: refreshed from θ_4
+            assert torch.equal(opt.mask(ours), nm_mask(before, 2, 4))
+    assert torch.equal(ours, theirs) and torch.equal(fixed, theirs)
+    assert torch.equal(opt.mask(fixed), planted)
+    opt.prune_()
+    assert bool((ours[~opt.mask(ours)] == 0).all()) and bool((fixed[~planted] == 0).all())
+    with pytest.raises(ValueError, match="invalid update"):
+        AdamS([torch.nn.Parameter(init.clone())], total_steps=3, update="sgd")
+
+
 # ----------------------------------------------------------------------------- fast path = reference
 def _run(steps=25, dtype=torch.float64, **kw):
     g = torch.Generator().manual_seed(2)

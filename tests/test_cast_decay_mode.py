@@ -83,3 +83,30 @@ def test_decay_modes_are_the_optimizers_and_the_option_is_adams_only():
                         (dict(mask_learner="srste"), "--mask-learner srste")):
         with pytest.raises(CastError, match=message):
             _cfg(decay_mode="additive", **kw)
+
+
+def test_sparse_update_adam_reaches_adams_keeps_the_masks_and_skips_the_forecast():
+    """`--sparse-update adam` (AdamW on the dense forward, issue 50's ablation of AdamS itself): CAST's optimizer
+    groups take Adam's update, the forecast (a model of Eq. 7) is not made, the masks still exist for the prune,
+    and the option is refused where AdamS is not the optimizer or with another decay."""
+    from cast_llm.optim.adams import UPDATES
+
+    assert config.SPARSE_UPDATES == UPDATES  # config keeps a torch-free copy for the CLI
+    torch.manual_seed(0)
+    base = tiny.model("llama")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 500, (2, 16), generator=g) for _ in range(4)]
+    _, opt, ctx, logged = _run(_cfg(sparse_update="adam"), base, batches)
+    assert all(gr["update"] == "adam" for gr in opt.param_groups if gr["sparse"])
+    assert ctx.said == ["decay forecast: not made (it models Eq. 7's proportional decay; this run takes Adam's "
+                        "update, with no decay)"]
+    assert not any(logged)
+    with pytest.raises(ValueError, match="Adam's update"):
+        forecast_decay(opt, [1e-2] * 6)
+    masks = opt.masks()
+    assert masks and all(m.float().mean() == 0.5 for m in masks.values())
+    for kw, message in ((dict(method="naive", paper_exact=False), "--sparse-update is AdamS's"),
+                        (dict(mask_learner="srste"), "--mask-learner srste"),
+                        (dict(decay_mode="additive"), "takes no decay")):
+        with pytest.raises(CastError, match=message):
+            _cfg(sparse_update="adam", **kw)

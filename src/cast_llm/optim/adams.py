@@ -41,6 +41,7 @@ __all__ = ["AdamS", "adams"]
 
 MASK_STORAGES = ("bool", "packed")
 NONFINITE_MODES = ("raise", "skip", "ignore")
+UPDATES = ("adams", "adam")  # a sparse group's weight update: Eq. 7-8, or torch's Adam(W) with the masks kept
 _CPU = torch.device("cpu")
 
 
@@ -116,6 +117,9 @@ class AdamS(Optimizer):
             "1/32" overhead); identical results either way.
         decay_mode: ``"proportional"`` (default, Eq. 7) or ``"additive"`` (AST, see above); a per-group
             hyperparameter like the others.
+        update: ``"adams"`` (default, Eq. 7-8) or ``"adam"``: a sparse group's weights then take torch's
+            Adam(W) step (v from g², no decay; ``l1_decay`` unused) while its masks are kept and refreshed as
+            above, for the final prune — AdamW on the dense forward, the ablation of AdamS itself; per group.
         nonfinite: ``"raise"`` (default): a NaN/Inf gradient raises :class:`~cast_llm.errors.NonFiniteError`
             naming the parameter, before anything is modified. ``"skip"``: the whole step is skipped
             (weights, state and step counts untouched) and ``skipped_steps`` is incremented. Both read every
@@ -148,6 +152,7 @@ class AdamS(Optimizer):
         mask_storage: str = "bool",
         nonfinite: str = "raise",
         decay_mode: str = "proportional",
+        update: str = "adams",
     ) -> None:
         if mask_storage not in MASK_STORAGES:
             raise ValueError(f"mask_storage must be one of {MASK_STORAGES}, got {mask_storage!r}")
@@ -156,7 +161,7 @@ class AdamS(Optimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, l1_decay=l1_decay, total_steps=total_steps,
             mask_interval=mask_interval, n=n, m=m, weight_decay=weight_decay, maximize=maximize,
-            foreach=foreach, fused=fused, sparse=False, transposed=False, decay_mode=decay_mode,
+            foreach=foreach, fused=fused, sparse=False, transposed=False, decay_mode=decay_mode, update=update,
         )  # fmt: skip
         _check_hparams(defaults, "AdamS")
         self.mask_storage = mask_storage
@@ -175,6 +180,7 @@ class AdamS(Optimizer):
         self.__dict__.setdefault("_host_steps", {})
         for group in self.param_groups:
             group.setdefault("decay_mode", "proportional")
+            group.setdefault("update", "adams")
             group.setdefault("fused", None)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -376,11 +382,33 @@ class AdamS(Optimizer):
             self.skipped_steps += 1
             return loss
         for group in self.param_groups:
-            if group["sparse"]:
+            if group["sparse"] and group.get("update", "adams") == "adam":
+                self._masked_adam_step(group, found_inf)
+            elif group["sparse"]:
                 self._sparse_step(group, found_inf)
             else:
                 self._dense_step(group, found_inf)
         return loss
+
+    def _masked_adam_step(self, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
+        """``update="adam"``: the group's weights take torch's Adam(W) step on the dense forward, exactly as a
+        dense group's (no decay: ``l1_decay`` and ``decay_mode`` are not used; v from g²), while AdamS keeps its
+        masks as for Eq. 7-8 (Eq. 6 at the first step and every ``mask_interval``, from θ_{t-1}), so that
+        :meth:`prune_` / :meth:`masks` work: the ablation of AdamS's update itself."""
+        interval = group["mask_interval"] or 0
+        due = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self._init_state(p)
+            if state.get("mask") is None or (interval and (self._steps_done(p, state) + 1) % interval == 0):
+                due.append(p)
+        if due:
+            new = nm_masks([dtensor.local(p).detach() for p in due], transposed=group["transposed"], n=group["n"],
+                           m=group["m"], packed=self.mask_storage == "packed")
+            for p, mask in zip(due, new):
+                self.state[p]["mask"] = mask
+        self._dense_step(group, found_inf)
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -532,6 +560,8 @@ def _check_hparams(h: dict[str, Any], where: str) -> None:
                              "Use fused=None (the default) to fall back to the reference path.")
     if h.get("decay_mode", "proportional") not in DECAY_MODES:
         raise bad("decay_mode", f"must be one of {DECAY_MODES}")
+    if h.get("update", "adams") not in UPDATES:
+        raise bad("update", f"must be one of {UPDATES}")
 
 
 def _param_name(group: dict[str, Any], i: int, gi: int) -> str:

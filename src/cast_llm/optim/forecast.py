@@ -299,6 +299,9 @@ def forecast_decay(
         raise ValueError("forecast_decay: the optimizer has no sparse (N:M) param group")
     if any(g.get("decay_mode", "proportional") != "proportional" for g in groups):
         raise ValueError("forecast_decay: it models Eq. 7's proportional decay; the optimizer decays additively")
+    if any(g.get("update", "adams") != "adams" for g in groups):
+        raise ValueError("forecast_decay: it models Eq. 7's proportional decay; the optimizer takes Adam's update "
+                         "(update='adam'), with no decay")
     g0 = groups[0]
     total = int(g0["total_steps"])
     steps = [float(optimizer.state[p]["step"]) for g in groups for p in g["params"]

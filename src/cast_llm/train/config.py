@@ -37,6 +37,7 @@ from cast_llm.optim.schedule import FINETUNE_WARMUP, SCHEDULES, TRAIN_WARMUP
 METHODS = ("cast", "naive", "srste", "ast", "maskllm")
 INIT_MASKS = ("magnitude", "wanda", "sparsegpt")  # one-shot masks a training run may start from
 DECAY_MODES = ("proportional", "additive")  # AdamS's decay_mode (cast_llm.optim.functional's; torch-free here)
+SPARSE_UPDATES = ("adams", "adam")  # AdamS's update (cast_llm.optim.adams.UPDATES; torch-free here)
 MASK_LEARNERS = ("adams", "srste")  # how CAST learns its masks (--mask-learner srste: the §6 ablation)
 LR_SCHEDULES = SCHEDULES  # after the linear warm-up (the paper gives none; cast_llm.optim.schedule)
 FINAL_PRUNES = ("hard", "compensated")  # how the trained weights become N:M (Algorithm 1's last line, or ours)
@@ -244,6 +245,10 @@ class TrainConfig(RunConfig, CastSettings, DataSettings):
                                              "mixed with the gradient by α_t = t/T, CAST) or additive (AST's: "
                                              "α_t·λ·θ added to it; the paper's ablation)", choices=DECAY_MODES,
                              section=BASELINES, resume="must_match")
+    sparse_update: str = option("adams", "cast with AdamS: the targets' update on the dense forward — adams (Eq. "
+                                         "7-8, CAST) or adam (torch's AdamW step, no decay, the masks kept for "
+                                         "the final prune: the ablation of AdamS itself)", choices=SPARSE_UPDATES,
+                                section=BASELINES, resume="must_match")
     srste_decay: float = option(2e-4, "λ_W of the SR-STE decay λ_W(1-M)⊙W on pruned weights (SR-STE paper's "
                                       "2e-4): added to the gradient (srste, cast --mask-learner srste) or, "
                                       "ramped up linearly, to the Adam momentum signal (ast)", min=0,
@@ -325,6 +330,11 @@ class TrainConfig(RunConfig, CastSettings, DataSettings):
             raise CastError(f"--decay-mode is AdamS's, in --method cast with --mask-learner adams (got --method "
                             f"{self.method}{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''}"
                             "; ast decays additively already)")
+        if self.sparse_update != "adams" and (self.method != "cast" or self.mask_learner != "adams"):
+            raise CastError(f"--sparse-update is AdamS's, in --method cast with --mask-learner adams (got --method "
+                            f"{self.method}{', --mask-learner ' + self.mask_learner if self.method == 'cast' else ''})")
+        if self.sparse_update == "adam" and self.decay_mode != "proportional":
+            raise CastError("--sparse-update adam takes no decay: leave --decay-mode out")
         beyond = {"--warm-start": self.warm_start, "--repair-fraction": self.repair_fraction,
                   "--final-prune": self.final_prune, "--warm-start-mix": self.warm_start_mix,
                   "--regrow-factor": None if self.regrow_factor == 1 else self.regrow_factor,

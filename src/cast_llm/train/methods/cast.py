@@ -130,6 +130,7 @@ class CastMethod(TrainingMethod):
             weight_decay=cfg.weight_decay,
             mask_storage="packed" if cfg.packed_masks else "bool",
             decay_mode=cfg.decay_mode,
+            update=cfg.sparse_update,
         )
         shared = self._start in ("send", "receive") and self.uses_one_shot_start
         if self._init_masks is not None or shared:
@@ -248,7 +249,9 @@ class CastMethod(TrainingMethod):
         if step != 0 or self.cfg.fsdp:
             return
         if not self.forecasts:
-            ctx.say("decay forecast: not made (it models Eq. 7's proportional decay; this run decays additively)")
+            ctx.say("decay forecast: not made (it models Eq. 7's proportional decay; this run "
+                    + ("decays additively)" if self.cfg.decay_mode != "proportional" else
+                       "takes Adam's update, with no decay)"))
             return
         fc = self._forecast(optimizer, suggest=True)  # the first gradient is known: its noise sets σ
         self.start_forecast = fc.as_dict()
@@ -256,8 +259,8 @@ class CastMethod(TrainingMethod):
 
     @property
     def forecasts(self) -> bool:
-        """Whether the decay forecast describes this run (it models proportional decay only)."""
-        return self.cfg.decay_mode == "proportional"
+        """Whether the decay forecast describes this run (it models AdamS's proportional decay only)."""
+        return self.cfg.decay_mode == "proportional" and self.cfg.sparse_update == "adams"
 
     def log_metrics(self, model, optimizer, step: int) -> dict:
         if self.cfg.fsdp or not self.forecasts or self.in_repair(step) or step + 1 >= self.total_steps:
