@@ -32,6 +32,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -643,9 +644,20 @@ class Comparison:
             else:
                 continue
             if value is not None and f"{float(value):g}" != best:
-                d.rename(d.with_name(f"{d.name}.superseded-{name}-{float(value):g}"))
+                target = d.with_name(f"{d.name}.superseded-{name}-{float(value):g}")
+                twin = target / "compare_row.json"
+                if row.is_file() and twin.is_file() and twin.read_text() == row.read_text():
+                    # set aside before, and restored again from the committed rows (which kept both): a copy
+                    shutil.rmtree(d)
+                    print(f"          {key} {d.name}: a copy of {target.name} (set aside before): removed", flush=True)
+                    continue
+                k = 2
+                while target.exists():  # another run at that setting was set aside already: keep both
+                    target = d.with_name(f"{d.name}.superseded-{name}-{float(value):g}.{k}")
+                    k += 1
+                d.rename(target)
                 print(f"          {key} {d.name}: ran at {name}={float(value):g}, not the new choice {best}: "
-                      f"set aside as {d.name}.superseded-{name}-{float(value):g}", flush=True)
+                      f"set aside as {target.name}", flush=True)
 
     def tune(self, e: Entry, values: list[float] | None = None, forecast: dict | None = None) -> dict:
         """Run ``--tune``'s grid for training row ``e`` at the first seed, the row's other settings as they stand

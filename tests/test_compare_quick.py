@@ -543,6 +543,17 @@ def test_a_wider_grid_rechooses_running_only_its_new_points_and_sets_aside_seeds
     assert names == ["seed-0", "seed-0.superseded-lr-0.0002", "seed-1.superseded-lr-0.0002",
                      "seed-2.superseded-lr-0.0002"]
     assert json.loads((seeds / "seed-0" / "compare_row.json").read_text())["lr"] == 4e-4  # the new choice's run
+    # a queue restored from committed rows that kept both a set-aside seed and its stale original (both copies
+    # of one run), and another run at an already set-aside setting: the copy goes, the other run is kept
+    (seeds / "seed-1").mkdir()
+    (seeds / "seed-1" / "compare_row.json").write_text(
+        (seeds / "seed-1.superseded-lr-0.0002" / "compare_row.json").read_text())
+    (seeds / "seed-2").mkdir()
+    (seeds / "seed-2" / "compare_row.json").write_text(json.dumps({"hyperparameters": {"lr": 2e-4}, "other": 1}))
+    wider._set_aside_other_choices("naive-sgpt", "lr", "0.0004")
+    names = sorted(p.name for p in seeds.glob("seed-*"))
+    assert names == ["seed-0", "seed-0.superseded-lr-0.0002", "seed-1.superseded-lr-0.0002",
+                     "seed-2.superseded-lr-0.0002", "seed-2.superseded-lr-0.0002.2"], names
 
 
 def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tmp_path, capsys):
