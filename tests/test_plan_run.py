@@ -122,7 +122,7 @@ VALUES = {  # a value other than the default, for every option `cast-llm plan` t
     "warm_start_mix": ["--warm-start-mix", "0.5"], "regrow_factor": ["--regrow-factor", "2", "--regrow-fraction", "0.1"],
     "regrow_fraction": ["--regrow-fraction", "0.1", "--regrow-factor", "2"],
     "forecast_target": ["--forecast-target", "0.999"], "mask_learner": ["--mask-learner", "srste"],
-    "decay_mode": ["--decay-mode", "additive"], "srste_decay": ["--srste-decay", "1e-3"],
+    "decay_mode": ["--decay-mode", "additive"], "sparse_update": ["--sparse-update", "adam"], "srste_decay": ["--srste-decay", "1e-3"],
     "maskllm_tau": ["--maskllm-tau", "2,0.1"], "maskllm_kappa": ["--maskllm-kappa", "10,50"],
     "maskllm_lr": ["--maskllm-lr", "1e-3"], "maskllm_prior": ["--maskllm-prior", "1"],
     "wikitext_windows": ["--wikitext-windows", "10"], "eval_seq_len": ["--eval-seq-len", "1024"],

@@ -45,10 +45,10 @@ def test_a_field_without_a_decision_is_found_and_a_wrong_rule_refused():
 
 
 def test_the_marks_keep_the_old_hand_list_and_add_what_it_forgot():
-    """The train fingerprint is the 46 names it had, plus grad_clip and decay_mode (each changes the training:
+    """The train fingerprint is the 46 names it had, plus grad_clip, decay_mode and sparse_update (each changes the training:
     a resume with another value would silently be another run); finetune's 25 are unchanged."""
     keys = set(resume_keys(TrainConfig))
-    assert keys - OLD_TRAIN_KEYS == {"grad_clip", "decay_mode"} and OLD_TRAIN_KEYS <= keys
+    assert keys - OLD_TRAIN_KEYS == {"grad_clip", "decay_mode", "sparse_update"} and OLD_TRAIN_KEYS <= keys
     assert set(resume_keys(FinetuneConfig)) == {
         "model", "mode", "task", "data", "eval_data", "val_fraction", "max_examples", "max_steps", "batch_size",
         "grad_accum", "seq_len", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr_ratio", "grad_clip",
