@@ -328,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         cases, steps = [GPU_CASES[m] for m in args.models.split(",")], args.steps or 6
     else:
         names = args.cases.split(",") if args.cases else None
-        cases = [c for c in CPU_CASES + LONG_CASES if (names is None and c in CPU_CASES) or
-                 (names is not None and c.name in names)]
+        cases = CPU_CASES if names is None else [c for c in CPU_CASES + LONG_CASES if c.name in names]
         steps = args.steps or 2
     allocator = args.allocator or ("default" if args.quick or args.device == "cuda" else "both")
     allocators = ["default", "returning"] if allocator == "both" else [allocator]

@@ -27,6 +27,7 @@ def refuse_replaced_grad_accum(cfg, given: set[str], preset: str | None) -> None
     import os
 
     from cast_llm.errors import CastError
+    from cast_llm.plan.batch import split_global_batch
 
     if "grad_accum" not in given or not cfg.global_batch:
         return
@@ -36,10 +37,10 @@ def refuse_replaced_grad_accum(cfg, given: set[str], preset: str | None) -> None
                         "0: the accumulation follows from the largest micro-batch that fits; give --batch-size N "
                         "instead, or leave --grad-accum out")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    share, rest = divmod(cfg.global_batch, world)
-    if rest or share % cfg.batch_size:
-        return  # the launch refuses these, naming the split
-    need = share // cfg.batch_size
+    try:  # the launch's own split (grad_accum 1: "derive it", so that it never refuses the contradiction itself)
+        _, need = split_global_batch(cfg.global_batch, world, batch_size=cfg.batch_size, grad_accum=1, fits=None)
+    except CastError:
+        return  # a split that does not divide: the launch refuses it, naming the split
     if need != cfg.grad_accum:
         raise CastError(f"--grad-accum {cfg.grad_accum} contradicts --global-batch {cfg.global_batch}{source} with "
                         f"--batch-size {cfg.batch_size} on {world} process(es), which needs --grad-accum {need}; "
