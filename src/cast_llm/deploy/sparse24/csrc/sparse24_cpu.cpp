@@ -28,9 +28,9 @@
 //   avx2         fp32 x, 16 inputs a step: the values' pairs shuffled once per row and step, two in-lane
 //                vpermilps + a blend per token (no lane-crossing permute), tiles of at most 2 rows x 2 tokens
 //                (AVX2 has 16 registers), two accumulators at one row and token; for CPUs without AVX-512.
-// A single token is processed one row at a time (two memory streams per thread: values and positions); more
-// tokens four rows and up to four tokens a block (the indices are computed once per row and step and reused
-// for every token, each activation load serves four rows);
+// A single token is processed one row at a time (two memory streams per thread: values and positions, prefetched
+// 8 KB ahead); more tokens four rows and up to four tokens a block (the indices are computed once per row and
+// step and reused for every token, each activation load serves four rows);
 // threads split the output rows (at::parallel_for: torch's own thread pool and thread count). Every
 // accumulation is rounded once to the output dtype, like the GPU kernels.
 //
@@ -55,9 +55,12 @@
 #include <type_traits>
 #include <vector>
 
-#ifndef CAST_PF
+#ifndef CAST_PF  // software prefetch distance of the AVX2 and AMX loops, in their steps
 #define CAST_PF 32
 #endif
+#ifndef CAST_PF_GATHER  // of the avx512-bf16 gather loop at one row a block (one token), in 64-input steps:
+#define CAST_PF_GATHER 128  // 8 KB of bf16 values ahead; its four-row blocks keep CAST_PF (four streams that far
+#endif                      // ahead evict the activations from L1: measured, docs/results/cpu24-notes.md §14)
 
 namespace {
 
@@ -146,6 +149,7 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  constexpr int64_t kPf = R == 1 ? CAST_PF_GATHER : CAST_PF;  // prefetch distance in steps
   const int64_t full = K / 64;  // whole steps of 64 inputs (32 kept values)
   for (int64_t s = 0; s < full; ++s) {
     __m512i xlo[T], xhi[T];
@@ -156,10 +160,10 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
     }
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
-#if CAST_PF > 0
-      _mm_prefetch(vbase + (n * half + (s + CAST_PF) * 32) * vsize, _MM_HINT_T0);
-      if ((s & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 8), _MM_HINT_T0);
-#endif
+      if (kPf > 0) {
+        _mm_prefetch(vbase + (n * half + (s + kPf) * 32) * vsize, _MM_HINT_T0);
+        if ((s & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + kPf) * 8), _MM_HINT_T0);
+      }
       const __m512i idx = bf16_indices_at(meta + n * mbytes + s * 8, ctrl, base, three);
       const __m512i v = Kind == kBF16 ? _mm512_loadu_si512(vbase + (n * half + s * 32) * 2)  // a whole step
                                       : load32_bf16<Kind>(vbase + n * half * vsize, s * 32, 0xffffffffu);
