@@ -578,12 +578,16 @@ class Comparison:
         return with_stages(json.loads(local.read_text()))
 
     def grid_changed(self, key: str, values: list[float] | None = None) -> bool:
-        """Whether ``--tune``'s grid is not the one row ``key`` was tuned over for that setting (or it was not
-        tuned): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points."""
+        """Whether ``--tune``'s grid has a value row ``key`` was not tuned over for that setting (or it was not
+        tuned): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points; a grid
+        the recorded one already covers (an earlier, narrower queue line run again) changes nothing."""
         values = self.grid[1] if values is None else values
+        stage = self._stage(key, self.grid[0])
+        return stage is None or not {f"{v:g}" for v in values} <= set(stage["values"])
+
+    def _stage(self, key: str, name: str) -> dict | None:
         rec = self.tuning_record(key)
-        stage = next((x for x in (rec or {}).get("stages", []) if x["name"] == self.grid[0]), None)
-        return stage is None or stage["values"] != [f"{v:g}" for v in values]
+        return next((x for x in (rec or {}).get("stages", []) if x["name"] == name), None)
 
     def grid_values(self, e: Entry) -> tuple[list[float], dict | None]:
         """The values ``--tune`` runs for row ``e``: the grid given, or (``l1_decay=forecast:F1,F2,...``) the
@@ -689,12 +693,15 @@ class Comparison:
             for k in ("sparse_weight_ratio", "prune_validation_before", "prune_validation_after"):
                 if r.get(k) is not None:
                     results[f"{v:g}"][k] = r[k]
+        before = next((x for x in rec["stages"] if x["name"] == name), None)
+        if before is not None and before.get("fixed") == fixed:  # points tuned before at the same other settings
+            kept = {k: r for k, r in before["results"].items() if k not in results}  # stay in the choice
+            results = dict(sorted({**kept, **results}.items(), key=lambda kv: float(kv[0])))
         ok = {k: r["validation"] for k, r in results.items() if r["status"] == "ok" and r["validation"] is not None}
         if not ok:
             raise SystemExit(f"--tune {e.key}: no grid run finished; see {self.runs / e.key / 'grid'}")
         best = min(ok, key=ok.get)
-        stage = {"name": name, "values": [f"{v:g}" for v in values], "fixed": fixed, "results": results,
-                 "chosen": best}
+        stage = {"name": name, "values": list(results), "fixed": fixed, "results": results, "chosen": best}
         if forecast is not None:
             stage["grid_from"] = {"forecast": {k: forecast.get(k) for k in (
                 "centre", "centre_l1_decay", "l1_decay_to_finish", "l1_decay_knee", "sparse_weight_ratio_at_knee",

@@ -554,6 +554,19 @@ def test_a_wider_grid_rechooses_running_only_its_new_points_and_sets_aside_seeds
     names = sorted(p.name for p in seeds.glob("seed-*"))
     assert names == ["seed-0", "seed-0.superseded-lr-0.0002", "seed-1.superseded-lr-0.0002",
                      "seed-2.superseded-lr-0.0002", "seed-2.superseded-lr-0.0002.2"], names
+    # the queue runs its lines again on a new machine: the earlier, narrower grid changes nothing, and a grid
+    # with one new point chooses over every point tuned (not only its own), so no seed is set aside again
+    narrower = compare_methods.Comparison(compare_methods.parse_args(argv + ["--tune", "lr=1e-4,2e-4"]))
+    narrower._run_one = fake
+    assert not narrower.grid_changed("naive-sgpt")
+    other = compare_methods.Comparison(compare_methods.parse_args(argv + ["--tune", "lr=5e-5,1e-4"]))
+    other._run_one = fake
+    assert other.grid_changed("naive-sgpt")
+    stage = other.tune(entry)["stages"][0]
+    assert ran[-1:] == [5e-5] and stage["chosen"] == "0.0004"
+    assert stage["values"] == ["5e-05", "0.0001", "0.0002", "0.0004"]
+    assert json.loads((seeds / "seed-0" / "compare_row.json").read_text())["lr"] == 4e-4
+    assert not (seeds / "seed-0.superseded-lr-0.0004").exists()
 
 
 def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tmp_path, capsys):
