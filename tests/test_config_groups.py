@@ -40,7 +40,6 @@ KNOWN = {
     "model": {"ModelSettings", "FinetuneConfig", "GenerateConfig", "ZeroShotOptions"},
     "output_dir": {"OutputSettings", "SweepOptions", "ZeroShotOptions"},
     "plot": {"BenchInferenceConfig", "FitOptions"},
-    "threads": {"RunConfig", "GenerateConfig"},
     "max_new_tokens": {"FinetuneConfig", "GenerateConfig"},
 }
 

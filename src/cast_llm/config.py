@@ -396,5 +396,15 @@ class KernelSettings:
 
 
 @dataclasses.dataclass
+class ThreadSettings:
+    """``--threads``: torch's CPU threads, set by ``cast_llm.train.threads.setup_threads`` for every command that
+    takes it (train, prune, finetune, generate)."""
+
+    threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use, less those "
+                             "other processes are busy on); on a shared machine fewer threads avoid spinning "
+                             "against other jobs", min=0, resume="free")
+
+
+@dataclasses.dataclass
 class JsonSettings:
     json: bool = option(False, "print the result as one JSON object")

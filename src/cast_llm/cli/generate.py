@@ -16,17 +16,17 @@ import sys
 from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import JsonSettings, KernelSettings, SeedSettings, option
+from cast_llm.config import JsonSettings, KernelSettings, SeedSettings, ThreadSettings, option
 from cast_llm.errors import CastError
 
 MODEL, TEXT, OUTPUT = "model", "text", "output"
 
 
 @dataclass
-class GenerateConfig(JsonSettings, SeedSettings, KernelSettings):
+class GenerateConfig(JsonSettings, SeedSettings, KernelSettings, ThreadSettings):
     OPTION_TEXT = {"seed": "seed of the sampling",
                    "json": "print one JSON object (text, tokens, timings) instead of text"}
-    OPTION_SECTIONS = {"kernels": MODEL, "seed": TEXT, "json": OUTPUT}
+    OPTION_SECTIONS = {"kernels": MODEL, "seed": TEXT, "json": OUTPUT, "threads": MODEL}
 
     model: str = option("", "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
                             "folder) or alias (smollm2-135m)", section=MODEL)
@@ -41,8 +41,6 @@ class GenerateConfig(JsonSettings, SeedSettings, KernelSettings):
     dtype: str = option("auto", "weights and activations dtype: auto (bf16; a compressed fp32 export stays fp32, "
                                 "an fp16 one loads as fp32), bf16 or fp32", choices=("auto", "bf16", "fp32"),
                         section=MODEL)
-    threads: int = option(0, "CPU threads (0: the cores less those other processes are using)", min=0,
-                          section=MODEL)
 
     def validate(self) -> None:
         if not self.model:

@@ -23,6 +23,7 @@ from cast_llm.config import (
     PatternSettings,
     ProgressSettings,
     SeedSettings,
+    ThreadSettings,
     check_ranges,
     option,
     parse_count,
@@ -77,11 +78,12 @@ def _resume(v) -> str | None:
 
 
 @dataclass
-class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings, KernelSettings, WindowSettings):
+class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings, KernelSettings, WindowSettings,
+                ThreadSettings):
     """What every job of the one training loop shares."""
 
     OPTION_SECTIONS = {"n": BUDGET, "m": BUDGET, "skip_incompatible": BUDGET, "seq_len": BUDGET, "output_dir": RUN,
-                       "overwrite": RUN, "seed": RUN, "progress": RUN, "kernels": RUN}
+                       "overwrite": RUN, "seed": RUN, "progress": RUN, "kernels": RUN, "threads": RUN}
 
     resume: str | None = option(None, "continue the run in --output-dir from its newest complete checkpoint, with "
                                       "its own config.yaml (flags typed with it must agree); 'auto': start "
@@ -94,9 +96,6 @@ class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings,
                          choices=("auto", "cpu", "cuda"), section=RUN, resume="free")
     precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16",
                             choices=("auto", "fp32", "bf16"), section=RUN, resume="free")
-    threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use); on a "
-                             "shared machine fewer threads avoid spinning against other jobs", min=0, section=RUN,
-                             resume="free")
     max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET, resume="must_match")
     batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET,
                              resume="must_match")
