@@ -122,6 +122,24 @@ def test_every_path_matches_a_float64_product_on_every_pattern_tail_bias_and_row
     assert not bad, f"{path} {dtype}: max|Δ|/max|y| over {BOUND[dtype]}: {bad[:5]}"
 
 
+@pytest.mark.parametrize("in_f", [1540, 8196], ids=["fits-L1", "past-L1"])
+def test_the_gather_path_at_two_to_four_tokens_on_either_side_of_its_l1_rule(in_f):
+    """avx512-bf16 takes one row a block for 2-4 tokens where their activations fit L1 (tokens × in × 2 bytes),
+    four rows otherwise (sparse24_cpu.cpp, rows_per_block): both sides, bf16 and int8 values, against float64."""
+    if "avx512-bf16" not in PATHS:
+        pytest.skip("this CPU lacks the instructions of the avx512-bf16 path")
+    w, _ = planted(9, in_f, seed=7, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(9, generator=g).bfloat16()
+    state, w8 = cpu24.compress(w), cpu24.quantize_values(cpu24.compress(w))
+    w8_dense = cpu24.decompress(w8, 9, in_f)
+    for rows in (2, 3, 4):
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        for b in (None, bias):
+            assert rel(cpu24.sparse24_mm("avx512-bf16", x, state, b), ref64(x, w, b)) <= BOUND[torch.bfloat16]
+            assert rel(cpu24.sparse24_mm("avx512-bf16", x, w8, b), ref64(x, w8_dense, b)) <= BOUND[torch.bfloat16]
+
+
 def test_careful_dense_gemm_matches_float64_on_tails_bias_and_row_counts():
     """The careful dense kernel (vdpbf16ps or AVX2, whichever this CPU has) is the benchmarks' honest baseline
     and the LM head's GEMV: it is checked as the 2:4 paths are, and it can fail (a changed weight breaks it)."""

@@ -29,8 +29,9 @@
 //                vpermilps + a blend per token (no lane-crossing permute), tiles of at most 2 rows x 2 tokens
 //                (AVX2 has 16 registers), two accumulators at one row and token; for CPUs without AVX-512.
 // A single token is processed one row at a time (two memory streams per thread: values and positions, prefetched
-// 8 KB ahead); more tokens four rows and up to four tokens a block (the indices are computed once per row and
-// step and reused for every token, each activation load serves four rows);
+// 8 KB ahead), and so are 2-4 tokens on avx512-bf16 where their activations fit L1; more tokens four rows and
+// up to four tokens a block (the indices are computed once per row and step and reused for every token, each
+// activation load serves four rows);
 // threads split the output rows (at::parallel_for: torch's own thread pool and thread count). Every
 // accumulation is rounded once to the output dtype, like the GPU kernels.
 //
@@ -858,17 +859,32 @@ const Table& table_for(int64_t isa, int kind) {
 // rows of W a block: one for a single token, four otherwise. Measured (docs/results/cpu24-notes.md §2-4): at
 // one token, four rows a block read eight streams at once and ran 23 GB/s on one core, one row (two streams)
 // 24-28 GB/s; at 4 and 16 tokens one row a block recomputes the indices and reloads x for every row and ran
-// 0.5-0.7x the four-row block
+// 0.5-0.7x the four-row block. Since one row prefetches 8 KB ahead (§14), the bf16 gather path also takes one
+// row a block for 2-4 tokens where their activations fit L1 (§16: 30-40 % less time at 4096 inputs and 4
+// tokens; at 11008 inputs, where they do not fit, one row a block ran twice as long).
 constexpr int64_t kRows = 4;
 constexpr int64_t kTokens = 4;  // rows of x a block
-inline int64_t rows_per_block(int64_t tokens) { return tokens == 1 ? 1 : kRows; }
+
+// This core's L1 data cache (sysconf; 32 KB where the C library does not say)
+inline int64_t l1_bytes() {
+  static const int64_t bytes = [] {
+    const long v = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return v > 0 ? static_cast<int64_t>(v) : int64_t{32} << 10;
+  }();
+  return bytes;
+}
+
+inline int64_t rows_per_block(int64_t tokens, int64_t K, bool bf16_gather) {
+  if (tokens == 1) return 1;
+  if (bf16_gather && tokens <= kTokens && tokens * K * 2 <= l1_bytes()) return 1;
+  return kRows;
+}
 
 // The loop both GEMMs share: threads over blocks of output rows, token blocks inside; ``block(res, n0, t0, R, T)``
 // fills res[t * R + r] with fp32 sums, which are scaled (int8 values), biased and rounded once into y (M, N).
 template <class Block>
-void run_blocks(int64_t M, int64_t N, int64_t grain, const Block& block, const float* scale, const float* bias,
-                bool out_bf16, void* y) {
-  const int64_t rb = rows_per_block(M);
+void run_blocks(int64_t M, int64_t N, int64_t rb, int64_t grain, const Block& block, const float* scale,
+                const float* bias, bool out_bf16, void* y) {
   const int64_t blocks = (N + rb - 1) / rb;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     float res[kRows * kTokens];
@@ -954,7 +970,8 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   void* yptr = y.data_ptr();
   // a thread's share should be worth the fork: ~64 rows of a 4096-input layer
   const int64_t grain = std::max<int64_t>(1, (16 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
-  run_blocks(M, N, grain, [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
+  run_blocks(M, N, rows_per_block(M, K, isa == kAvx512Bf16), grain,
+             [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
     table.fn[R - 1][T - 1](vptr, mptr, xptr, res, n0, t0, K, N);
   }, sptr, bptr, out_bf16, yptr);
   return y;
@@ -1047,7 +1064,8 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   const void* xp = xc.data_ptr();
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, (8 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
-  run_blocks(M, N, grain, [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
+  run_blocks(M, N, rows_per_block(M, K, false), grain,
+             [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
 #define CAST_DENSE_CASE(RR, TT)                                                                          \
   if (R == RR && T == TT) {                                                                               \
     if (bf16_path) dense_block_bf16<RR, TT>(wp, static_cast<const uint16_t*>(xp), res, n0, t0, K);       \
