@@ -165,6 +165,10 @@ class Job:
         raise NotImplementedError
 
 
+# the settings that name a file or folder the run reads (an output folder on one of them is refused)
+INPUT_PATHS = ("model", "data", "eval_data", "mask_file", "wikitext_file")
+
+
 def merge_results(results: dict[str, Any], entries: dict[str, Any] | None) -> dict[str, Any]:
     """``entries`` into ``results`` (in place, and returned): nested mappings merged key by key, anything else
     replaced — what a hook returns adds to what the run holds (e.g. one more perplexity of a split)."""
@@ -302,8 +306,8 @@ def run(job: Job, *, log=print) -> dict[str, Any]:
     if is_main:
         checkpoint = _choose_checkpoint(cfg, out, say)
         folder = dict(resume=checkpoint is not None, overwrite=cfg.overwrite or bool(cfg.resume), model=cfg.model,
-                      kind=job.kind, inputs={f"--{k.replace('_', '-')}": getattr(cfg, k, None) for k in
-                                             ("model", "data", "eval_data", "mask_file", "wikitext_file")})
+                      kind=job.kind, inputs={f"--{k.replace('_', '-')}": v for k, v in asdict(cfg).items()
+                                             if k in INPUT_PATHS})  # the ones this job's config has
         prepare_run_dir(out, is_main=False, **folder)  # every refusal before anything is written
         lock.acquire()
         if lock.unsupported:
