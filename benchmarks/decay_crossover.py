@@ -162,6 +162,18 @@ def on_first_windows(row: dict) -> dict:
     return {**row, "wikitext2": row["wikitext2_first"], "seeds": seeds}
 
 
+def s_t_for_fit(forecast: dict[int, float], measured: dict[int, float | None], source: str) -> dict[int, float]:
+    """S_T per budget for the fit and its predictions: ``forecast`` everywhere, or (``source`` "measured") what the
+    fitted budgets' runs recorded in place of the forecast there; a fitted budget without a record is refused."""
+    if source == "forecast":
+        return dict(forecast)
+    missing = [budget_name(b) for b, v in measured.items() if v is None]
+    if missing:
+        raise SystemExit(f"--s-t measured: the paper-exact rows at {', '.join(missing)} recorded no S_T; use "
+                         "--s-t forecast")
+    return {**forecast, **measured}
+
+
 def fit_prune_cost(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(a, c) of ln ppl = a + c·(1 − S_T), least squares over ``(S_T, ppl)`` points (exact with two)."""
     xs = [1 - s for s, _ in points]
@@ -283,6 +295,13 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default=",".join(GRID), help="budgets to forecast (tokens of runs without KD)")
     p.add_argument("--verify", default="", help="budgets with a measured paper-exact run NOT used in the fit "
                                                  "(prediction vs run), e.g. 384k")
+    p.add_argument("--s-t", choices=("measured", "forecast"), default="measured",
+                   help="S_T of the fitted budgets: what their runs recorded just before the final prune (the "
+                        "mean of the seeds), or the forecast at the tier's settings; unmeasured budgets always "
+                        "take the forecast")
+    p.add_argument("--noise", choices=("paper", "pooled"), default="paper",
+                   help="the seed spread of a one-seed budget in the resampled fits: paper-exact's own seeds, "
+                        "or pooled over the stable rows too (paper-exact, SparseGPT + KD, the defaults, SparseGPT)")
     p.add_argument("--docs-dir", default=str(REPO / "docs" / "results"))
     p.add_argument("--threads", type=int, default=0)
     opts = p.parse_args(argv)
@@ -302,8 +321,14 @@ def main(argv=None) -> int:
     curve = forecast_curve(grid, tier)
     s_t = {c["budget"]: c["forecast_s_t"] for c in curve}
     fit_budgets = [b for b in measured if b not in verify]
+    measured_s_t = {b: rows[b]["cast"].get("sparse_weight_ratio") for b in fit_budgets}
+    s_t = s_t_for_fit(s_t, measured_s_t, opts.s_t)
+    for cv in curve:
+        cv["measured_s_t"] = measured_s_t.get(cv["budget"])
+        cv["s_t"] = s_t[cv["budget"]]
     result = {"settings": {k: tier[k] for k in ("model", "lr", "lr_schedule", "l1_decay", "eta", "seq_len",
                                                  "batch_size")},
+              "s_t": opts.s_t, "noise": opts.noise,
               "curve": curve, "fit_budgets": fit_budgets, "verify": [], "splits": {}}
     windows = wikitext_windows(docs, tier["model"])
     all_rows = rows
@@ -325,7 +350,7 @@ def main(argv=None) -> int:
         preds = []
         for cv in curve:
             b = cv["budget"]
-            pred = math.exp(a + c * (1 - cv["forecast_s_t"]))
+            pred = math.exp(a + c * (1 - cv["s_t"]))
             kd = float(kd_fit.predict_ppl(b * 3 // 4 / 1e9)) if kd_fit else None  # a KD run gets 3/4 of b
             preds.append({"budget": b, "paper_exact": pred, "sparsegpt": sgpt, "sparsegpt_kd": kd})
         cross = {k: next((x["budget"] for x in preds if x[k] is not None and x["paper_exact"] < x[k]), None)
@@ -334,9 +359,8 @@ def main(argv=None) -> int:
         paper_seeds = {b: seed_values(rows[b]["cast"], split) for b in fit_budgets}
         sgpt_seeds = next((seed_values(r["sparsegpt"], split) for r in rows.values() if "sparsegpt" in r), None)
         kd_seeds = {b: seed_values(rows[b]["naive-kd-sgpt"], split) for b in sorted(rows) if "naive-kd-sgpt" in rows[b]}
-        sd = pooled_log_sd([seed_values(r[k], split) for r in rows.values() for k in ("cast", "naive-kd-sgpt",
-                                                                                       "cast-best", "sparsegpt")
-                            if k in r])
+        noisy = ("cast",) if opts.noise == "paper" else ("cast", "naive-kd-sgpt", "cast-best", "sparsegpt")
+        sd = pooled_log_sd([seed_values(r[k], split) for r in rows.values() for k in noisy if k in r])
         interval = bootstrap_crossover(s_t, [cv["budget"] for cv in curve], paper_seeds, sgpt_seeds, kd_seeds, sd=sd)
         result["splits"][split] = {"a": a, "c": c, "floor": math.exp(a), "fit_points": pts, "predictions": preds,
                                    "left_out": [{"budget": b, "wikitext_windows": windows[b]} for b in left_out],
@@ -369,23 +393,32 @@ def write_report(result: dict, rows: dict, docs: Path, tier: dict) -> None:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# Where paper-exact CAST pays: the crossover budget ({tier['model']}, CPU tier)", "",
           "Generated by `python benchmarks/decay_crossover.py" + (" --verify " + ",".join(
-              budget_name(v["budget"]) for v in result["verify"][:1]) if result["verify"] else "") + "` "
+              budget_name(v["budget"]) for v in result["verify"][:1]) if result["verify"] else "")
+          + (" --s-t forecast" if result["s_t"] == "forecast" else "")
+          + (" --noise pooled" if result["noise"] == "pooled" else "") + "` "
           f"({result['wall_s']:.0f} s). Paper-exact CAST: dense start, hard final prune, lr {tier['lr']:g} "
-          f"{tier['lr_schedule']}, λ {tier['l1_decay']:g}, KD η {tier['eta']:g} with 3/4 of the tokens. S_T: the "
-          "decay forecast made before the run (cast_llm.optim.forecast). Prediction: ln ppl = a + c·(1 − S_T), "
+          f"{tier['lr_schedule']}, λ {tier['l1_decay']:g}, KD η {tier['eta']:g} with 3/4 of the tokens (the "
+          "forecast's settings; a fitted budget's run may have been tuned to others: its table says). S_T: "
+          + ("at a fitted budget what its runs measured just before the final prune (the mean of the seeds), "
+             "elsewhere the decay forecast made before a run (cast_llm.optim.forecast)" if result["s_t"] ==
+             "measured" else "the decay forecast made before the run (cast_llm.optim.forecast)")
+          + ". Seed spread of a one-seed budget in the resampled fits: "
+          + ("paper-exact's own seeds" if result["noise"] == "paper" else "pooled over the stable rows too")
+          + ". Prediction: ln ppl = a + c·(1 − S_T), "
           f"fitted to the paper-exact runs at {', '.join(budget_name(b) for b in result['fit_budgets'])} "
           "(it gives the training no gain beyond the measured budgets: a late estimate of the crossover). "
           "SparseGPT + KD: the token scaling law fitted to its runs.", "",
-          "| budget | steps | forecast S_T | " + " | ".join(
+          "| budget | steps | forecast S_T | measured S_T | " + " | ".join(
               f"{n} paper-exact (pred.) | {n} SparseGPT | {n} SparseGPT + KD (fit)" for _, n in SPLITS) + " |",
-          "|---:|---:|---:|" + "---:|---:|---:|" * len(SPLITS)]
+          "|---:|---:|---:|---:|" + "---:|---:|---:|" * len(SPLITS)]
     for i, cv in enumerate(result["curve"]):
         cells = []
         for split, _ in SPLITS:
             pr = result["splits"][split]["predictions"][i]
             cells += [f"{pr['paper_exact']:.1f}", "—" if pr["sparsegpt"] is None else f"{pr['sparsegpt']:.1f}",
                       "—" if pr["sparsegpt_kd"] is None else f"{pr['sparsegpt_kd']:.1f}"]
-        md.append(f"| {budget_name(cv['budget'])} | {cv['steps']:,} | {cv['forecast_s_t']:.4f} | "
+        got = "—" if cv.get("measured_s_t") is None else f"{cv['measured_s_t']:.4f}"
+        md.append(f"| {budget_name(cv['budget'])} | {cv['steps']:,} | {cv['forecast_s_t']:.4f} | {got} | "
                   + " | ".join(cells) + " |")
     md += ["", "## Crossover", ""]
     for split, name in SPLITS:

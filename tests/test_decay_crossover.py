@@ -117,3 +117,12 @@ def test_wikitext2_fits_use_only_tables_scored_on_the_same_windows(tmp_path):
     rows[192000]["cast"]["wikitext2_first_windows"] = 32  # scored again, but on other windows: still refused
     with pytest.raises(SystemExit, match="different WikiText-2 windows"):
         dc.comparable_rows(rows, windows, "wikitext2", [48000, 192000, 384000])
+
+
+def test_the_fit_takes_the_measured_s_t_of_its_budgets_and_the_forecast_elsewhere():
+    forecast = {48_000: 0.83, 192_000: 0.93, 768_000: 0.998}
+    got = dc.s_t_for_fit(forecast, {48_000: 0.914, 192_000: 0.947}, "measured")
+    assert got == {48_000: 0.914, 192_000: 0.947, 768_000: 0.998}
+    assert dc.s_t_for_fit(forecast, {48_000: 0.914}, "forecast") == forecast
+    with pytest.raises(SystemExit, match="recorded no S_T"):
+        dc.s_t_for_fit(forecast, {48_000: None}, "measured")
