@@ -398,7 +398,7 @@ class KernelSettings:
 @dataclasses.dataclass
 class ThreadSettings:
     """``--threads``: torch's CPU threads, set by ``cast_llm.train.threads.setup_threads`` for every command that
-    takes it (train, prune, finetune, generate)."""
+    takes it (train and finetune through RunConfig, generate)."""
 
     threads: int = option(0, "CPU threads for torch (0 = automatic: the cores this process may use, less those "
                              "other processes are busy on); on a shared machine fewer threads avoid spinning "

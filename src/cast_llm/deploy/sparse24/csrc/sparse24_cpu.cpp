@@ -59,9 +59,9 @@
 #ifndef CAST_PF  // software prefetch distance of the AVX2 and AMX loops, in their steps
 #define CAST_PF 32
 #endif
-#ifndef CAST_PF_GATHER  // of the avx512-bf16 gather loop at one row a block (one token), in 64-input steps:
-#define CAST_PF_GATHER 128  // 8 KB of bf16 values ahead; its four-row blocks keep CAST_PF (four streams that far
-#endif                      // ahead evict the activations from L1: measured, docs/results/cpu24-notes.md §14)
+#ifndef CAST_PF_GATHER  // of the avx512-bf16 gather loop at one row a block (one token, or 2-4 that fit L1),
+#define CAST_PF_GATHER 128  // in 64-input steps: 8 KB of bf16 values ahead; its four-row blocks keep CAST_PF (four
+#endif                      // streams that far ahead evict the activations from L1: cpu24-notes.md §14, §16)
 
 namespace {
 
