@@ -11,6 +11,7 @@ The public API, imported lazily so that ``import cast_llm`` is cheap::
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -43,3 +44,31 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+def lazy_exports(package: str, exports: dict[str, str], *, submodules: bool = False):
+    """``(__getattr__, __dir__)`` for a package of ours whose public names are imported on first use (PEP 562):
+    ``exports`` maps each name to its module (``"cast_llm.optim.adams"``, or relative to ``package``:
+    ``"adams"``); ``submodules``: an attribute that is no export may be a submodule not imported yet (as the
+    eager imports such a package once had loaded it). A name, once imported, is kept in the package. Internal:
+    the packages write ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``."""
+
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            if submodules:
+                try:
+                    return importlib.import_module(f"{package}.{name}")
+                except ModuleNotFoundError as e:
+                    if e.name != f"{package}.{name}":
+                        raise
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        value = getattr(importlib.import_module(module if module.startswith("cast_llm.") else f"{package}.{module}"),
+                        name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__

@@ -19,7 +19,7 @@ a plain integer, so a resumed run sees exactly the batches an uninterrupted run 
 
 from __future__ import annotations
 
-import importlib
+from cast_llm import lazy_exports as _lazy_exports
 
 # name -> submodule; loaded on first use, so that `cast-llm --help` (which reads data.config) imports no torch
 _EXPORTS = {
@@ -36,14 +36,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cast_llm.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"cast_llm.data.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

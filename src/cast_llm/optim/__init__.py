@@ -5,16 +5,10 @@ The optimizers load on first use, so that the schedule's names (which ``--help``
 
 from __future__ import annotations
 
-import importlib
+from cast_llm import lazy_exports as _lazy_exports
 
 _EXPORTS = {"AdamS": "cast_llm.optim.adams", "SRSTEAdamW": "cast_llm.optim.srste"}
 __all__ = ["AdamS", "SRSTEAdamW"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cast_llm.optim' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

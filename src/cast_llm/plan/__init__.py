@@ -12,8 +12,7 @@ that make it fit), :mod:`~cast_llm.plan.timing`, :mod:`~cast_llm.plan.decay` (S_
 
 from __future__ import annotations
 
-import importlib
-
+from cast_llm import lazy_exports as _lazy_exports
 from cast_llm.machine import machine_ram, process_rss  # (re-exported: the plan's old import path)
 from cast_llm.plan.config import PlanOptions
 from cast_llm.plan.memory import MemoryPlan, Setup, plan_memory
@@ -27,12 +26,5 @@ __all__ = ["Plan", "PlanOptions", "Setup", "MemoryPlan", "ModelShape", "plan_run
 
 # cast_llm.plan.run reads the evaluator's and the pruner's settings (torch): loaded when first asked for, so that
 # `cast-llm --help` (which reads PlanOptions) starts without torch
-_LAZY = {"Plan", "plan_run", "setup_for_run", "startup_work"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module("cast_llm.plan.run"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'cast_llm.plan' has no attribute {name!r}")
+_LAZY = {name: "run" for name in ("Plan", "plan_run", "setup_for_run", "startup_work")}
+__getattr__, __dir__ = _lazy_exports(__name__, _LAZY)

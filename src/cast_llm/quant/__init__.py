@@ -15,7 +15,7 @@ that was zero before is still exactly zero. The settings of a quantization job (
 
 from __future__ import annotations
 
-import importlib
+from cast_llm import lazy_exports as _lazy_exports
 
 # name -> submodule; loaded on first use, so that `cast-llm --help` (which reads quant.config) imports no torch
 _EXPORTS = {
@@ -28,19 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule not imported yet (as the eager imports of this package used to load it)
-        try:
-            return importlib.import_module(f"cast_llm.quant.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"cast_llm.quant.{name}":
-                raise
-        raise AttributeError(f"module 'cast_llm.quant' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"cast_llm.quant.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, submodules=True)
