@@ -784,6 +784,24 @@ def test_measure_speed_measures_nothing_without_a_24_check(monkeypatch, capsys):
     assert "warning: the sparse24 decode measurement failed: boom" in capsys.readouterr().out
 
 
+def test_measure_speed_records_what_the_payoff_measured(monkeypatch):
+    """The speeds written for the model card say the payoff's own token counts and threads (not a restated 32)."""
+    from cast_llm import inference
+    from cast_llm.cli import train
+    from cast_llm.deploy import model_card
+
+    side = {"threads": 2, "new_tokens": 4, "prompt_tokens": 8}
+    measured = {"sparse24": {**side, "decode_tokens_per_s": 80.04}, "dense": {**side, "decode_tokens_per_s": 40.02}}
+    monkeypatch.setattr(inference, "payoff", lambda *a, **k: measured)
+    monkeypatch.setattr(model_card, "refresh_run_card", lambda *a, **k: None)
+    results = {"nm_check": {"pattern": "2:4"}, "output_dir": "x"}
+    assert train.measure_speed(results) is True
+    assert results["decode_payoff"] is measured
+    assert [(s["what"], s["value"]) for s in results["speeds"]] == [("decode, 2:4 layers", 80.0),
+                                                                  ("decode, dense", 40.0)]
+    assert {s["measured_on"] for s in results["speeds"]} == {"this CPU, bf16, 2 threads, 4 new tokens after 8"}
+
+
 # ------------------------------------------------------------------------------- 7. benchmarks/cpu24.py
 def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))

@@ -85,7 +85,8 @@ def measure_speed(results: dict) -> bool:
         print(f"warning: {e}; the run itself is complete")
         return False
     results["decode_payoff"] = p
-    where = f"this CPU, bf16, {p['sparse24']['threads']} threads, 32 new tokens after 32"
+    s24 = p["sparse24"]
+    where = f"this CPU, bf16, {s24['threads']} threads, {s24['new_tokens']} new tokens after {s24['prompt_tokens']}"
     results["speeds"] = [
         {"what": "decode, 2:4 layers", "value": round(p["sparse24"]["decode_tokens_per_s"], 1), "unit": "tokens/s",
          "measured_on": where},
