@@ -20,7 +20,8 @@
 //                vpermw (the kept activations of 16 rows) and a vdpbf16ps per 16 rows and token (half a dense
 //                GEMM's multiply-adds);
 //   avx512       fp32 x (bf16 x converted once per call), fp32 / bf16 / int8 values: 32 inputs a step,
-//                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd;
+//                vpsrlvd + and + add for the indices, vpermt2ps, vfmadd; each row's values prefetched 8 KB
+//                ahead at one row a block, 2 KB at four (without: 4-7 GB/s at one token, cpu24-notes.md §17);
 //   amx-bf16     bf16 x and values, CPUs with AMX: 16 rows at a time expanded (vpexpandw) into a dense bf16
 //                panel in L1, slice by slice, and multiplied on AMX tiles (tdpbf16ps); each weight byte read
 //                once per call whatever the token count — for several tokens (at one, the avx512-bf16 gather
@@ -58,6 +59,12 @@
 
 #ifndef CAST_PF  // software prefetch distance of the AVX2 and AMX loops, in their steps
 #define CAST_PF 32
+#endif
+#ifndef CAST_PF_F32  // of the avx512 (fp32 activations) loop at one row a block, in bytes of values: without it
+#define CAST_PF_F32 8192  // that loop read 4-7 GB/s at one token (cpu24-notes.md §17)
+#endif
+#ifndef CAST_PF_F32_MULTI  // the same at four rows a block (each row's values that many bytes ahead)
+#define CAST_PF_F32_MULTI 2048
 #endif
 #ifndef CAST_PF_GATHER  // of the avx512-bf16 gather loop at one row a block (one token, or 2-4 that fit L1),
 #define CAST_PF_GATHER 128  // in 64-input steps: 8 KB of bf16 values ahead; its four-row blocks keep CAST_PF (four
@@ -242,6 +249,12 @@ CAST_AVX512 void block_avx512(const void* values, const uint8_t* meta, const flo
     }
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
+      constexpr int64_t kAhead = R == 1 ? CAST_PF_F32 : CAST_PF_F32_MULTI;  // bytes of values
+      if (kAhead > 0) {  // a row's two streams, the positions an eighth as far ahead
+        _mm_prefetch(static_cast<const char*>(values) + (n * half + s * 16) * vsize + kAhead, _MM_HINT_T0);
+        if ((s & 15) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + s * 4) + kAhead / 8, _MM_HINT_T0);
+      }
       uint32_t bits;
       if (rest == 32) std::memcpy(&bits, meta + n * mbytes + s * 4, 4);  // a whole step: one 4-byte load
       else bits = static_cast<uint32_t>(read_meta(meta + n * mbytes, s * 16, rest / 2));
