@@ -582,12 +582,8 @@ class Comparison:
         tuned): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points; a grid
         the recorded one already covers (an earlier, narrower queue line run again) changes nothing."""
         values = self.grid[1] if values is None else values
-        stage = self._stage(key, self.grid[0])
+        stage = stage_named(self.tuning_record(key), self.grid[0])
         return stage is None or not {f"{v:g}" for v in values} <= set(stage["values"])
-
-    def _stage(self, key: str, name: str) -> dict | None:
-        rec = self.tuning_record(key)
-        return next((x for x in (rec or {}).get("stages", []) if x["name"] == name), None)
 
     def grid_values(self, e: Entry) -> tuple[list[float], dict | None]:
         """The values ``--tune`` runs for row ``e``: the grid given, or (``l1_decay=forecast:F1,F2,...``) the
@@ -693,7 +689,7 @@ class Comparison:
             for k in ("sparse_weight_ratio", "prune_validation_before", "prune_validation_after"):
                 if r.get(k) is not None:
                     results[f"{v:g}"][k] = r[k]
-        before = next((x for x in rec["stages"] if x["name"] == name), None)
+        before = stage_named(rec, name)
         if before is not None and before.get("fixed") == fixed:  # points tuned before at the same other settings
             kept = {k: r for k, r in before["results"].items() if k not in results}  # stay in the choice
             results = dict(sorted({**kept, **results}.items(), key=lambda kv: float(kv[0])))
@@ -1150,6 +1146,11 @@ def with_stages(record: dict) -> dict:
     return {**record, "stages": [{"name": name, "values": list(values), "fixed": None,
                                   "results": record.get("results") or {},
                                   "chosen": (record.get("chosen") or {}).get(name)}]}
+
+
+def stage_named(record: dict | None, name: str) -> dict | None:
+    """The stage of tuning record ``record`` (with its stages) that tuned setting ``name``; None if none did."""
+    return next((x for x in (record or {}).get("stages", []) if x["name"] == name), None)
 
 
 def stages_record(stages: list[dict], seed: int) -> dict:

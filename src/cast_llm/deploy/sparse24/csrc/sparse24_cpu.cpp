@@ -703,13 +703,17 @@ struct RowsAhead {
   int64_t row_bytes = 0, rows = 0;
 };
 
-// This core's L2 (sysconf; 1 MB where the C library does not say): the next set is prefetched only where it
-// fits beside the packed one (at 11008 inputs it did not, and the prefetch evicted the pack: measured slower)
+// A cache size of this core from sysconf (``name``: _SC_LEVEL1_DCACHE_SIZE, ...), ``fallback`` where the C
+// library does not say
+inline int64_t cache_bytes(int name, int64_t fallback) {
+  const long v = sysconf(name);
+  return v > 0 ? static_cast<int64_t>(v) : fallback;
+}
+
+// This core's L2 (1 MB where the C library does not say): the next set is prefetched only where it fits beside
+// the packed one (at 11008 inputs it did not, and the prefetch evicted the pack: measured slower)
 inline int64_t l2_bytes() {
-  static const int64_t bytes = [] {
-    const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
-  }();
+  static const int64_t bytes = cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{1} << 20);
   return bytes;
 }
 
@@ -878,12 +882,9 @@ const Table& table_for(int64_t isa, int kind) {
 constexpr int64_t kRows = 4;
 constexpr int64_t kTokens = 4;  // rows of x a block
 
-// This core's L1 data cache (sysconf; 32 KB where the C library does not say)
+// This core's L1 data cache (32 KB where the C library does not say)
 inline int64_t l1_bytes() {
-  static const int64_t bytes = [] {
-    const long v = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return v > 0 ? static_cast<int64_t>(v) : int64_t{32} << 10;
-  }();
+  static const int64_t bytes = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, int64_t{32} << 10);
   return bytes;
 }
 
