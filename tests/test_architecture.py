@@ -128,7 +128,8 @@ def find_cycle(graph: dict[str, dict[str, tuple[int, bool]]]) -> list[str] | Non
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# two shuffled orders (~8 s a process here); cycles themselves are found statically below
+@pytest.mark.parametrize("seed", [0, 1])
 def test_every_module_imports_in_a_fresh_interpreter_in_any_order(seed):
     names = sorted(MODULES)
     random.Random(seed).shuffle(names)
