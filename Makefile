@@ -22,7 +22,8 @@ $(PY):
 # machine, many CI images), every process that imports an uncompiled package compiles it again in memory, and
 # the suite starts hundreds (make test took 10 min 30 s). Compiling on first import costs only the modules some
 # process imports: this replaced a compileall of the whole of site-packages at install (17,466 files, 59 s here;
-# the suite imports a few thousand of them).
+# the suite imports a few thousand of them). make test on a clean clone, measured here with nothing else running:
+# 8 min 26 s before, 7 min 12 s after (with the doctor and import-order tests trimmed the same day).
 export PYTHONDONTWRITEBYTECODE :=
 
 $(STAMP): pyproject.toml | $(PY)
