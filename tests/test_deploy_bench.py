@@ -134,3 +134,22 @@ def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch
     report = run_bench(models[-1], name="tiny", cfg=cfg)
     assert report.timing.startswith("sequential") and "does not fit" in report.timing
     assert order == ["sparse"] * 8  # one model only (no twin): its dense warm-up and repeats, then its 2:4 ones
+
+
+def test_the_cpu_per_linear_table_times_dense_and_the_kernels_together(monkeypatch):
+    """One interleaved measurement per (shape, token count) holds dense and every kernel (a paired comparison,
+    as the dispatcher's); a kernel that failed there (inf) is never the table's fastest."""
+    from cast_llm.deploy.sparse24 import timing
+
+    calls = []
+
+    def fake(kernels, out_f, in_f, dtype, tokens, mode, device):
+        calls.append((tuple(kernels), out_f, in_f, tokens, mode))
+        return {"dense": (2e-3, None), "cpu-avx2": (1e-3, None), "cpu-avx512": (float("inf"), "RuntimeError: wrong")}
+
+    monkeypatch.setattr(timing, "measure_gemms", fake)
+    rows = bench.bench_linears({(8, 16): ["q_proj"]}, {"prefill": 4, "decode": 1}, dtype=torch.float32,
+                               device=torch.device("cpu"), kernels=["cpu-avx512", "cpu-avx2"])
+    assert calls == [(("dense", "cpu-avx512", "cpu-avx2"), 8, 16, 4, "eager"),
+                     (("dense", "cpu-avx512", "cpu-avx2"), 8, 16, 1, "eager")]
+    assert [(r["kernel"], r["speedup"]) for r in rows] == [("cpu-avx2", 2.0), ("cpu-avx2", 2.0)]

@@ -26,6 +26,7 @@ report says so.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -228,11 +229,17 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
         w = random_24_weight(out_f, in_f, dtype, device)
         for regime, tokens in token_counts.items():
             x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
-            if device.type == "cpu":  # weights cycled past the last-level cache, as in the model's forward
-                from cast_llm.deploy.sparse24.timing import cycled_seconds
+            if device.type == "cpu":
+                # dense and every kernel timed together, interleaved, each weight cycled past the last-level cache
+                # (the dispatcher's own paired measurement): timed one after another, a slow spell of this CPU's
+                # memory falls on one column only (measured: a table at 0.75x where its dispatcher, and a rerun
+                # of the table, saw 1.14x; docs/results/cpu24-notes.md §18)
+                from cast_llm.deploy.sparse24.timing import measure_gemms
 
-                def time_one(kernel, w=w, x=x):
-                    return cycled_seconds(kernel, w.shape[0], w.shape[1], dtype, x.shape[0], repeats=max(3, repeats // 4))
+                paired = measure_gemms(["dense", *kernels], out_f, in_f, dtype, tokens, "eager", device)
+
+                def time_one(kernel, paired=paired):
+                    return paired[kernel][0]
             else:
                 def time_one(kernel, w=w, x=x):
                     return timed(gemm_fn(kernel, w, x), device, warmup=warmup, repeats=repeats)
@@ -243,7 +250,7 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
             best = None
             for k in kernels:
                 s = time_one(k)
-                if best is None or s < best[1]:
+                if math.isfinite(s) and (best is None or s < best[1]):  # inf: the kernel failed or was wrong
                     best = (k, s)
             if best is not None:
                 from cast_llm.deploy.sparse24.kernels import KERNELS
