@@ -1,0 +1,128 @@
+"""A/B of build variants of the CPU 2:4 extension: one variant (its ``-D`` flags) timed on LLaMA-7B shapes.
+
+The A/B records of docs/results/cpu24-notes.md §14-17 (software prefetch distances, one row or four a block):
+each variant is built into its own folder with extra compiler flags, and two or more variants are alternated in
+one quiet spell, each in its own process (``ab_rounds.sh``), so that the machine's slow spells fall on all of them.
+Weights are cycled past the last-level cache, as in a model's forward; every product is checked against float64
+before it is timed. One JSON line per (shape, rows[, values dtype]) on stdout.
+
+    python benchmarks/dev/cpu24_variant.py pf128 -DCAST_PF_GATHER=128 --rows 1 --threads 1
+    python benchmarks/dev/cpu24_variant.py f8k -DCAST_PF_F32=8192 --loop fp32      # the fp32-activation loop
+
+``--loop bf16`` (default): bf16 activations, bf16 values, against torch's ``F.linear`` and the careful dense
+kernel (``dense_mm``); ``--loop fp32``: fp32 activations with bf16 and fp32 values (the ``cpu-avx512`` loop), the
+2:4 kernel alone. Builds go to ``--build-root`` (default: a folder under the system's temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import cpp_extension
+
+from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24.timing import l3_bytes, random_24_weight
+
+SHAPES = [(4096, 4096, "qkvo"), (11008, 4096, "gate/up"), (4096, 11008, "down")]
+
+
+def load_variant(tag: str, flags: list[str], root: Path):
+    folder = root / f"build_{tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    src = folder / "sparse24_cpu.cpp"
+    shutil.copy(cpu24.SOURCE, src)
+    so = folder / f"{cpu24.NAME}.so"
+    if not so.exists():
+        cpp_extension.load(name=cpu24.NAME, sources=[str(src)], extra_cflags=cpu24.CFLAGS + flags,
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    else:
+        torch.ops.load_library(str(so))
+    return getattr(torch.ops, cpu24.NAME)
+
+
+def seconds(fns, repeats: int = 7, min_time: float = 0.3) -> float:
+    """Median seconds per call over round-robin calls of ``fns`` (one per weight copy)."""
+    for fn in fns[:2]:
+        fn()
+    t0 = time.perf_counter()
+    for fn in fns:
+        fn()
+    rounds = max(1, int(min_time / max(time.perf_counter() - t0, 1e-9)))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+        ts.append((time.perf_counter() - t0) / (rounds * len(fns)))
+    return statistics.median(ts)
+
+
+def nbytes(held) -> int:
+    if isinstance(held, dict):
+        return sum(t.numel() * t.element_size() for t in held.values())
+    return held.numel() * held.element_size()
+
+
+def copies_of(held) -> list:
+    count = max(1, -(-2 * l3_bytes() // nbytes(held)))
+    clone = (lambda h: {a: t.clone() for a, t in h.items()}) if isinstance(held, dict) else (lambda h: h.clone())
+    return [held] + [clone(held) for _ in range(count - 1)]
+
+
+def timed(fn, held, ref, bound: float) -> float:
+    err = float((fn(held).double() - ref).abs().max() / ref.abs().max())
+    if not err < bound:
+        raise SystemExit(f"wrong product: relative error {err:.3g} >= {bound}")
+    return seconds([lambda c=c: fn(c) for c in copies_of(held)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tag", help="the variant's name (its build folder)")
+    ap.add_argument("flags", nargs="*", help="extra compiler flags, e.g. -DCAST_PF_GATHER=128")
+    ap.add_argument("--rows", default="1", help="comma-separated token counts")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--loop", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--build-root", default=str(Path(tempfile.gettempdir()) / "cast-llm-cpu24-variants"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = load_variant(args.tag, args.flags, Path(args.build_root))
+    for o, i, name in SHAPES:
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, i, generator=torch.Generator().manual_seed(1))
+            res = {"tag": args.tag, "shape": name, "rows": rows, "threads": args.threads, "loop": args.loop}
+            if args.loop == "bf16":
+                w = random_24_weight(o, i, torch.bfloat16, "cpu")
+                xb, s24 = x.bfloat16(), cpu24.compress(w)
+                ref = xb.double() @ w.double().t()
+                forms = {"torch": (lambda w_, xb=xb: F.linear(xb, w_), w),
+                         "careful": (lambda w_, xb=xb: ops.dense_mm(xb, w_, None), w),
+                         "2:4": (lambda s, xb=xb: ops.sparse24_mm(xb, s["values"], s["meta"], None, None, 0), s24)}
+                for k, (fn, held) in forms.items():
+                    s = timed(fn, held, ref, 0.02)
+                    res[k], res[k + "_gbps"] = round(s * 1e3, 4), round(nbytes(held) / s / 1e9, 1)
+                res["x_torch"] = round(res["torch"] / res["2:4"], 3)
+                res["x_careful"] = round(res["careful"] / res["2:4"], 3)
+                print(json.dumps(res), flush=True)
+            else:
+                for vd in (torch.bfloat16, torch.float32):
+                    w = random_24_weight(o, i, vd, "cpu")
+                    s24 = cpu24.compress(w)
+                    ref = x.double() @ w.double().t()
+                    s = timed(lambda s_, x=x: ops.sparse24_mm(x, s_["values"], s_["meta"], None, None, 1), s24, ref,
+                              1e-4)
+                    print(json.dumps({**res, "values": str(vd).removeprefix("torch."), "ms": round(s * 1e3, 4),
+                                      "gbps": round(nbytes(s24) / s / 1e9, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
