@@ -84,3 +84,26 @@ def test_doctor_in_a_fresh_process_lists_every_path_any_module_registers():
     missing = sorted(set(found["registered"]) - set(found["listed"]))
     assert not missing, f"checked paths missing from cast-llm doctor: {missing}"
     assert len(found["listed"]) >= 10 and "sparse24.decode_graph" in found["listed"]  # the check sees paths
+
+
+def test_doctor_takes_the_cores_other_processes_leave(monkeypatch, capsys):
+    """On a machine another job keeps busy, doctor's probes run on the cores left (two threads spin at every
+    barrier on a shared core), says so, and the report names the thread count its times were taken at."""
+    import cast_llm.doctor
+    from cast_llm.kernels.environment import environment
+    from cast_llm.train import threads
+
+    # the probes themselves are the first test's: here only what the command sets up before them
+    monkeypatch.setattr(cast_llm.doctor, "doctor", lambda recheck=False: {"environment": environment(), "rows": []})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "busy_cores", lambda cores, **k: cores - 0.9)  # all but one core busy
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["doctor", "--json"]) == 0
+        out = capsys.readouterr()
+        assert torch.get_num_threads() == 1 and "other processes" in out.err
+        assert json.loads(out.out)["environment"]["cpu_threads"] == 1
+    finally:
+        torch.set_num_threads(before)

@@ -73,7 +73,7 @@ def format_doctor(report: dict[str, Any]) -> str:
         f"  driver {env['driver']}, cuSPARSELt {env['cusparselt']}"
         + (f" (direct binding: {env.get('cusparselt_direct')})" if env["cuda_available"] else "")
         + f", NCCL {env['nccl']}",
-        f"  CPU: {env['cpu']}",
+        f"  CPU: {env['cpu']}, {env['cpu_threads']} thread(s) for the probes",
         f"  kernels: {env['kernels_mode']}; torch.compile candidates {env['compile_candidates']}; verdicts in "
         f"{env['verdict_file']}",
         "",

@@ -56,7 +56,7 @@ def environment() -> dict:
         "cast_llm": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda, "cuda_available": cuda, "driver": driver_version(),
         "triton": _triton(), "transformers": _version("transformers"), "cusparselt": cslt, "nccl": nccl,
-        "cpu": cpu_name(), "gpus": gpus, "kernels_mode": mode(),
+        "cpu": cpu_name(), "cpu_threads": torch.get_num_threads(), "gpus": gpus, "kernels_mode": mode(),
         "compile_candidates": "on" if compile_enabled() else f"off ({COMPILE_ENV}=0)",
         "triton_interpret": interpreting(), "verdict_file": str(verdict_path()),
     }
