@@ -73,7 +73,7 @@ CPU_CASES = [
 # DDP replicates everything: 2 × the single process's ~8 GiB does not fit the CPU budget (the plan says so)
 # long sequences (issue 51: the plan's per-step terms — logits, the loss's fp32 copies, recomputation — against a
 # run at 8k-16k tokens with a 128k vocabulary, with and without recomputation); not in the default run (minutes each,
-# up to ~12 GiB): --cases long-8k,long-8k-full,long-8k-selective,long-16k-nokd
+# up to ~12 GiB): --cases long-8k,long-8k-full,long-8k-selective,long-16k-nokd-fused
 _LONG = "SmolLM2-135M's widths, 2 of its 30 blocks, a 128k vocabulary (Llama-3's): the logits' regime"
 LONG_CASES = [
     Case("long-8k", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256, note=_LONG, flags=["--test-sequences", "1"]),
@@ -81,8 +81,12 @@ LONG_CASES = [
          flags=["--test-sequences", "1", "--activation-checkpointing", "full"]),
     Case("long-8k-selective", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256, note=_LONG,
          flags=["--test-sequences", "1", "--activation-checkpointing", "selective"]),
-    Case("long-16k-nokd", "smollm2-135m", "single", 1, 1, 16384, layers=2, vocab=128256, note=_LONG + ", no KD",
-         flags=["--test-sequences", "1", "--no-kd"]),
+    # 16k tokens × a 128k vocabulary: full logits with their fp32 copies and gradient plan at 24.5 GiB (refused on
+    # this 24 GiB machine), so the 16k case takes the fused head and loss, which never holds them
+    Case("long-8k-nokd-fused", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256,
+         note=_LONG + ", no KD, the fused head", flags=["--test-sequences", "1", "--no-kd", "--fused-head"]),
+    Case("long-16k-nokd-fused", "smollm2-135m", "single", 1, 1, 16384, layers=2, vocab=128256,
+         note=_LONG + ", no KD, the fused head", flags=["--test-sequences", "1", "--no-kd", "--fused-head"]),
 ]
 SKIPPED_CPU = [Case("llama1b-2L-ddp2", "llama-3.2-1b", "ddp", 2, 2, 128, layers=2)]
 GPU_CASES = {
@@ -116,6 +120,8 @@ def make_model(case: Case, folder: Path, device: str, vocab: int | None = None) 
         d["num_hidden_layers"] = case.layers
     if vocab:
         d["vocab_size"] = vocab
+    if case.seq > d.get("max_position_embeddings", case.seq):  # a longer sequence than the config's (16k cases)
+        d["max_position_embeddings"] = case.seq
     cfg = AutoConfig.for_model(**d)  # the embedded config names its model_type
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -159,7 +165,11 @@ def write_data(folder: Path) -> tuple[Path, Path]:
 def run_case(case: Case, work: Path, *, device: str, steps: int, timeout: int, vocab: int | None = None,
              allocator: str = "default") -> dict:
     vocab = case.vocab or vocab
-    model = make_model(case, work / f"model-{case.model}-{case.layers or 'all'}-{vocab or 'v'}", device, vocab)
+    from cast_llm.plan.shapes import embedded_config
+
+    longer = case.seq > embedded_config(case.model).get("max_position_embeddings", case.seq)
+    name = f"model-{case.model}-{case.layers or 'all'}-{vocab or 'v'}" + (f"-pos{case.seq}" if longer else "")
+    model = make_model(case, work / name, device, vocab)
     corpus, wiki = write_data(work)
     out = work / f"run-{case.name}"
     shutil.rmtree(out, ignore_errors=True)  # a stale results.json would be read as this run's
