@@ -140,6 +140,43 @@ def test_the_gather_path_at_two_to_four_tokens_on_either_side_of_its_l1_rule(in_
             assert rel(cpu24.sparse24_mm("avx512-bf16", x, w8, b), ref64(x, w8_dense, b)) <= BOUND[torch.bfloat16]
 
 
+def test_the_k_blocked_gather_path_matches_float64_over_its_chunks_and_tail():
+    """2-4 tokens whose activations take more than 3/4 of L1 go through K in chunks, one row at a time, the
+    chunks' fp32 sums added (sparse24_cpu.cpp, k_chunks): many chunks, a short last chunk with the masked tail,
+    bias, bf16 and int8 values, and rows split over two threads, against float64."""
+    if "avx512-bf16" not in PATHS:
+        pytest.skip("this CPU lacks the instructions of the avx512-bf16 path")
+    import os
+
+    ops = cpu24.load_extension()
+    l1 = os.sysconf("SC_LEVEL1_DCACHE_SIZE") if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names else 0
+    in_f = 64 * (2 * max(l1, 32 << 10) // 64 + 3) + 4  # ~2 × L1 inputs: 4 tokens are many chunks; a 4-input tail
+    assert ops.k_chunks(1, in_f) == 1 and all(ops.k_chunks(m, in_f) > 2 for m in (2, 3, 4))
+    assert ops.k_chunks(5, in_f) == 1  # 5 tokens and more: the four-row blocks
+    w, _ = planted(40, in_f, seed=11, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(40, generator=g).bfloat16()
+    state, w8 = cpu24.compress(w), cpu24.quantize_values(cpu24.compress(w))
+    w8_dense = cpu24.decompress(w8, 40, in_f)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (2, 3, 4):
+                x = torch.randn(rows, in_f, generator=g).bfloat16()
+                for b in (None, bias):
+                    got = cpu24.sparse24_mm("avx512-bf16", x, state, b)
+                    assert got.shape == (rows, 40) and rel(got, ref64(x, w, b)) <= BOUND[torch.bfloat16]
+                    got8 = cpu24.sparse24_mm("avx512-bf16", x, w8, b)
+                    assert rel(got8, ref64(x, w8_dense, b)) <= BOUND[torch.bfloat16]
+    finally:
+        torch.set_num_threads(before)
+    broken = {k: v.clone() for k, v in state.items()}
+    broken["values"][7, -1] += 50  # the last kept value of a row: in the tail of the last chunk
+    x = torch.randn(4, in_f, generator=g).bfloat16()
+    assert rel(cpu24.sparse24_mm("avx512-bf16", x, broken, None), ref64(x, w, None)) > BOUND[torch.bfloat16]
+
+
 def test_careful_dense_gemm_matches_float64_on_tails_bias_and_row_counts():
     """The careful dense kernel (vdpbf16ps or AVX2, whichever this CPU has) is the benchmarks' honest baseline
     and the LM head's GEMV: it is checked as the 2:4 paths are, and it can fail (a changed weight breaks it)."""

@@ -88,14 +88,15 @@ def timed(fn, held, ref, bound: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tag", help="the variant's name (its build folder)")
-    ap.add_argument("flags", nargs="*", help="extra compiler flags, e.g. -DCAST_PF_GATHER=128")
     ap.add_argument("--rows", default="1", help="comma-separated token counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--loop", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--build-root", default=str(Path(tempfile.gettempdir()) / "cast-llm-cpu24-variants"))
-    args = ap.parse_args()
+    args, flags = ap.parse_known_args()  # the rest: extra compiler flags, e.g. -DCAST_PF_GATHER=128
+    if any(not f.startswith(("-D", "-f", "-m", "-O")) for f in flags):
+        ap.error(f"not compiler flags: {[f for f in flags if not f.startswith(('-D', '-f', '-m', '-O'))]}")
     torch.set_num_threads(args.threads)
-    ops = load_variant(args.tag, args.flags, Path(args.build_root))
+    ops = load_variant(args.tag, flags, Path(args.build_root))
     for o, i, name in SHAPES:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, i, generator=torch.Generator().manual_seed(1))

@@ -140,10 +140,20 @@ CAST_AVX512_BF16 inline __m512i load32_bf16(const void* row, int64_t j, __mmask3
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // values 0..15 from lo, 16..31 from hi
 }
 
+// Where the next row's values are prefetched from when a call covers only steps [s0, s1) of each row (the
+// K-blocked path below, one row at a time): the prefetch stream runs past the end of this row's range into the
+// next row's, kPf steps ahead in the order the rows are visited, not into this row's next chunk
+struct PfAhead {
+  int64_t row, step;  // where step s0 of the current row prefetches
+};
+
+// Steps [s0, s1) of 64 inputs (32 kept values) of rows n0 .. n0 + R into acc (and the masked tail when ``tail``):
+// the loop of block_avx512_bf16, shared with the K-blocked path, whose rows cover one chunk of K each (``ahead``:
+// the prefetch of that path, see PfAhead; nullptr: the rows' own next steps)
 template <int R, int T, int Kind>
-CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta, const uint16_t* x,
-                                        float* out, int64_t n0, int64_t t0, int64_t K, int64_t N) {
-  // out: (T, R) fp32 results for rows n0.. and tokens t0..; values bf16 (Kind kBF16) or int8 (kI8)
+CAST_AVX512_BF16 inline void bf16_steps(__m512 (&acc)[R][T], const void* values, const uint8_t* meta,
+                                        const uint16_t* x, int64_t n0, int64_t t0, int64_t K, int64_t s0,
+                                        int64_t s1, bool tail, const PfAhead* ahead) {
   const int64_t half = K / 2;
   const int64_t vsize = Kind == kBF16 ? 2 : 1;
   const char* vbase = static_cast<const char*>(values);
@@ -154,21 +164,23 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
   for (int j = 0; j < 32; ++j) base_w[j] = static_cast<uint16_t>(4 * (j / 2));
   const __m512i ctrl = _mm512_load_si512(ctrl_b), base = _mm512_load_si512(base_w);
   const __m512i three = _mm512_set1_epi16(3);
-  __m512 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   constexpr int64_t kPf = R == 1 ? CAST_PF_GATHER : CAST_PF;  // prefetch distance in steps
-  const int64_t full = K / 64;  // whole steps of 64 inputs (32 kept values)
-  for (int64_t s = 0; s < full; ++s) {
+  int64_t pf_row = ahead ? ahead->row : 0, pf_step = ahead ? ahead->step : 0;
+  for (int64_t s = s0; s < s1; ++s) {
     __m512i xlo[T], xhi[T];
     for (int t = 0; t < T; ++t) {
       const uint16_t* xt = x + (t0 + t) * K + s * 64;
       xlo[t] = _mm512_loadu_si512(xt);
       xhi[t] = _mm512_loadu_si512(xt + 32);
     }
+    if (ahead) {  // one row (R == 1): the step kPf ahead in visiting order, in this row's range or a later row's
+      _mm_prefetch(vbase + (pf_row * half + pf_step * 32) * vsize, _MM_HINT_T0);
+      if ((pf_step & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + pf_row * mbytes + pf_step * 8), _MM_HINT_T0);
+      if (++pf_step == s1) pf_step = s0, ++pf_row;
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
-      if (kPf > 0) {
+      if (kPf > 0 && !ahead) {
         _mm_prefetch(vbase + (n * half + (s + kPf) * 32) * vsize, _MM_HINT_T0);
         if ((s & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + kPf) * 8), _MM_HINT_T0);
       }
@@ -181,8 +193,9 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
       }
     }
   }
+  const int64_t full = K / 64;
   const int64_t rest = K - full * 64;  // 4 .. 60 inputs left: masked loads, zeros elsewhere
-  if (rest) {
+  if (tail && rest) {
     const int64_t kept = rest / 2;
     const __mmask32 xm_lo = rest >= 32 ? 0xffffffffu : ((1u << rest) - 1);
     const __mmask32 xm_hi = rest > 32 ? ((1u << (rest - 32)) - 1) : 0;
@@ -204,9 +217,29 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
       }
     }
   }
+}
+
+template <int R, int T, int Kind>
+CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta, const uint16_t* x,
+                                        float* out, int64_t n0, int64_t t0, int64_t K, int64_t N) {
+  // out: (T, R) fp32 results for rows n0.. and tokens t0..; values bf16 (Kind kBF16) or int8 (kI8)
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  bf16_steps<R, T, Kind>(acc, values, meta, x, n0, t0, K, 0, K / 64, true, nullptr);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
   (void)N;
+}
+
+// One row's chunk [s0, s1) of steps (plus the tail with the last chunk), added into out[0 .. T) (fp32)
+template <int T, int Kind>
+CAST_AVX512_BF16 void chunk_row_bf16(const void* values, const uint8_t* meta, const uint16_t* x, float* out,
+                                     int64_t n, int64_t K, int64_t s0, int64_t s1, bool tail, PfAhead ahead) {
+  __m512 acc[1][T];
+  for (int t = 0; t < T; ++t) acc[0][t] = _mm512_setzero_ps();
+  bf16_steps<1, T, Kind>(acc, values, meta, x, n, 0, K, s0, s1, tail, &ahead);
+  for (int t = 0; t < T; ++t) out[t] += _mm512_reduce_add_ps(acc[0][t]);
 }
 
 // -------------------------------------------------------------------------- AVX-512, fp32 x, any values
@@ -894,6 +927,59 @@ inline int64_t rows_per_block(int64_t tokens, int64_t K, bool bf16_gather) {
   return kRows;
 }
 
+// K-blocking for 2-4 tokens whose activations take more than 3/4 of L1 (bf16 gather path): K is cut into chunks
+// whose activations take at most that, and each thread visits its rows chunk by chunk, one row at a time, summing
+// the chunks' fp32 products per row (the step order within a row is unchanged, the sum over chunks added). Probe
+// before it was built (docs/results/cpu24-notes.md §20, 4096×11008, 1 thread): 4 tokens 2.66 -> 1.72 ms, 2 tokens
+// 3.40 -> 1.61 ms against the four-row block. 1 = not K-blocked.
+#ifndef CAST_KBLOCK  // -DCAST_KBLOCK=0 builds without it (the A/B of §20)
+#define CAST_KBLOCK 1
+#endif
+#ifndef CAST_KBLOCK_PCT  // the activations' share of L1 above which (and to which) K is cut
+#define CAST_KBLOCK_PCT 75
+#endif
+inline int64_t k_chunks(int64_t M, int64_t K) {
+  if (!CAST_KBLOCK) return 1;
+  const int64_t full = K / 64;
+  const int64_t budget = l1_bytes() * CAST_KBLOCK_PCT / 100;  // room left for the values' lines (2 tokens × 11008 inputs: 44 KB
+  // of a 48 KB L1 ran one row a block at 3.40 ms, in two chunks 1.61: §20)
+  if (M < 2 || M > kTokens || M * K * 2 <= budget || full < 2) return 1;
+  const int64_t want = std::min(full, (M * K * 2 + budget - 1) / budget);
+  const int64_t len = (full + want - 1) / want;  // steps a chunk; no chunk left empty
+  return (full + len - 1) / len;
+}
+
+using ChunkFn = void (*)(const void*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                         bool, PfAhead);
+
+void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const uint8_t* meta, const float* scale,
+                          const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  static const ChunkFn fns[2][3] = {{&chunk_row_bf16<2, kBF16>, &chunk_row_bf16<3, kBF16>, &chunk_row_bf16<4, kBF16>},
+                                    {&chunk_row_bf16<2, kI8>, &chunk_row_bf16<3, kI8>, &chunk_row_bf16<4, kI8>}};
+  const ChunkFn fn = fns[kind == kI8 ? 1 : 0][M - 2];
+  const int64_t full = K / 64, chunks = k_chunks(M, K), len = (full + chunks - 1) / chunks;
+  const int64_t grain = std::max<int64_t>(16, (16 * 4096) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(static_cast<size_t>((b1 - b0) * M), 0.0f);  // [row][token]
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t s0 = c * len, s1 = std::min(full, s0 + len);
+      const bool tail = c == chunks - 1;
+      const int64_t span = s1 - s0;
+      for (int64_t n = b0; n < b1; ++n) {
+        const PfAhead ahead{n + CAST_PF_GATHER / span, s0 + CAST_PF_GATHER % span};
+        fn(values, meta, x, acc.data() + (n - b0) * M, n, K, s0, s1, tail, ahead);
+      }
+    }
+    for (int64_t n = b0; n < b1; ++n)
+      for (int64_t t = 0; t < M; ++t) {
+        float v = acc[(n - b0) * M + t];
+        if (scale) v *= scale[n];
+        if (bias) v += bias[n];
+        y[t * N + n] = f32_to_bf16(v);
+      }
+  });
+}
+
 // The loop both GEMMs share: threads over blocks of output rows, token blocks inside; ``block(res, n0, t0, R, T)``
 // fills res[t * R + r] with fp32 sums, which are scaled (int8 values), biased and rounded once into y (M, N).
 template <class Block>
@@ -972,6 +1058,13 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
                      scale.has_value() ? scale_f.data_ptr<float>() : nullptr,
                      bias.has_value() ? bias_f.data_ptr<float>() : nullptr, static_cast<uint16_t*>(y.data_ptr()), M,
                      N, K);
+    return y;
+  }
+  if (isa == kAvx512Bf16 && k_chunks(M, K) > 1) {
+    sparse24_mm_kblocked(static_cast<const uint16_t*>(xc.data_ptr()), vc.data_ptr(), kind, mc.data_ptr<uint8_t>(),
+                         scale.has_value() ? scale_f.data_ptr<float>() : nullptr,
+                         bias.has_value() ? bias_f.data_ptr<float>() : nullptr, static_cast<uint16_t*>(y.data_ptr()),
+                         M, N, K);
     return y;
   }
   const Table& table = table_for(isa, kind);
@@ -1157,11 +1250,15 @@ bool cpu_supports(int64_t isa) { return isa_supported(isa); }
 
 }  // namespace
 
+// the K-chunks of the avx512-bf16 path at this token count and input width (1: not K-blocked), for tests/reports
+int64_t k_chunks_op(int64_t tokens, int64_t in_features) { return k_chunks(tokens, in_features); }
+
 TORCH_LIBRARY(cast_llm_cpu24, m) {
   m.def("sparse24_mm(Tensor x, Tensor values, Tensor meta, Tensor? scale, Tensor? bias, int isa) -> Tensor");
   m.def("dense_mm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("unpack24_out(Tensor(a!) out, Tensor values, Tensor meta) -> ()");
   m.def("cpu_supports(int isa) -> bool", &cpu_supports);
+  m.def("k_chunks(int tokens, int in_features) -> int", &k_chunks_op);
 }
 
 TORCH_LIBRARY_IMPL(cast_llm_cpu24, CPU, m) {
