@@ -173,10 +173,13 @@ CAST_AVX512_BF16 inline void bf16_steps(__m512 (&acc)[R][T], const void* values,
       xlo[t] = _mm512_loadu_si512(xt);
       xhi[t] = _mm512_loadu_si512(xt + 32);
     }
-    if (ahead) {  // one row (R == 1): the step kPf ahead in visiting order, in this row's range or a later row's
-      _mm_prefetch(vbase + (pf_row * half + pf_step * 32) * vsize, _MM_HINT_T0);
-      if ((pf_step & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + pf_row * mbytes + pf_step * 8), _MM_HINT_T0);
-      if (++pf_step == s1) pf_step = s0, ++pf_row;
+    if (ahead) {  // the step kPf ahead in visiting order (R rows at a time), in these rows' range or later rows'
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(vbase + ((pf_row + r) * half + pf_step * 32) * vsize, _MM_HINT_T0);
+        if ((pf_step & 7) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(meta + (pf_row + r) * mbytes + pf_step * 8), _MM_HINT_T0);
+      }
+      if (++pf_step == s1) pf_step = s0, pf_row += R;
     }
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
@@ -232,14 +235,21 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
   (void)N;
 }
 
-// One row's chunk [s0, s1) of steps (plus the tail with the last chunk), added into out[0 .. T) (fp32)
-template <int T, int Kind>
-CAST_AVX512_BF16 void chunk_row_bf16(const void* values, const uint8_t* meta, const uint16_t* x, float* out,
-                                     int64_t n, int64_t K, int64_t s0, int64_t s1, bool tail, PfAhead ahead) {
-  __m512 acc[1][T];
-  for (int t = 0; t < T; ++t) acc[0][t] = _mm512_setzero_ps();
-  bf16_steps<1, T, Kind>(acc, values, meta, x, n, 0, K, s0, s1, tail, &ahead);
-  for (int t = 0; t < T; ++t) out[t] += _mm512_reduce_add_ps(acc[0][t]);
+#ifndef CAST_KBLOCK_ROWS  // rows a block on the K-blocked path (1 or 2)
+#define CAST_KBLOCK_ROWS 1
+#endif
+constexpr int64_t kChunkRows = CAST_KBLOCK_ROWS;
+
+// Rows n .. n + R's chunk [s0, s1) of steps (plus the tail with the last chunk), added into out[r * T + t] (fp32)
+template <int R, int T, int Kind>
+CAST_AVX512_BF16 void chunk_rows_bf16(const void* values, const uint8_t* meta, const uint16_t* x, float* out,
+                                      int64_t n, int64_t K, int64_t s0, int64_t s1, bool tail, PfAhead ahead) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  bf16_steps<R, T, Kind>(acc, values, meta, x, n, 0, K, s0, s1, tail, &ahead);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[r * T + t] += _mm512_reduce_add_ps(acc[r][t]);
 }
 
 // -------------------------------------------------------------------------- AVX-512, fp32 x, any values
@@ -954,9 +964,16 @@ using ChunkFn = void (*)(const void*, const uint8_t*, const uint16_t*, float*, i
 
 void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const uint8_t* meta, const float* scale,
                           const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  static const ChunkFn fns[2][3] = {{&chunk_row_bf16<2, kBF16>, &chunk_row_bf16<3, kBF16>, &chunk_row_bf16<4, kBF16>},
-                                    {&chunk_row_bf16<2, kI8>, &chunk_row_bf16<3, kI8>, &chunk_row_bf16<4, kI8>}};
-  const ChunkFn fn = fns[kind == kI8 ? 1 : 0][M - 2];
+  constexpr int RB = static_cast<int>(kChunkRows);
+  static const ChunkFn fns[2][3] = {{&chunk_rows_bf16<RB, 2, kBF16>, &chunk_rows_bf16<RB, 3, kBF16>,
+                                     &chunk_rows_bf16<RB, 4, kBF16>},
+                                    {&chunk_rows_bf16<RB, 2, kI8>, &chunk_rows_bf16<RB, 3, kI8>,
+                                     &chunk_rows_bf16<RB, 4, kI8>}};
+  static const ChunkFn one[2][3] = {{&chunk_rows_bf16<1, 2, kBF16>, &chunk_rows_bf16<1, 3, kBF16>,
+                                     &chunk_rows_bf16<1, 4, kBF16>},
+                                    {&chunk_rows_bf16<1, 2, kI8>, &chunk_rows_bf16<1, 3, kI8>,
+                                     &chunk_rows_bf16<1, 4, kI8>}};
+  const ChunkFn fn = fns[kind == kI8 ? 1 : 0][M - 2], fn1 = one[kind == kI8 ? 1 : 0][M - 2];
   const int64_t full = K / 64, chunks = k_chunks(M, K), len = (full + chunks - 1) / chunks;
   const int64_t grain = std::max<int64_t>(16, (16 * 4096) / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
@@ -965,9 +982,14 @@ void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const
       const int64_t s0 = c * len, s1 = std::min(full, s0 + len);
       const bool tail = c == chunks - 1;
       const int64_t span = s1 - s0;
-      for (int64_t n = b0; n < b1; ++n) {
-        const PfAhead ahead{n + CAST_PF_GATHER / span, s0 + CAST_PF_GATHER % span};
+      int64_t n = b0;
+      for (; n + RB <= b1; n += RB) {  // RB rows at a time, then the rest one by one
+        const PfAhead ahead{n + RB * (CAST_PF_GATHER / span), s0 + CAST_PF_GATHER % span};
         fn(values, meta, x, acc.data() + (n - b0) * M, n, K, s0, s1, tail, ahead);
+      }
+      for (; n < b1; ++n) {
+        const PfAhead ahead{n + CAST_PF_GATHER / span, s0 + CAST_PF_GATHER % span};
+        fn1(values, meta, x, acc.data() + (n - b0) * M, n, K, s0, s1, tail, ahead);
       }
     }
     for (int64_t n = b0; n < b1; ++n)
