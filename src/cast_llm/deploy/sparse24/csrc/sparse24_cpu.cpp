@@ -951,8 +951,9 @@ inline int64_t rows_per_block(int64_t tokens, int64_t K, bool bf16_gather) {
 inline int64_t k_chunks(int64_t M, int64_t K) {
   if (!CAST_KBLOCK) return 1;
   const int64_t full = K / 64;
-  const int64_t budget = l1_bytes() * CAST_KBLOCK_PCT / 100;  // room left for the values' lines (2 tokens × 11008 inputs: 44 KB
-  // of a 48 KB L1 ran one row a block at 3.40 ms, in two chunks 1.61: §20)
+  // the rest of L1 is room for the values' lines: 2 tokens × 11008 inputs (44 KB of a 48 KB L1) ran one row a
+  // block at 3.40 ms, in two chunks 1.61 (§20); cut at 1/2 of L1 the 4096-input shapes ran 1.3-1.6x slower
+  const int64_t budget = l1_bytes() * CAST_KBLOCK_PCT / 100;
   if (M < 2 || M > kTokens || M * K * 2 <= budget || full < 2) return 1;
   const int64_t want = std::min(full, (M * K * 2 + budget - 1) / budget);
   const int64_t len = (full + want - 1) / want;  // steps a chunk; no chunk left empty
