@@ -73,7 +73,7 @@ CPU_CASES = [
 # DDP replicates everything: 2 × the single process's ~8 GiB does not fit the CPU budget (the plan says so)
 # long sequences (issue 51: the plan's per-step terms — logits, the loss's fp32 copies, recomputation — against a
 # run at 8k-16k tokens with a 128k vocabulary, with and without recomputation); not in the default run (minutes each,
-# up to ~12 GiB): --cases long-8k,long-8k-full,long-8k-selective,long-16k-nokd-fused
+# up to ~16 GiB): --cases long-8k,long-8k-full,long-8k-selective,long-8k-nokd-fused,long-16k-nokd-fused
 _LONG = "SmolLM2-135M's widths, 2 of its 30 blocks, a 128k vocabulary (Llama-3's): the logits' regime"
 LONG_CASES = [
     Case("long-8k", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256, note=_LONG, flags=["--test-sequences", "1"]),
@@ -82,7 +82,8 @@ LONG_CASES = [
     Case("long-8k-selective", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256, note=_LONG,
          flags=["--test-sequences", "1", "--activation-checkpointing", "selective"]),
     # 16k tokens × a 128k vocabulary: full logits with their fp32 copies and gradient plan at 24.5 GiB (refused on
-    # this 24 GiB machine), so the 16k case takes the fused head and loss, which never holds them
+    # this 24 GiB machine), so the 16k case takes the fused head and loss, which never holds them; its 8k twin
+    # tells a term that grows with the tokens from one that does not
     Case("long-8k-nokd-fused", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256,
          note=_LONG + ", no KD, the fused head", flags=["--test-sequences", "1", "--no-kd", "--fused-head"]),
     Case("long-16k-nokd-fused", "smollm2-135m", "single", 1, 1, 16384, layers=2, vocab=128256,
