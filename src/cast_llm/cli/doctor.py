@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from cast_llm.cli.options import resolve_options
+from cast_llm.config import ThreadSettings, add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from cast_llm.doctor import doctor, format_doctor
     from cast_llm.train.threads import setup_threads
 
     # the probes time each candidate against its reference: on a core another job keeps busy, two threads spin
     # at every barrier (measured here, the experiment queue on one core: 132 s at 2 threads, 30 s at 1)
-    said = setup_threads(args)
+    said = setup_threads(resolve_options(ThreadSettings, args))
     if said and "other processes" in said:
         print(said, file=sys.stderr)
     report = doctor(recheck=args.recheck)
@@ -35,6 +37,5 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--recheck", action="store_true",
                    help="probe every candidate again instead of reading the verdict file (the file is updated)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the probes (default 0: the cores other processes are not using now)")
+    add_arguments(p, ThreadSettings)  # --threads, declared once (cast_llm.config)
     p.set_defaults(func=run)
