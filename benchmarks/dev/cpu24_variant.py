@@ -19,17 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from cast_llm.deploy.sparse24 import cpu as cpu24
-from cast_llm.deploy.sparse24.timing import l3_bytes, random_24_weight
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the record's own timing loop
+from cpu24 import rel_err, seconds  # noqa: E402
+
+from cast_llm.deploy.sparse24 import cpu as cpu24  # noqa: E402
+from cast_llm.deploy.sparse24.timing import l3_bytes, random_24_weight  # noqa: E402
 
 SHAPES = [(4096, 4096, "qkvo"), (11008, 4096, "gate/up"), (4096, 11008, "down")]
 
@@ -48,24 +50,6 @@ def load_variant(tag: str, flags: list[str], root: Path):
     return getattr(torch.ops, cpu24.NAME)
 
 
-def seconds(fns, repeats: int = 7, min_time: float = 0.3) -> float:
-    """Median seconds per call over round-robin calls of ``fns`` (one per weight copy)."""
-    for fn in fns[:2]:
-        fn()
-    t0 = time.perf_counter()
-    for fn in fns:
-        fn()
-    rounds = max(1, int(min_time / max(time.perf_counter() - t0, 1e-9)))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-        ts.append((time.perf_counter() - t0) / (rounds * len(fns)))
-    return statistics.median(ts)
-
-
 def nbytes(held) -> int:
     if isinstance(held, dict):
         return sum(t.numel() * t.element_size() for t in held.values())
@@ -79,10 +63,10 @@ def copies_of(held) -> list:
 
 
 def timed(fn, held, ref, bound: float) -> float:
-    err = float((fn(held).double() - ref).abs().max() / ref.abs().max())
+    err = rel_err(fn(held), ref)
     if not err < bound:
         raise SystemExit(f"wrong product: relative error {err:.3g} >= {bound}")
-    return seconds([lambda c=c: fn(c) for c in copies_of(held)])
+    return seconds([lambda c=c: fn(c) for c in copies_of(held)], repeats=7, min_time=0.3)
 
 
 def main() -> None:
