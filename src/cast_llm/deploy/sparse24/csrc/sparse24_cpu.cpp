@@ -235,11 +235,6 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
   (void)N;
 }
 
-#ifndef CAST_KBLOCK_ROWS  // rows a block on the K-blocked path (1 or 2)
-#define CAST_KBLOCK_ROWS 1
-#endif
-constexpr int64_t kChunkRows = CAST_KBLOCK_ROWS;
-
 // Rows n .. n + R's chunk [s0, s1) of steps (plus the tail with the last chunk), added into out[r * T + t] (fp32)
 template <int R, int T, int Kind>
 CAST_AVX512_BF16 void chunk_rows_bf16(const void* values, const uint8_t* meta, const uint16_t* x, float* out,
@@ -965,16 +960,12 @@ using ChunkFn = void (*)(const void*, const uint8_t*, const uint16_t*, float*, i
 
 void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const uint8_t* meta, const float* scale,
                           const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  constexpr int RB = static_cast<int>(kChunkRows);
-  static const ChunkFn fns[2][3] = {{&chunk_rows_bf16<RB, 2, kBF16>, &chunk_rows_bf16<RB, 3, kBF16>,
-                                     &chunk_rows_bf16<RB, 4, kBF16>},
-                                    {&chunk_rows_bf16<RB, 2, kI8>, &chunk_rows_bf16<RB, 3, kI8>,
-                                     &chunk_rows_bf16<RB, 4, kI8>}};
-  static const ChunkFn one[2][3] = {{&chunk_rows_bf16<1, 2, kBF16>, &chunk_rows_bf16<1, 3, kBF16>,
+  // one row at a time (two rows a block measured slower: §20)
+  static const ChunkFn fns[2][3] = {{&chunk_rows_bf16<1, 2, kBF16>, &chunk_rows_bf16<1, 3, kBF16>,
                                      &chunk_rows_bf16<1, 4, kBF16>},
                                     {&chunk_rows_bf16<1, 2, kI8>, &chunk_rows_bf16<1, 3, kI8>,
                                      &chunk_rows_bf16<1, 4, kI8>}};
-  const ChunkFn fn = fns[kind == kI8 ? 1 : 0][M - 2], fn1 = one[kind == kI8 ? 1 : 0][M - 2];
+  const ChunkFn fn = fns[kind == kI8 ? 1 : 0][M - 2];
   const int64_t full = K / 64, chunks = k_chunks(M, K), len = (full + chunks - 1) / chunks;
   const int64_t grain = std::max<int64_t>(16, (16 * 4096) / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
@@ -983,14 +974,9 @@ void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const
       const int64_t s0 = c * len, s1 = std::min(full, s0 + len);
       const bool tail = c == chunks - 1;
       const int64_t span = s1 - s0;
-      int64_t n = b0;
-      for (; n + RB <= b1; n += RB) {  // RB rows at a time, then the rest one by one
-        const PfAhead ahead{n + RB * (CAST_PF_GATHER / span), s0 + CAST_PF_GATHER % span};
-        fn(values, meta, x, acc.data() + (n - b0) * M, n, K, s0, s1, tail, ahead);
-      }
-      for (; n < b1; ++n) {
+      for (int64_t n = b0; n < b1; ++n) {
         const PfAhead ahead{n + CAST_PF_GATHER / span, s0 + CAST_PF_GATHER % span};
-        fn1(values, meta, x, acc.data() + (n - b0) * M, n, K, s0, s1, tail, ahead);
+        fn(values, meta, x, acc.data() + (n - b0) * M, n, K, s0, s1, tail, ahead);
       }
     }
     for (int64_t n = b0; n < b1; ++n)
