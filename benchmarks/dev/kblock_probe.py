@@ -3,7 +3,8 @@
 At 4 tokens its activations (4 × 11008 × 2 bytes = 88 KB) do not fit L1, so the gather path takes four rows a
 block. Probe without changing the kernel: the weight compressed in K-chunks whose activations fit L1 (each chunk
 a 2:4 layer of its own, so the kernel takes one row a block with its 8 KB prefetch), the chunks' products summed,
-against the one call on the whole weight. Weights cycled past L3, the two forms interleaved over rounds.
+against the one call on the whole weight. Weights cycled past L3, the two forms interleaved over rounds
+(``cycles.cycled_many``, as the dispatcher times its candidates); medians printed.
 
     python benchmarks/dev/kblock_probe.py --tokens 4 --chunks 4 --threads 1
 """
@@ -12,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from cast_llm.deploy.sparse24 import cpu as cpu24
-from cast_llm.deploy.sparse24.timing import l3_bytes, random_24_weight
+from cast_llm.deploy.sparse24.cycles import cycled_many
+from cast_llm.deploy.sparse24.timing import random_24_weight
 
 
 def main() -> None:
@@ -37,41 +37,30 @@ def main() -> None:
     kc = i // args.chunks
     assert kc % 64 == 0, f"chunk of {kc} inputs: not a multiple of 64"
     whole = cpu24.compress(w)
-    parts = [cpu24.compress(w[:, c * kc:(c + 1) * kc].contiguous()) for c in range(args.chunks)]
+    parts = {}  # one state of tensors, so that the timing clones it like any compressed weight
+    for c in range(args.chunks):
+        p = cpu24.compress(w[:, c * kc:(c + 1) * kc].contiguous())
+        parts[f"values{c}"], parts[f"meta{c}"] = p["values"], p["meta"]
     xs = [x[:, c * kc:(c + 1) * kc].contiguous() for c in range(args.chunks)]
 
     def one(s):
         return ops.sparse24_mm(x, s["values"], s["meta"], None, None, 0)
 
-    def chunked(ps):
+    def chunked(s):
         y = None
-        for xc, p in zip(xs, ps):
-            part = ops.sparse24_mm(xc, p["values"], p["meta"], None, None, 0).float()
+        for c, xc in enumerate(xs):
+            part = ops.sparse24_mm(xc, s[f"values{c}"], s[f"meta{c}"], None, None, 0).float()
             y = part if y is None else y.add_(part)
         return y
 
     for name, fn, held in (("whole", one, whole), ("chunked", chunked, parts)):
         err = float((fn(held).double() - ref).abs().max() / ref.abs().max())
         assert err < 0.02, (name, err)
-    nbytes = sum(t.numel() * t.element_size() for t in whole.values())
-    copies = max(2, -(-2 * l3_bytes() // nbytes))
-    forms = {"whole": (one, [whole] + [{k: t.clone() for k, t in whole.items()} for _ in range(copies - 1)]),
-             "chunked": (chunked, [parts] + [[{k: t.clone() for k, t in p.items()} for p in parts]
-                                             for _ in range(copies - 1)])}
-    times = {k: [] for k in forms}
-    for _ in range(args.rounds):
-        for k, (fn, cs) in forms.items():
-            for c in cs[:1]:
-                fn(c)
-            t0 = time.perf_counter()
-            for _ in range(3):
-                for c in cs:
-                    fn(c)
-            times[k].append((time.perf_counter() - t0) / (3 * len(cs)) * 1e3)
+    # the dispatcher's paired timing: both forms interleaved over rounds, each over copies past the last-level cache
+    t_whole, t_chunked = cycled_many([(one, whole), (chunked, parts)], repeats=args.rounds)
     print(json.dumps({"tokens": args.tokens, "chunks": args.chunks, "threads": args.threads,
-                      **{f"{k}_ms": [round(t, 3) for t in v] for k, v in times.items()},
-                      "median_ratio": round(statistics.median(times["whole"]) / statistics.median(times["chunked"]), 3)}))
-
+                      "whole_ms": round(t_whole * 1e3, 3), "chunked_ms": round(t_chunked * 1e3, 3),
+                      "median_ratio": round(t_whole / t_chunked, 3)}))
 
 if __name__ == "__main__":
     main()
