@@ -228,7 +228,6 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
     for (out_f, in_f), names in shapes.items():
         w = random_24_weight(out_f, in_f, dtype, device)
         for regime, tokens in token_counts.items():
-            x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
             if device.type == "cpu":
                 # dense and every kernel timed together, interleaved, each weight cycled past the last-level cache
                 # (the dispatcher's own paired measurement): timed one after another, a slow spell of this CPU's
@@ -236,20 +235,18 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 # of the table, saw 1.14x; docs/results/cpu24-notes.md §18)
                 from cast_llm.deploy.sparse24.timing import measure_gemms
 
-                paired = measure_gemms(["dense", *kernels], out_f, in_f, dtype, tokens, "eager", device)
-
-                def time_one(kernel, paired=paired):
-                    return paired[kernel][0]
+                secs = {k: sec for k, (sec, _) in measure_gemms(["dense", *kernels], out_f, in_f, dtype, tokens,
+                                                                "eager", device).items()}
             else:
-                def time_one(kernel, w=w, x=x):
-                    return timed(gemm_fn(kernel, w, x), device, warmup=warmup, repeats=repeats)
-            dense_s = time_one("dense")
+                x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
+                secs = {k: timed(gemm_fn(k, w, x), device, warmup=warmup, repeats=repeats) for k in ["dense", *kernels]}
+            dense_s = secs["dense"]
             dense_bytes = w.numel() * w.element_size()
             row = {"layers": ",".join(names), "out": out_f, "in": in_f, "regime": regime, "tokens": tokens,
                    "dense_us": dense_s * 1e6, "dense_gbps": dense_bytes / dense_s / 1e9}
             best = None
             for k in kernels:
-                s = time_one(k)
+                s = secs[k]
                 if math.isfinite(s) and (best is None or s < best[1]):  # inf: the kernel failed or was wrong
                     best = (k, s)
             if best is not None:
