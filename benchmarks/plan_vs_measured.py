@@ -105,7 +105,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(case: Case, folder: Path, device: str, vocab: int | None = None) -> Path:
+def make_model(case: Case, folder: Path, device: str, vocab: int | None = None, positions: int | None = None) -> Path:
     """A random-weight model of ``case`` (bf16 on disk on a GPU machine: half the bytes to write) with a
     small byte-level BPE tokenizer, in ``folder``."""
     import torch
@@ -121,8 +121,8 @@ def make_model(case: Case, folder: Path, device: str, vocab: int | None = None) 
         d["num_hidden_layers"] = case.layers
     if vocab:
         d["vocab_size"] = vocab
-    if case.seq > d.get("max_position_embeddings", case.seq):  # a longer sequence than the config's (16k cases)
-        d["max_position_embeddings"] = case.seq
+    if positions:  # a longer sequence than the config's (the 16k case)
+        d["max_position_embeddings"] = positions
     cfg = AutoConfig.for_model(**d)  # the embedded config names its model_type
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -168,9 +168,9 @@ def run_case(case: Case, work: Path, *, device: str, steps: int, timeout: int, v
     vocab = case.vocab or vocab
     from cast_llm.plan.shapes import embedded_config
 
-    longer = case.seq > embedded_config(case.model).get("max_position_embeddings", case.seq)
-    name = f"model-{case.model}-{case.layers or 'all'}-{vocab or 'v'}" + (f"-pos{case.seq}" if longer else "")
-    model = make_model(case, work / name, device, vocab)
+    positions = case.seq if case.seq > embedded_config(case.model).get("max_position_embeddings", case.seq) else None
+    name = f"model-{case.model}-{case.layers or 'all'}-{vocab or 'v'}" + (f"-pos{positions}" if positions else "")
+    model = make_model(case, work / name, device, vocab, positions)
     corpus, wiki = write_data(work)
     out = work / f"run-{case.name}"
     shutil.rmtree(out, ignore_errors=True)  # a stale results.json would be read as this run's
