@@ -22,7 +22,8 @@ EXCLUDED_MODULES: tuple[str, ...] = ()
 # Field names still declared in more than one config dataclass, each with the classes that declare it. The list
 # may only shrink: a new double declaration fails below, and so does an entry here that no longer exists (take it
 # out). Each is a setting of the same name whose default, choices or meaning differ between the commands (a
-# --method of train, prune and quantize are three different lists), or a command not yet moved onto the groups.
+# --method of train, prune and quantize are three different lists); every command now takes the groups for the
+# settings it shares (generate's and eval zeroshot's --model, bench-inference's and scaling-law's --plot).
 KNOWN = {
     # the same name, another setting: a different list of methods, a KD vs a sampling temperature, a different
     # default (eval_seq_len: --seq-len for train and prune, 512 for quantize; lr: by --mode for finetune)
@@ -36,10 +37,12 @@ KNOWN = {
     "val_fraction": {"DataSettings", "FinetuneConfig"},
     "device": {"RunConfig", "BlockCalibrationSettings", "BenchInferenceConfig", "ZeroShotOptions"},
     "dtype": {"ExportConfig", "QuantizeConfig", "BenchInferenceConfig", "GenerateConfig", "ZeroShotOptions"},
-    # commands not yet moved onto the groups (generate, eval zeroshot, scaling-law, finetune's MODEL)
-    "model": {"ModelSettings", "FinetuneConfig", "GenerateConfig", "ZeroShotOptions"},
+    # finetune's MODEL is positional and required (the others default to the embedded model); the sweep's folder
+    # holds one run folder per budget and resumes or restarts each itself (no --overwrite), zeroshot's defaults
+    # to "." and holds two report files; generate's token count is the answer's length, finetune's the cap of
+    # its exact-match check (64 against 32)
+    "model": {"ModelSettings", "FinetuneConfig"},
     "output_dir": {"OutputSettings", "SweepOptions", "ZeroShotOptions"},
-    "plot": {"BenchInferenceConfig", "FitOptions"},
     "max_new_tokens": {"FinetuneConfig", "GenerateConfig"},
 }
 

@@ -230,9 +230,15 @@ def test_cli_offline_task_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_needs_model(capsys):
-    assert main(["eval", "zeroshot", "--tasks", "cast_mc"]) == 2
-    assert "--model is required" in capsys.readouterr().err
+def test_without_model_the_embedded_model_is_scored():
+    import argparse
+
+    from cast_llm.cli.eval_zeroshot import ZeroShotOptions
+    from cast_llm.cli.options import resolve_options
+    from cast_llm.config import ModelSettings
+
+    # the one --model of every command that loads a model (cast_llm.config.ModelSettings), with its default
+    assert resolve_options(ZeroShotOptions, argparse.Namespace()).model == ModelSettings().model == "smollm2-135m"
 
 
 def test_eval_without_subcommand_prints_help(capsys):

@@ -406,5 +406,12 @@ class ThreadSettings:
 
 
 @dataclasses.dataclass
+class PlotSettings:
+    """``--plot PNG``: the commands whose result is a figure as well as a table (bench-inference, scaling-law)."""
+
+    plot: str | None = option(None, "also draw the result into this PNG file")
+
+
+@dataclasses.dataclass
 class JsonSettings:
     json: bool = option(False, "print the result as one JSON object")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import JsonSettings, KernelSettings, SeedSettings, option
+from cast_llm.config import JsonSettings, KernelSettings, ModelSettings, SeedSettings, option
 from cast_llm.errors import CastError
 
 # kept here (not imported from cast_llm.eval.zeroshot) so that `cast-llm --help` does not import lm-eval
@@ -42,15 +42,13 @@ MODEL, TASKS, OUTPUT = "model", "tasks", "output"
 
 
 @dataclass
-class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings):
-    OPTION_TEXT = {"seed": "seed of python/numpy/torch and of the few-shot sampler",
+class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings, ModelSettings):
+    OPTION_TEXT = {"model": "the model to score: a local folder, a .gguf file, a hub id or an alias (default: "
+                            "smollm2-135m, the embedded model)",
+                   "seed": "seed of python/numpy/torch and of the few-shot sampler",
                    "json": "print the result as JSON instead of a table"}
-    OPTION_SECTIONS = {"kernels": MODEL, "seed": TASKS, "json": OUTPUT}
+    OPTION_SECTIONS = {"model": MODEL, "kernels": MODEL, "seed": TASKS, "json": OUTPUT}
 
-    model: str | None = option(
-        None, "the model to score (required): a local folder, a .gguf file, a hub id or an alias (smollm2-135m)",
-        section=MODEL,
-    )
     tasks: str = option(
         DEFAULT_TASKS, "comma-separated lm-eval task names (default: the paper's zero-shot suite)", section=TASKS
     )
@@ -70,8 +68,6 @@ class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings):
     verbose: bool = option(False, "show lm-eval's own log", section=OUTPUT)
 
     def validate(self) -> None:
-        if not self.model:
-            raise CastError("--model is required (a local folder, a .gguf file, a hub id or an alias)")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise CastError(f"--num-fewshot must be ≥ 0, got {self.num_fewshot}")
 

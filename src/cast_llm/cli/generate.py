@@ -16,20 +16,20 @@ import sys
 from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import JsonSettings, KernelSettings, SeedSettings, ThreadSettings, option
+from cast_llm.config import JsonSettings, KernelSettings, ModelSettings, SeedSettings, ThreadSettings, option
 from cast_llm.errors import CastError
 
 MODEL, TEXT, OUTPUT = "model", "text", "output"
 
 
 @dataclass
-class GenerateConfig(JsonSettings, SeedSettings, KernelSettings, ThreadSettings):
-    OPTION_TEXT = {"seed": "seed of the sampling",
+class GenerateConfig(JsonSettings, SeedSettings, KernelSettings, ThreadSettings, ModelSettings):
+    OPTION_TEXT = {"model": "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
+                            "folder) or alias (default: smollm2-135m, the embedded model)",
+                   "seed": "seed of the sampling",
                    "json": "print one JSON object (text, tokens, timings) instead of text"}
-    OPTION_SECTIONS = {"kernels": MODEL, "seed": TEXT, "json": OUTPUT, "threads": MODEL}
+    OPTION_SECTIONS = {"model": MODEL, "kernels": MODEL, "seed": TEXT, "json": OUTPUT, "threads": MODEL}
 
-    model: str = option("", "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
-                            "folder) or alias (smollm2-135m)", section=MODEL)
     prompt: str = option("", "the text to continue", section=TEXT)
     max_new_tokens: int = option(64, "tokens to generate", min=1, section=TEXT)
     sample: bool = option(False, "sample (with --temperature / --top-p) instead of greedy decoding", section=TEXT)
@@ -43,8 +43,6 @@ class GenerateConfig(JsonSettings, SeedSettings, KernelSettings, ThreadSettings)
                         section=MODEL)
 
     def validate(self) -> None:
-        if not self.model:
-            raise CastError("--model is required (a model folder or alias)")
         if not self.prompt:
             raise CastError("--prompt is required: the text to continue")
 

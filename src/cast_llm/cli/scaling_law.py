@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import resolve_options, summary
-from cast_llm.config import JsonSettings, add_arguments, cli_layer, option
+from cast_llm.config import JsonSettings, PlotSettings, add_arguments, cli_layer, option
 from cast_llm.errors import CastError
 
 METRICS = ("wikitext2", "heldout")  # = cast_llm.scaling_law.METRICS, kept here so --help stays fast
@@ -28,7 +28,9 @@ CHINCHILLA_BETA = 0.2849  # = cast_llm.scaling_law.CHINCHILLA_BETA
 
 
 @dataclass
-class FitOptions(JsonSettings):
+class FitOptions(JsonSettings, PlotSettings):
+    OPTION_TEXT = {"plot": "write the fitted curve with the points to this PNG"}
+
     dense_ppl: float | None = option(
         None, "perplexity of the dense model, for D* (default: from the run folders)"
     )
@@ -39,7 +41,6 @@ class FitOptions(JsonSettings):
         "when a run has none, with a note)",
         choices=METRICS,
     )
-    plot: str | None = option(None, "write the fitted curve with the points to this PNG")
 
 
 @dataclass

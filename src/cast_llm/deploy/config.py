@@ -16,6 +16,7 @@ from cast_llm.config import (
     ModelSettings,
     NMSettings,
     OutputSettings,
+    PlotSettings,
     SeedSettings,
     option,
 )
@@ -83,7 +84,7 @@ class BenchConfig:
 
 
 @dataclass
-class BenchInferenceConfig(JsonSettings, SeedSettings, KernelSettings, BenchConfig, ModelSettings):
+class BenchInferenceConfig(JsonSettings, PlotSettings, SeedSettings, KernelSettings, BenchConfig, ModelSettings):
     """``cast-llm bench-inference``: :class:`BenchConfig` on a model loaded (or built at random) here, at one or
     several batch sizes, reported as tables, JSON and a plot."""
 
@@ -93,15 +94,14 @@ class BenchInferenceConfig(JsonSettings, SeedSettings, KernelSettings, BenchConf
                         choices=("fp16", "bf16", "fp32"), section=MODEL)
     device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", section=MODEL)
     json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
-    plot: str | None = option(None, "also draw the report (tokens/s dense vs 2:4, per-linear speed-ups) into this "
-                                    "PNG file", section=OUTPUT)
 
     OPTION_TEXT = {
         "model": "model folder, hub id, alias (smollm2-135m) or random:llama-2-7b / random:llama-2-13b",
         "seed": "seed of the random prompt (and of random: models)",
         "json": "print the report as one JSON object instead of a table",
+        "plot": "also draw the report (tokens/s dense vs 2:4, per-linear speed-ups) into this PNG file",
     }
-    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL, "json": OUTPUT}
+    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL, "json": OUTPUT, "plot": OUTPUT}
 
     def validate(self) -> None:
         if not self.model:
