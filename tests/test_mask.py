@@ -219,3 +219,31 @@ def test_masks_digest_names_the_masks_not_the_file(tmp_path):
     moved["b.proj"][0, :4] = ~moved["b.proj"][0, :4]  # the group's other two weights kept: still 2:4
     assert masks_digest(moved) != masks_digest(masks)
     assert masks_digest({"c.proj": masks["a.proj"], "b.proj": masks["b.proj"]}) != masks_digest(masks)
+
+
+def test_a_mask_file_holds_eight_entries_a_byte_and_reads_back_exactly(tmp_path):
+    """Packed bits: every entry back in place whatever the shape (a tail that does not fill a byte, a
+    transposed Conv1D layout), about an eighth of a bool file's bytes; a file of bool tensors (before the
+    packing) still loads, a damaged one is a one-line error."""
+    from safetensors.torch import save_file
+
+    from cast_llm.errors import CastError
+    from cast_llm.sparsity.mask_io import MASKS_MARKER, load_masks, save_masks
+
+    g = torch.Generator().manual_seed(3)
+    masks = {"a.proj": nm_mask(torch.randn(64, 128, generator=g), 2, 4),
+             "b.proj": nm_mask(torch.randn(12, 8, generator=g), 2, 4).t().contiguous(),  # (8, 12): transposed
+             "c.proj": torch.rand(3, 7, generator=g) > 0.5}  # 21 entries: a last byte with 3 bits unused
+    path = save_masks(tmp_path / "m.safetensors", masks, n=2, m=4, source="test")
+    back, meta = load_masks(path)
+    assert meta["packing"] == "bits" and set(back) == set(masks)
+    for k, v in masks.items():
+        assert back[k].dtype == torch.bool and back[k].shape == v.shape and torch.equal(back[k], v), k
+    bools = tmp_path / "old.safetensors"
+    save_file({k: v for k, v in masks.items()}, str(bools), metadata={"written_by": MASKS_MARKER, "n": "2", "m": "4"})
+    assert all(torch.equal(load_masks(bools)[0][k], v) for k, v in masks.items())
+    assert path.stat().st_size < 0.2 * bools.stat().st_size
+    save_file({"a.proj": torch.zeros(5, dtype=torch.uint8)}, str(tmp_path / "bad.safetensors"),
+              metadata={"written_by": MASKS_MARKER, "packing": "bits", "shapes": '{"a.proj": [64, 128]}'})
+    with pytest.raises(CastError, match="cannot be read as a mask file"):
+        load_masks(tmp_path / "bad.safetensors")

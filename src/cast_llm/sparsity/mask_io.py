@@ -1,14 +1,17 @@
 """N:M masks as files: what a run starts from with ``--mask-file``, so that a mask (a one-shot method's, or
 the one a CAST run learned) can be swapped under one and the same retraining recipe and the comparison rerun.
 
-A mask file is a ``.safetensors`` of bool tensors keyed by target name (``model.layers.0.mlp.up_proj``), in
-the weight's own layout, with ``{"written_by": "cast-llm masks", "n", "m", "source"}`` in its metadata.
+A mask file is a ``.safetensors`` keyed by target name (``model.layers.0.mlp.up_proj``), each mask in the
+weight's own layout packed eight entries a byte (:func:`cast_llm.sparsity.pack_mask`: an eighth of a bool
+tensor's bytes; SmolLM2-135M's masks take 13 MB), with ``{"written_by": "cast-llm masks", "n", "m", "source", "packing": "bits", "shapes"}`` in its metadata. A file
+written before the packing (bool tensors, no ``packing``) still loads.
 A sparse model folder (a ``cast-llm train`` / ``prune`` export) works too: its mask is where its target
 weights are not zero (:func:`mask_of_zeros`; read by :func:`cast_llm.train.methods.masks.masks_from`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -16,7 +19,7 @@ from torch import Tensor
 
 from cast_llm.errors import CastError
 from cast_llm.io import atomic_write_bytes
-from cast_llm.sparsity.mask import magnitude_mask
+from cast_llm.sparsity.mask import magnitude_mask, pack_mask, unpack_mask
 
 __all__ = ["MASKS_MARKER", "mask_of_zeros", "masks_digest", "save_masks", "load_masks"]
 
@@ -40,8 +43,10 @@ def save_masks(path: str | Path, masks: dict[str, Tensor], *, n: int, m: int, so
     from safetensors.torch import save
 
 
-    blob = save({k: v.to(torch.bool).contiguous().cpu() for k, v in sorted(masks.items())},
-                metadata={"written_by": MASKS_MARKER, "n": str(n), "m": str(m), "source": source})
+    items = sorted(masks.items())
+    blob = save({k: pack_mask(v.detach().to(torch.bool).contiguous().cpu()) for k, v in items},
+                metadata={"written_by": MASKS_MARKER, "n": str(n), "m": str(m), "source": source,
+                          "packing": "bits", "shapes": json.dumps({k: list(v.shape) for k, v in items})})
     return atomic_write_bytes(path, blob)
 
 
@@ -69,7 +74,12 @@ def load_masks(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             meta = f.metadata() or {}
             if meta.get("written_by") != MASKS_MARKER:
                 raise CastError(f"{path}: not a cast-llm mask file (no '{MASKS_MARKER}' marker in its metadata)")
-            return {k: f.get_tensor(k).to(torch.bool) for k in f.keys()}, meta
+            if meta.get("packing") is None:  # a file from before the packing: bool tensors
+                return {k: f.get_tensor(k).to(torch.bool) for k in f.keys()}, meta
+            if meta["packing"] != "bits":
+                raise CastError(f"{path}: unknown mask packing {meta['packing']!r} (this cast-llm reads 'bits')")
+            shapes = json.loads(meta["shapes"])
+            return {k: unpack_mask(f.get_tensor(k), shapes[k]) for k in f.keys()}, meta
     except CastError:
         raise
     except Exception as e:  # a damaged or foreign file
