@@ -230,7 +230,7 @@ def test_cli_offline_task_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_without_model_the_embedded_model_is_scored():
+def test_without_model_the_embedded_model_is_the_default():
     import argparse
 
     from cast_llm.cli.eval_zeroshot import ZeroShotOptions

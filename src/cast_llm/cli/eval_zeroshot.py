@@ -43,8 +43,8 @@ MODEL, TASKS, OUTPUT = "model", "tasks", "output"
 
 @dataclass
 class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings, ModelSettings):
-    OPTION_TEXT = {"model": "the model to score: a local folder, a .gguf file, a hub id or an alias (default: "
-                            "smollm2-135m, the embedded model)",
+    OPTION_TEXT = {"model": "the model to score: a local folder, a .gguf file, a hub id or an alias "
+                            "(smollm2-135m: the embedded model)",
                    "seed": "seed of python/numpy/torch and of the few-shot sampler",
                    "json": "print the result as JSON instead of a table"}
     OPTION_SECTIONS = {"model": MODEL, "kernels": MODEL, "seed": TASKS, "json": OUTPUT}

@@ -25,7 +25,7 @@ MODEL, TEXT, OUTPUT = "model", "text", "output"
 @dataclass
 class GenerateConfig(JsonSettings, SeedSettings, KernelSettings, ThreadSettings, ModelSettings):
     OPTION_TEXT = {"model": "model folder (cast-llm export, any format but compressed-tensors; a Hugging Face "
-                            "folder) or alias (default: smollm2-135m, the embedded model)",
+                            "folder) or alias (smollm2-135m: the embedded model)",
                    "seed": "seed of the sampling",
                    "json": "print one JSON object (text, tokens, timings) instead of text"}
     OPTION_SECTIONS = {"model": MODEL, "kernels": MODEL, "seed": TEXT, "json": OUTPUT, "threads": MODEL}

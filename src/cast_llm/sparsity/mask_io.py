@@ -3,8 +3,9 @@ the one a CAST run learned) can be swapped under one and the same retraining rec
 
 A mask file is a ``.safetensors`` keyed by target name (``model.layers.0.mlp.up_proj``), each mask in the
 weight's own layout packed eight entries a byte (:func:`cast_llm.sparsity.pack_mask`: an eighth of a bool
-tensor's bytes; SmolLM2-135M's masks take 13 MB), with ``{"written_by": "cast-llm masks", "n", "m", "source", "packing": "bits", "shapes"}`` in its metadata. A file
-written before the packing (bool tensors, no ``packing``) still loads.
+tensor's bytes; SmolLM2-135M's masks take 13 MB), with ``{"written_by": "cast-llm masks", "n", "m", "source",
+"packing": "bits", "shapes"}`` in its metadata. A file written before the packing (bool tensors, no ``packing``)
+still loads.
 A sparse model folder (a ``cast-llm train`` / ``prune`` export) works too: its mask is where its target
 weights are not zero (:func:`mask_of_zeros`; read by :func:`cast_llm.train.methods.masks.masks_from`).
 """
