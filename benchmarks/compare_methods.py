@@ -227,6 +227,15 @@ def read_row(path: Path) -> dict:
     time from the run's clock here), with its WikiText-2 figure on the first windows where ``--first-windows``
     scored its saved model (``first_windows.json`` beside it)."""
     row = whole_run_wall(json.loads(path.read_text()))
+    again = path.with_name(RESCORED_FILE)
+    rec = json.loads(again.read_text()) if again.is_file() else None
+    if rec is not None and rec.get("row_test_ppl") == row.get("test"):
+        # scored again from its saved model on the windows its table describes (a record of another row that
+        # once stood here, e.g. a seed a later tuning replaced, is not this row's)
+        row["wikitext2_rescored"] = {"windows": rec["windows"], "as_run": row.get("wikitext2"),
+                                     "as_run_windows": rec["as_run_windows"]}
+        row["wikitext2"], row["wikitext2_window_nll"] = rec["wikitext2_ppl"], rec["wikitext2_window_nll"]
+        row["wikitext_windows"] = len(rec["wikitext2_window_nll"])
     first = path.with_name(FIRST_WINDOWS_FILE)
     if first.is_file():
         rec = json.loads(first.read_text())
@@ -295,8 +304,8 @@ class Comparison:
         if opts.rerun_unrecorded and not opts.first_windows:
             raise SystemExit("--rerun-unrecorded goes with --first-windows N (it runs a seed again for the per-window "
                              "record that figure is taken from)")
-        if opts.report_only or opts.idle_walls or opts.first_windows:  # nothing runs: the table is rewritten
-            # from the finished rows
+        if opts.report_only or opts.idle_walls or opts.first_windows or opts.rescore_wikitext:
+            # nothing runs: the table is rewritten from the finished rows
             self.entries, self.only = [], None
         self.seeds = [int(x) for x in str(opts.seeds).split(",")] if opts.seeds else [0]
         for kv in opts.set or []:  # tier settings of this invocation (e.g. wikitext_windows=0: the full protocol)
@@ -802,6 +811,59 @@ class Comparison:
             places.append(self.runs / e.key / "grid" / f"{name}-{value}" / run.name / "model")
         return next((str(p) for p in places if (p / "config.json").is_file()), None)
 
+    def rescore_wikitext(self) -> None:
+        """Score again, from its saved model, every finished run whose command scored WikiText-2 on other windows
+        than this invocation's setting (a queue line at 192k that missed ``--set wikitext_windows=0``), so that
+        its table describes one evaluation. The run's test figure is scored again with it (a model that does not
+        give the row's test figure is not the row's model: nothing is written); the figure and its per-window
+        NLLs go to ``wikitext_rescored.json`` beside the row, which stays as it ran (``read_row`` takes the
+        figure from the record and keeps the one as run beside it)."""
+        import torch
+
+        from cast_llm.eval.ppl import perplexity
+        from cast_llm.models import load_model
+
+        ev = self.evaluator()
+        want = int(self.tier["wikitext_windows"] or 0)  # 0: every window
+        if ev.wiki_ids is None:
+            raise SystemExit("--rescore-wikitext: no WikiText-2 text to score (set $CAST_WIKITEXT2 or the tier's "
+                             "wikitext_file)")
+        for e, run in self.finished_runs():
+            name = f"{e.key}{'' if run.name == e.key else ' ' + run.name}"
+            row = json.loads((run / "compare_row.json").read_text())
+            ran = re.findall(r"--wikitext-windows (\S+)", row.get("command") or "")
+            done = run / RESCORED_FILE
+            if row.get("status") != "ok" or not ran or int(float(ran[-1])) == want:
+                continue
+            if done.is_file() and json.loads(done.read_text()).get("windows") == want:
+                print(f"          {name}: scored again on {want or 'every'} window(s) already", flush=True)
+                continue
+            model_path = self.saved_model(e, run, row)
+            if model_path is None:
+                print(f"          {name}: ran with --wikitext-windows {ran[-1]} and its saved model is not on this "
+                      "machine: not scored again (run it again, or report it with that setting)", flush=True)
+                continue
+            t0 = time.perf_counter()
+            model = load_model(model_path, dtype=torch.float32).eval()
+            with torch.no_grad():
+                test = ev.heldout(model, name)
+                if test is None or abs(test / row["test"] - 1) > 1e-6:
+                    print(f"          {name}: {model_path} scores test {test}, its row {row['test']}: not the "
+                          "row's model, not scored", flush=True)
+                    continue
+                res = perplexity(model, ev.wiki_ids, ev.eval_len, batch_size=1, max_windows=want or None,
+                                 progress=True, desc=f"{name} WikiText-2")
+            rec = {"windows": want, "seq_len": ev.eval_len, "wikitext2_ppl": res.perplexity,
+                   "wikitext2_window_nll": list(res.window_nll), "as_run_windows": int(float(ran[-1])),
+                   "as_run_wikitext2_ppl": row.get("wikitext2"), "test_ppl": test, "row_test_ppl": row["test"],
+                   "model": portable(model_path), "wall_s": round(time.perf_counter() - t0, 1),
+                   "code": code_version()}
+            atomic_write_json(done, rec)
+            print(f"          {name}: WikiText-2 on {want or 'every'} window(s) {res.perplexity:.2f} (as run, on "
+                  f"{ran[-1]}: {row.get('wikitext2'):.2f}; test {test:.2f}, as its row; {rec['wall_s']:.0f} s)",
+                  flush=True)
+            del model
+
     def score_first_windows(self, n: int) -> None:
         """Score every finished row's model again on the first ``n`` WikiText-2 windows, so that a table scored
         on every window compares with tables scored on ``n`` (the same first windows: the evaluation cuts the
@@ -1043,6 +1105,8 @@ class Comparison:
         # every row that already finished stays in the table, whichever invocation ran it
         finished = {e.key for e in ALL_ENTRIES
                     if (self.runs / e.key / "compare_row.json").is_file() or (e.seeded and self.finished_seeds(e))}
+        if self.opts.rescore_wikitext:
+            self.rescore_wikitext()
         if self.opts.first_windows:
             self.score_first_windows(self.opts.first_windows)
         if self.opts.idle_walls:
@@ -1115,6 +1179,7 @@ class Comparison:
         return md, png
 
 
+RESCORED_FILE = "wikitext_rescored.json"  # a run's model scored again on its table's windows (--rescore-wikitext)
 FIRST_WINDOWS_FILE = "first_windows.json"  # a run's model scored on the first N WikiText-2 windows (--first-windows)
 IDLE_CORES = 0.25  # other processes' average use, in cores, below which a machine counts as idle for a wall time
 MOVEMENT_KEYS = ("initial_flip_rate", "changed_groups", "flip_rate_mean", "flipped_fraction")
@@ -1396,6 +1461,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "saved model here is run again (its seed, its setting) into <runs>/reruns/<row>/seed-N, "
                         "and scored from the rerun's record when the rerun reproduces the row (rows: --only's, "
                         "else every row; each is a whole training run)")
+    p.add_argument("--rescore-wikitext", action="store_true",
+                   help="score every finished row whose command scored WikiText-2 on other windows than this "
+                        "invocation's setting again from its saved model (its test figure checked), into "
+                        "wikitext_rescored.json beside it; nothing else runs; the table takes that figure")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a tier setting for this invocation, e.g. wikitext_windows=0 (every window)")
     opts = p.parse_args(argv)
@@ -1417,10 +1486,14 @@ def evaluation_clash(rows: list[dict], tier: dict) -> str | None:
             cmd = run.get("command") or ""
             for flag, key in EVAL_SETTINGS:
                 found = re.findall(rf"{flag} (\S+)", cmd)
+                if key == "wikitext_windows" and (run.get("wikitext2_rescored") or {}).get("windows") is not None:
+                    found = [str(run["wikitext2_rescored"]["windows"])]  # its model scored again (--rescore-wikitext)
                 if found and tier.get(key) is not None and float(found[-1]) != float(tier[key]):
                     return (f"compare_methods: row {r.get('key')} ran with {flag} {found[-1]}, this invocation's "
                             f"setting is {tier[key]}: pass --set {key}={found[-1]} (as the rows were run), or "
-                            "the report would describe another evaluation than its rows had")
+                            "the report would describe another evaluation than its rows had"
+                            + (" (or --rescore-wikitext: score the row's saved model again on this setting)"
+                               if key == "wikitext_windows" else ""))
     return None
 
 

@@ -628,6 +628,15 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                   f"beside the run says which): the windows a table scored on {n} windows uses, so these figures "
                   "compare across budgets. A row shows them once every seed has one (the seeds' own are in the "
                   "JSON). Against SparseGPT + KD as above.", ""] + first
+    again = [f"- {r.get('label', r['key'])}{'' if x.get('seed') is None else ' seed ' + str(x['seed'])}: WikiText-2 "
+             f"{x['wikitext2']:.2f} on {x.get('wikitext_windows')} windows, {x['wikitext2_rescored']['as_run']:.2f} "
+             f"on the {x['wikitext2_rescored']['as_run_windows']} its run scored"
+             for r in rows for x in (r.get("seeds") or [r]) if x.get("wikitext2_rescored")]
+    if again:
+        lines += ["", "## Scored again on this table's windows", "",
+                  "These runs scored WikiText-2 on other windows than this table's; their saved models were scored "
+                  "again on this table's (`--rescore-wikitext`, the test figure checked; `wikitext_rescored.json` "
+                  "beside the run), and the table shows that figure.", ""] + again
     reruns = rerun_lines(rows)
     if reruns:
         lines += ["", "## Re-runs against the rows", "",

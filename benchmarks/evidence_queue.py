@@ -10,8 +10,8 @@ row's JSON committed to the repository at once (``runs/`` does not survive a new
 QUEUE_FILE holds one `compare_methods.py` argument line per row group (``#`` comments). The queue runs from its
 own clone of the committed HEAD (``<state>/clone``), so edits in this checkout never change a row under way and
 every row's ``code`` is a commit in the history. Its runs folder starts from the committed rows
-(``docs/results/compare-rows``: a finished grid point or seed is not run again). Every 30 s, a
-``compare_row.json`` / ``tuning.json`` / ``forecast.json`` that is new or changed is copied under
+(``docs/results/compare-rows``: a finished grid point or seed is not run again). Every 30 s, a record
+(``RECORDS``: a row, its tuning, its decay forecast, its model scored again) that is new or changed is copied under
 ``docs/results/compare-rows/<budget>/`` and committed alone (``git commit --only``: nothing else of this
 checkout's index goes with it); a row that was paused gets a ``queue.json`` listing the pauses (its wall time
 includes them). State (pid, log, pauses) lives in ``--state`` (default ``/work/runs/queue``).
@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = REPO / "docs" / "results" / "compare-rows"
-RECORDS = ("compare_row.json", "tuning.json", "forecast.json")
+RECORDS = ("compare_row.json", "tuning.json", "forecast.json", "first_windows.json", "wikitext_rescored.json")
 
 
 def _git(*args: str, cwd: Path | None = None, check: bool = True) -> str:

@@ -762,3 +762,49 @@ def test_paper_exact_tunes_its_decay_around_the_forecast_then_its_lr_and_records
     assert "--tune lr=0.001,0.003 --tune-only cast" in steps[1]
     text = (docs / "compare-tiny-llama-2.05k.md").read_text()
     assert "× the λ" in text and "before → after" in text and "## The final prune (validation split)" in text
+
+
+def test_rescore_wikitext_scores_a_row_again_on_its_tables_windows(tmp_path, capsys):
+    """A row run on other WikiText-2 windows than its table describes (a 192k queue line that missed
+    ``--set wikitext_windows=0``) is refused by the report; ``--rescore-wikitext`` scores its saved model again
+    on the table's windows (test figure checked) and the report then takes that figure, keeping the one as run
+    beside it: the figure a run scored on every window gives."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    base = ["--tier", "quick", "--runs-dir", str(runs), "--docs-dir", str(docs)]
+    compare_methods.main(base + ["--only", "naive-kd-sgpt", "--seeds", "0,1"])  # the quick tier's 1 window
+    one = {r["name"]: r for r in json.loads((docs / "compare-tiny-llama-256.json").read_text())["rows"]}
+    every = base + ["--set", "wikitext_windows=0"]
+    with pytest.raises(SystemExit, match="naive-kd-sgpt ran with --wikitext-windows 1.*--rescore-wikitext"):
+        compare_methods.main(every + ["--report-only"])
+    kd = runs / "tiny-llama-256" / "naive-kd-sgpt"
+    row1 = json.loads((kd / "seed-1" / "compare_row.json").read_text())
+    (kd / "seed-1" / "compare_row.json").write_text(json.dumps({**row1, "test": row1["test"] * 1.01}))
+    with pytest.raises(SystemExit, match="naive-kd-sgpt ran with --wikitext-windows 1"):  # seed 1 is not scored
+        compare_methods.main(every + ["--rescore-wikitext"])
+    assert "seed-1: " in capsys.readouterr().out and not (kd / "seed-1" / "wikitext_rescored.json").exists()
+    (kd / "seed-1" / "compare_row.json").write_text(json.dumps(row1))  # the row's model again
+    compare_methods.main(every + ["--rescore-wikitext"])
+    rec = json.loads((kd / "seed-0" / "wikitext_rescored.json").read_text())
+    assert rec["as_run_windows"] == 1 and rec["windows"] == 0 and len(rec["wikitext2_window_nll"]) > 1
+    rows = {r["name"]: r for r in json.loads((docs / "compare-tiny-llama-256.json").read_text())["rows"]}
+    seeds = rows["naive-kd-sgpt"]["seeds"]
+    assert [x["wikitext2_rescored"]["as_run"] for x in seeds] == [x["wikitext2"]
+                                                                   for x in one["naive-kd-sgpt"]["seeds"]]
+    assert all(x["wikitext2_rescored"]["windows"] == 0 and x["wikitext_windows"] > 1 for x in seeds)
+    # the figure a seed run on every window gives, from its own model (the dense row needs none: the model)
+    compare_methods.main(["--tier", "quick", "--runs-dir", str(tmp_path / "all"), "--docs-dir", str(tmp_path / "d2"),
+                          "--only", "naive-kd-sgpt", "--seeds", "0", "--set", "wikitext_windows=0"])
+    direct = json.loads((tmp_path / "d2" / "compare-tiny-llama-256.json").read_text())["rows"][0]["seeds"][0]
+    assert seeds[0]["wikitext2"] == pytest.approx(direct["wikitext2"], rel=1e-9)
+    assert "## Scored again on this table's windows" in (docs / "compare-tiny-llama-256.md").read_text()
+    kept = (kd / "seed-0" / "compare_row.json").read_text()  # a record of another row there: not applied
+    (kd / "seed-0" / "compare_row.json").write_text(json.dumps({**json.loads(kept), "test": 1.0}))
+    assert "wikitext2_rescored" not in compare_methods.read_row(kd / "seed-0" / "compare_row.json")
+    (kd / "seed-0" / "compare_row.json").write_text(kept)
+    compare_methods.main(every + ["--rescore-wikitext"])  # done once: not scored again
+    assert "already" in capsys.readouterr().out
