@@ -7,7 +7,9 @@ row's JSON committed to the repository at once (``runs/`` does not survive a new
 
 (``--state DIR`` goes before the action.)
 
-QUEUE_FILE holds one `compare_methods.py` argument line per row group (``#`` comments). The queue runs from its
+QUEUE_FILE holds one `compare_methods.py` argument line per row group (``#`` comments); a line starting with
+``mask_swap.py`` runs that benchmark instead (its runs under ``<state>/mask-swap``, its rows and learned masks
+committed under ``docs/results/mask-swap-rows``). The queue runs from its
 own clone of the committed HEAD (``<state>/clone``), so edits in this checkout never change a row under way and
 every row's ``code`` is a commit in the history. Its runs folder starts from the committed rows
 (``docs/results/compare-rows``: a finished grid point or seed is not run again). Every 30 s, a record
@@ -31,7 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = REPO / "docs" / "results" / "compare-rows"
-RECORDS = ("compare_row.json", "tuning.json", "forecast.json", "first_windows.json", "wikitext_rescored.json")
+MASK_ROWS = REPO / "docs" / "results" / "mask-swap-rows"  # benchmarks/mask_swap.py's rows and learned masks
+RECORDS = ("compare_row.json", "tuning.json", "forecast.json", "first_windows.json", "wikitext_rescored.json",
+           "masks/learned-*.safetensors")
+# a queue line starting with one of these runs that benchmark (its own runs folder under the state, its rows
+# committed under its own folder); any other line is compare_methods.py's arguments
+SCRIPTS = {"mask_swap.py": ("mask-swap", MASK_ROWS)}
 
 
 def _git(*args: str, cwd: Path | None = None, check: bool = True) -> str:
@@ -68,20 +75,23 @@ def _describe(rel: Path, row: dict) -> str:
     return " ".join(bits)
 
 
-def sync(state: Path, runs: Path) -> None:
-    """Copy each new or changed record of the queue's runs folder into ``docs/results/compare-rows`` and commit
-    it alone; a row whose run overlapped a pause gets ``queue.json`` beside it."""
+def sync(state: Path, runs: Path, rows: Path | None = None) -> None:
+    """Copy each new or changed record of the queue's runs folder into ``rows`` (default
+    ``docs/results/compare-rows``) and commit it alone; a row whose run overlapped a pause gets ``queue.json``
+    beside it."""
+    rows = rows or ROWS
     pauses = _pauses(state)
-    for src in sorted(p for name in RECORDS for p in runs.rglob(name)):
+    for src in sorted({p for name in RECORDS for p in runs.glob(f"*/**/{name}")}):
         rel = src.relative_to(runs)
         if rel.parts[1:2] in (("_eval",),) or "model" in rel.parts:
             continue
-        dst = ROWS / rel
-        text = src.read_text()
-        if dst.is_file() and dst.read_text() == text:
+        dst = rows / rel
+        data = src.read_bytes()
+        if dst.is_file() and dst.read_bytes() == data:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_text(text)
+        dst.write_bytes(data)
+        text = data.decode() if src.suffix == ".json" else ""
         paths = [dst]
         msg = f"{'/'.join(rel.parts[:-1])}: {rel.name} updated"
         if src.name == "compare_row.json":
@@ -101,7 +111,8 @@ def sync(state: Path, runs: Path) -> None:
         _git("add", "--", *rels)
         _git("commit", "-q", "--only", "-m", msg, "--", *rels)
         print(f"[queue] committed {msg}", flush=True)
-    drop_set_aside(runs)
+    if rows == ROWS:
+        drop_set_aside(runs)
 
 
 def drop_set_aside(runs: Path) -> None:
@@ -138,14 +149,20 @@ def run(queue_file: Path, state: Path) -> int:
         line = next((x for x in lines if x not in done), None)
         if line is None:
             return 0
-        proc = subprocess.Popen([sys.executable, str(clone / "benchmarks" / "compare_methods.py"), *shlex.split(line),
-                                 "--runs-dir", str(runs), "--docs-dir", str(state / "docs")], cwd=clone,
+        args = shlex.split(line)
+        script, line_runs, rows = "compare_methods.py", runs, None
+        if args[0] in SCRIPTS:
+            script = args.pop(0)
+            folder, rows = SCRIPTS[script]
+            line_runs = state / folder
+        proc = subprocess.Popen([sys.executable, str(clone / "benchmarks" / script), *args,
+                                 "--runs-dir", str(line_runs), "--docs-dir", str(state / "docs")], cwd=clone,
                                 env={**os.environ, "PYTHONPATH": str(clone / "src")})
         print(f"[queue] {time.strftime('%H:%M:%S')} started: {line}", flush=True)
         while proc.poll() is None:
             time.sleep(30)
-            sync(state, runs)
-        sync(state, runs)
+            sync(state, line_runs, rows)
+        sync(state, line_runs, rows)
         print(f"[queue] {time.strftime('%H:%M:%S')} ended rc {proc.returncode}: {line}", flush=True)
         if proc.returncode != 0:
             return proc.returncode
@@ -164,6 +181,9 @@ def start(queue_file: Path, state: Path) -> None:
     runs = state / "runs"
     for budget in ROWS.iterdir():  # the committed rows: what finished is not run again
         shutil.copytree(budget, runs / budget.name, dirs_exist_ok=True)
+    for folder, rows in SCRIPTS.values():  # and the other benchmarks' rows (and learned masks)
+        for budget in rows.iterdir() if rows.is_dir() else ():
+            shutil.copytree(budget, state / folder / budget.name, dirs_exist_ok=True)
     log = open(state / "queue.log", "a")
     p = subprocess.Popen([sys.executable, __file__, "--state", str(state), "_run", str(queue_file.resolve())],
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

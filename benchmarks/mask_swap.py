@@ -10,8 +10,13 @@ the comparison table (which keeps SparseGPT's reconstructed weights).
     python benchmarks/mask_swap.py --recipe-from runs/compare/smollm2-135m-48k \\
         --learned "paper-exact CAST 384k=runs/compare/smollm2-135m-384k/cast/seed-0/model" --seeds 0,1,2
 
-The masks are written as files (``RUNS/masks/*.safetensors``, with their SHA-256 in the report), so the rows
-can be rerun; ``docs/results/mask-swap-<model>-<budget>.{md,json,png}`` hold the table, every seed, and each
+A mask can also be learned here: ``--learn "paper-exact CAST 48k=cast:0,1"`` runs comparison row ``cast`` at its
+tuned setting (``--recipe-from``'s tuning of it) once per seed and takes each run's mask (its figures beside the
+comparison's own run of that seed). Every mask's dense ⊙ mask figure before any retraining is in the table too.
+
+The masks are written as files (``RUNS/masks/*.safetensors``, with their digest in the report), so the rows
+can be rerun; learned masks committed under ``docs/results/mask-swap-rows/<model>-<budget>/masks`` (the evidence
+queue commits them) are put back on a machine that never ran their learners; ``docs/results/mask-swap-<model>-<budget>.{md,json,png}`` hold the table, every seed, and each
 mask paired seed by seed against SparseGPT's.
 """
 
@@ -21,11 +26,14 @@ import argparse
 import datetime
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# the rows and learned masks the evidence queue commits (benchmarks/evidence_queue.py): <model>-<budget>/...
+COMMITTED_MASKS = REPO / "docs" / "results" / "mask-swap-rows"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_methods import Comparison, Entry, budget_name, parse_args, without_output_dir  # noqa: E402
@@ -36,9 +44,11 @@ BASE = "sparsegpt"  # every mask is paired against SparseGPT's
 START = "magnitude"  # and a learned one also against the mask paper-exact CAST starts from (Eq. 6)
 
 
-def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dict[str, dict]:
+def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int,
+                learn: dict[str, tuple[str, list[int]]] | None = None) -> dict[str, dict]:
     """``{name: {"file", "label", "source", "sha256", "digest", "groups_vs_sparsegpt", "groups_vs_magnitude"}}``
-    of every mask, its file written once (``sha256``: the file's; ``digest``: the masks' own, :func:`masks_digest`)."""
+    of every mask, its file written once (``sha256``: the file's; ``digest``: the masks' own, :func:`masks_digest`).
+    ``learn``: ``{name: (comparison row, seeds)}``, masks this benchmark learns itself (:func:`run_learners`)."""
     import torch
 
     from cast_llm.io import sha256_file
@@ -63,6 +73,9 @@ def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dic
                 raise SystemExit(f"pruning with {name} failed: see {folder / f'{name}.log'}")
     for name, path in learned.items():
         sources[_key(name)] = (Path(path), f"the exported model {portable(str(path))}", name)
+    learners = run_learners(cmp, learn or {})
+    for key, (model_dir, how, label, _) in learners.items():
+        sources[key] = (model_dir, how, label)
     loaded = {}  # each mask file read once: its digest and its distances to SparseGPT's and magnitude's masks
     for key, (model_dir, how, label) in sources.items():
         file = folder / f"{key}.safetensors"
@@ -71,12 +84,89 @@ def build_masks(cmp: Comparison, learned: dict[str, str], mask_seed: int) -> dic
         loaded[key] = load_masks(file)[0]
         out[key] = {"file": str(file), "label": label, "source": portable(how), "sha256": sha256_file(file),
                     "digest": masks_digest(loaded[key])}
-        if key not in ONESHOT:  # a learned mask: the exported model it is read from (the report's rerun line)
+        if key in learners:  # learned here: the run that learned it, its figures beside its comparison row's
+            out[key]["learner"] = learners[key][3]
+        elif key not in ONESHOT:  # a learned mask: the exported model it is read from (the report's rerun line)
             out[key]["model"] = portable(str(model_dir))
     for key, info in out.items():  # magnitude's: where paper-exact CAST and SR-STE start, so how far a mask moved
         info["groups_vs_sparsegpt"] = groups_differ(loaded[key], loaded[BASE], targets)
         info["groups_vs_magnitude"] = groups_differ(loaded[key], loaded[START], targets)
     return out
+
+
+def run_learners(cmp: Comparison, learn: dict[str, tuple[str, list[int]]]) -> dict[str, tuple]:
+    """The masks learned by comparison rows this benchmark runs itself (``--learn NAME=ROW:SEEDS``): row ROW of
+    the comparison at this budget, at its tuned setting (``--recipe-from``'s tuning of that row, as its own
+    table runs it), one run per seed into ``<runs>/learners/<row>/seed-<s>``, its mask read from the model it
+    saved. A mask whose file is here already (a restored one) needs no run. ``{key: (model folder, source,
+    label, learner record)}``; the record holds the run's figures and, where ``--recipe-from`` has it, the
+    comparison row's own seed's, so a reader sees whether the learner is that row."""
+    from compare_methods import ALL_ENTRIES, read_row
+
+    out = {}
+    for name, (row_key, seeds) in learn.items():
+        e = next((x for x in ALL_ENTRIES if x.key == row_key), None)
+        if e is None or e.kind != "train":
+            raise SystemExit(f"--learn {name}={row_key}: not a training row of the comparison (rows: "
+                             f"{', '.join(x.key for x in ALL_ENTRIES if x.kind == 'train')})")
+        setting = (cmp.tuned(row_key) or {}).get("chosen_setting") or {}
+        for seed in seeds:
+            key = _key(f"{name} seed {seed}")
+            run = cmp.runs / "learners" / row_key / f"seed-{seed}"
+            file = cmp.runs / "masks" / f"{key}.safetensors"
+            how = (f"comparison row {row_key} seed {seed} at "
+                   + (", ".join(f"{k} {v:g}" for k, v in setting.items()) or "its defaults")
+                   + f", learned here ({portable(str(run))})")
+            if file.is_file() and not (run / "compare_row.json").is_file():  # a restored mask without its run
+                out[key] = (run / "model", how, f"{name}, seed {seed}", {"name": name, "row": row_key,
+                                                                          "seed": seed, "setting": setting})
+                continue
+            if not (run / "compare_row.json").is_file():
+                print(f"learner {name} seed {seed}: comparison row {row_key} at {setting or 'its defaults'}",
+                      flush=True)
+            row = cmp._run_one(e, run, seed)
+            if row.get("status") != "ok":
+                raise SystemExit(f"learner {name} seed {seed} failed: see {run / 'log.txt'}")
+            record = {"name": name, "row": row_key, "seed": seed, "setting": setting, "command": portable(row.get("command", "")),
+                      **{k: row.get(k) for k in ("test", "validation", "wikitext2", "code", "wall_s", "threads")},
+                      "tuning_from": portable(str(cmp.opts.tuning_from))}
+            theirs = Path(cmp.opts.tuning_from) / row_key / f"seed-{seed}" / "compare_row.json"
+            if theirs.is_file():  # the comparison's own run of that row and seed
+                ref = read_row(theirs)
+                record["comparison_row"] = {k: ref.get(k) for k in ("test", "validation", "wikitext2", "code")}
+            out[key] = (run / "model", how, f"{name}, seed {seed}", record)
+    return out
+
+
+def score_before_retraining(cmp: Comparison, masks: dict[str, dict]) -> None:
+    """Each mask's dense ⊙ mask model scored before any retraining (test, validation, WikiText-2, the
+    comparison's evaluation), into its listing as ``before_retraining``: how much of a mask's final figure is the
+    mask itself. Scored once per mask (kept while its digest is unchanged); a mask whose file is not here (a row
+    recorded elsewhere) keeps what its record says."""
+    todo = [k for k, info in masks.items() if Path(info["file"]).is_file()
+            and (info.get("before_retraining") or {}).get("digest") != info.get("digest")]
+    if not todo:
+        return
+    import torch
+
+    from cast_llm.models import load_model
+    from cast_llm.sparsity.mask_io import load_masks
+    from cast_llm.targets import find_targets
+
+    ev = cmp.evaluator()
+    model = load_model(cmp.tier["model"], dtype=torch.float32).eval()
+    targets = find_targets(model, n=2, m=4)
+    dense = {t.fqn: t.weight.detach().clone() for t in targets}
+    for key in todo:
+        t0 = time.perf_counter()
+        loaded = load_masks(masks[key]["file"])[0]
+        with torch.no_grad():
+            for t in targets:
+                t.weight.copy_(dense[t.fqn] * loaded[t.fqn].to(dense[t.fqn].dtype))
+            got = ev.both(model, f"dense ⊙ {masks[key]['label']} mask", validation=True)
+        masks[key]["before_retraining"] = {"test": got["heldout"], "validation": got.get("validation"),
+                                           "wikitext2": got["wikitext2"], "digest": masks[key].get("digest"),
+                                           "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def groups_differ(a: dict, b: dict, targets) -> float:
@@ -125,6 +215,9 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
                     "groups_vs_magnitude": row.get("groups_vs_magnitude"), "recorded_in": where}
         if row.get("model") or row["mask"].startswith("the exported model "):
             recorded["model"] = row.get("model") or row["mask"].removeprefix("the exported model ")
+        for k in ("before_retraining", "learner"):
+            if row.get(k):
+                recorded[k] = row[k]
         here = masks.get(key)
         if here is None:
             masks[key] = here = recorded
@@ -137,6 +230,9 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
                 if json.loads(done.read_text()).get("recorded_in") == where:
                     done.rename(done.with_name("compare_row.set-aside.json"))
             continue
+        for k in ("before_retraining", "learner"):  # what the record knows of this same mask
+            if recorded.get(k) and not (here.get(k) or {}).get("test"):
+                here[k] = recorded[k]
         e = mask_entry(key, here)
         for run in row.get("seeds", []):
             out = cmp.runs / e.key / f"seed-{run['seed']}"
@@ -160,6 +256,30 @@ def reuse_recorded(cmp: Comparison, path: Path, masks: dict, recipe: dict) -> tu
     return {k: masks[k] for k in sorted(masks, key=lambda k: order.index(k) if k in order else len(order))}, taken
 
 
+def restore_committed(cmp: Comparison, path: Path) -> None:
+    """The learned masks committed with the results (``docs/results/mask-swap-rows/<model>-<budget>/masks``; their
+    runs' models are not kept) put in this runs folder where it has none, so that a machine that never ran their
+    learners retrains new seeds under them, and ``--learn`` does not learn them again; only a file that is the
+    mask the committed JSON (``path``) records (the same digest)."""
+    if not path.is_file():
+        return
+    from cast_llm.sparsity.mask_io import load_masks, masks_digest
+
+    for row in json.loads(path.read_text()).get("rows", []):
+        file = cmp.runs / "masks" / f"{row['name']}.safetensors"
+        committed = COMMITTED_MASKS / cmp.runs.name / "masks" / file.name
+        if file.is_file() or not committed.is_file() or committed.resolve() == file.resolve():
+            continue
+        if not row.get("mask_digest") or masks_digest(load_masks(committed)[0]) != row["mask_digest"]:
+            print(f"mask {row['name']}: the committed {portable(str(committed))} is not the recorded mask "
+                  "(digest): not used", flush=True)
+            continue
+        file.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(committed, file)
+        print(f"mask {row['name']}: the committed {portable(str(committed))} (digest {row['mask_digest'][:12]})",
+              flush=True)
+
+
 def same_mask(a: dict, b: dict) -> bool:
     """Whether two listings name the same masks: by digest where both have one; else (a record from before
     digests) by the shares of 2:4 groups that differ from SparseGPT's and from magnitude's masks, which the
@@ -177,6 +297,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--learned", action="append", default=[], metavar="NAME=MODEL_DIR",
                     help="a learned mask: the name in the table = a sparse run's exported model folder")
+    ap.add_argument("--learn", action="append", default=[], metavar="NAME=ROW:SEEDS",
+                    help="a mask this benchmark learns itself: comparison row ROW (e.g. cast, paper-exact CAST) at "
+                         "its tuned setting (--recipe-from's tuning of it), one run per seed (e.g. cast:0,1), each "
+                         "seed's mask a row of the table")
     ap.add_argument("--recipe-from", required=True,
                     help="the compare runs folder (or compare-*.json) whose naive-kd-sgpt tuning gives the lr")
     ap.add_argument("--mask-seed", type=int, default=0, help="calibration seed of the one-shot masks")
@@ -201,6 +325,13 @@ def main(argv=None) -> int:
     if not recipe:
         raise SystemExit(f"--recipe-from {opts.recipe_from}: no tuning of naive-kd-sgpt there (run its --tune first)")
     learned = dict(x.split("=", 1) for x in opts.learned)
+    learn = {}
+    for x in opts.learn:
+        name, _, spec = x.rpartition("=")
+        row_key, _, seeds = spec.partition(":")
+        if not name or not row_key or not all(v.strip().isdigit() for v in seeds.split(",")):
+            raise SystemExit(f"--learn {x!r}: give NAME=ROW:SEEDS, e.g. 'paper-exact CAST 48k=cast:0,1'")
+        learn[name] = (row_key, [int(v) for v in seeds.split(",")])
     for path in learned.values():  # a comparison run's model is named as under runs/compare
         if (run := comparison_run(path)) is not None:
             register_runs_folder(run[0], "runs/compare")
@@ -212,14 +343,25 @@ def main(argv=None) -> int:
     if opts.report_only:
         masks = known
     else:  # masks built by earlier calls (e.g. a learned one) stay listed
-        built = build_masks(cmp, learned, opts.mask_seed)  # (read the list again: another call may have added one)
-        masks = {**(json.loads(listed.read_text()) if listed.is_file() else {}), **built}
+        if not opts.fresh:
+            restore_committed(cmp, record)
+        built = build_masks(cmp, learned, opts.mask_seed, learn)  # (read the list again: another call may have
+        before = json.loads(listed.read_text()) if listed.is_file() else {}  # added one)
+        for key, info in built.items():  # what an earlier call scored or recorded of the same mask stays
+            old_info = before.get(key) or {}
+            if old_info.get("digest") == info.get("digest"):
+                info.setdefault("before_retraining", old_info.get("before_retraining"))
+                if old_info.get("learner") and not (info.get("learner") or {}).get("test"):
+                    info["learner"] = old_info["learner"]
+        masks = {**before, **built}
     if not opts.fresh:  # the committed JSON is the record: a fresh checkout's table keeps its rows
         masks, taken = reuse_recorded(cmp, record, masks, recipe)
         if taken:
             print(f"reused {len(taken)} recorded run(s) of {portable(str(record))}: {', '.join(taken)}", flush=True)
     if not masks:
         raise SystemExit(f"--report-only: no {listed} and no {record} (run the benchmark first)")
+    if not opts.report_only:
+        score_before_retraining(cmp, masks)
     atomic_write_text(listed, json.dumps(masks, indent=2))
     chosen = set(opts.masks.split(",")) if opts.masks else set(masks)
     if chosen - set(masks):
@@ -243,6 +385,7 @@ def main(argv=None) -> int:
             row = cmp.aggregate(runs)
             row.update(key=key, label=e.label, mask=info["source"], mask_sha256=info.get("sha256"),
                        mask_digest=info.get("digest"), model=info.get("model"),
+                       before_retraining=info.get("before_retraining"), learner=info.get("learner"),
                        groups_vs_sparsegpt=info["groups_vs_sparsegpt"],
                        groups_vs_magnitude=info.get("groups_vs_magnitude"))
             rows.append(row)
@@ -266,6 +409,8 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
         row = {"name": r["key"], "label": r["label"], "mask": portable(r["mask"]), "mask_digest": r.get("mask_digest"),
                "mask_sha256": r.get("mask_sha256"), **({"model": r["model"]} if r.get("model") else {}),
                "groups_vs_sparsegpt": r["groups_vs_sparsegpt"], "groups_vs_magnitude": r.get("groups_vs_magnitude"),
+               **({"before_retraining": r["before_retraining"]} if r.get("before_retraining") else {}),
+               **({"learner": r["learner"]} if r.get("learner") else {}),
                "test_ppl": r.get("heldout"),
                "wikitext2_ppl": r.get("wikitext2"), "seeds": seeds}
         if base is not None and r is not base:
@@ -280,10 +425,12 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
                                                                  for s in ("test", "wikitext2")}} for o in others]
         out_rows.append(row)
     learned = [f"{r['label'].removesuffix(' mask')}={portable(r['model'])}" for r in rows if r.get("model")]
-    regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp), learned) + [
+    learners = {lr["row"]: cmp.tuned(lr["row"]) for r in rows if (lr := r.get("learner") or {}).get("row")}
+    regenerate = " && ".join(prerequisites(opts, recipe_tuning(cmp), learned, learners) + [
         "python benchmarks/mask_swap.py " + shlex.join(
             ["--tier", opts.tier, "--tokens", opts.tokens, "--seeds", opts.seeds, "--recipe-from",
-             portable(opts.recipe_from)] + [x for name_path in learned for x in ("--learned", name_path)])])
+             portable(opts.recipe_from)] + [x for name_path in learned for x in ("--learned", name_path)]
+            + [x for spec in learn_specs(rows) for x in ("--learn", spec)])])
     doc = {"generated": datetime.date.today().isoformat(), "regenerate": regenerate, "model": cmp.tier["model"],
            "budget": cmp.budget, "recipe": {"method": "naive retraining + KD (fixed mask), dense weights ⊙ mask",
                                             **recipe, "eta": cmp.tier["eta"], "from": portable(opts.recipe_from)},
@@ -297,14 +444,19 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
              "the validation split), the same data, seeds and evaluation (test split and WikiText-2, as the "
              "comparison tables). Masks differ from SparseGPT's in the share of 2:4 groups given; the masks are "
              "files (the masks' own digest, and their file's SHA-256, in the JSON).", "",
-             "| Mask | Groups ≠ SparseGPT's | Groups ≠ magnitude's | Test ppl | WikiText-2 ppl | vs SparseGPT's mask "
-             "(test) | vs SparseGPT's mask (WikiText-2) | Wall time |", "|---|---:|---:|---:|---:|---|---|---:|"]
+             "The column *before retraining* scores the dense weights ⊙ the mask with no training at all (test / "
+             "WikiText-2, the same evaluation): how much of a row's figure the mask itself gives, and how much the "
+             "retraining recovers. — where the mask's file is not on the machine that scored the table.", "",
+             "| Mask | Groups ≠ SparseGPT's | Groups ≠ magnitude's | Before retraining (test / WikiText-2) | Test ppl "
+             "| WikiText-2 ppl | vs SparseGPT's mask (test) | vs SparseGPT's mask (WikiText-2) | Wall time |",
+             "|---|---:|---:|---:|---:|---:|---|---|---:|"]
     earlier = set()
     for r, j in zip(rows, out_rows):
         src = {x.get("recorded_in") for x in r.get("seeds") or [r]} - {None}
         earlier |= src
         lines.append(f"| {r['label']}{' †' if src else ''} | {100 * r['groups_vs_sparsegpt']:.2f} % | "
-                     f"{format_number(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_cell(r, 'heldout')} | "
+                     f"{format_number(100 * (r.get('groups_vs_magnitude') or 0), '{:.2f}')} % | {_before(r)} | "
+                     f"{_cell(r, 'heldout')} | "
                      f"{_cell(r, 'wikitext2')} | {_pair(j, 'test')} | {_pair(j, 'wikitext2')} | {compute_cell(r)} |")
     if earlier:
         lines += ["", "† run by an earlier invocation whose run folder is not here; taken from "
@@ -324,6 +476,7 @@ def write(rows: list[dict], recipe: dict, cmp: Comparison, opts, docs: Path, wal
     lines += ["", "Paired: mean of the per-seed differences (row − SparseGPT's mask, perplexity points), 95 % t "
               "interval; **better** / **worse** only where it excludes 0, else **level**.", "",
               "Masks: " + "; ".join(f"{r['label']}: `{portable(r['mask'])}` ({_mask_id(r)})" for r in rows),
+              *learner_lines(rows),
               "", "Wall time: one run's, mean over the seeds (retraining and its evaluations; the one-shot masks' "
               "pruning is not in it), its thread count and the most cores other jobs kept busy meanwhile (0 = an "
               f"idle machine); every run's own in the JSON. This invocation: {wall:.0f} s."]
@@ -382,21 +535,63 @@ def _mask_id(r: dict) -> str:
     return f"file SHA-256 `{str(r.get('mask_sha256'))[:12]}`"
 
 
-def prerequisites(opts, tuning: dict, learned: list[str]) -> list[str]:
+def prerequisites(opts, tuning: dict, learned: list[str], learners: dict[str, dict] | None = None) -> list[str]:
     """The commands that make what this benchmark reads, so that the report's one line reruns it from scratch:
-    SparseGPT + KD's lr grid (its choice is the recipe) and, for a learned mask exported by a comparison run
+    SparseGPT + KD's lr grid (its choice is the recipe), the tuning of each row a ``--learn`` mask is learned by
+    (one invocation per stage of its search, seed 0) and, for a learned mask exported by a comparison run
     (``…/<model>-<budget>/<row>/seed-<s>/model``), that run."""
+    from compare_methods import stage_grids
+
     cmds = []
     grid = ",".join(f"{k}={','.join(map(str, v))}" for k, v in (tuning.get("grid") or {}).items())
     if grid:
         cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {opts.tokens} --tune {grid} "
                     "--tune-only naive-kd-sgpt --seeds 0 --only naive-kd-sgpt")
+    for row, t in (learners or {}).items():
+        cmds += [f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {opts.tokens} --tune {grid} "
+                 f"--tune-only {row} --seeds 0 --only {row}" for grid in (stage_grids(t) if t.get("grid") else [])]
     for name_path in learned:
         if (run := comparison_run(name_path.split("=", 1)[1])) is not None:
             _, budget, row, seed = run
             cmds.append(f"python benchmarks/compare_methods.py --tier {opts.tier} --tokens {budget} --only {row}"
                         + (f" --seeds {seed}" if seed is not None else ""))
     return cmds
+
+
+def learn_specs(rows: list[dict]) -> list[str]:
+    """The ``--learn NAME=ROW:SEEDS`` that learn the table's learned-here masks again (from their records)."""
+    specs: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        lr = r.get("learner") or {}
+        if lr.get("name"):
+            specs.setdefault((lr["name"], lr["row"]), []).append(lr["seed"])
+    return [f"{name}={row}:{','.join(map(str, sorted(seeds)))}" for (name, row), seeds in specs.items()]
+
+
+def learner_lines(rows: list[dict]) -> list[str]:
+    """Each mask learned here (``--learn``): the learner run's own figures beside the comparison row's seed it
+    repeats (a learner is that row only where they agree; code versions differ: see the comparison's notes)."""
+    out = []
+    for r in rows:
+        lr = r.get("learner") or {}
+        if lr.get("test") is None:
+            continue
+        ref = lr.get("comparison_row") or {}
+        out.append(f"- learned by {r['label']}: `{lr.get('command')}` → test {lr['test']:.2f}, validation "
+                   f"{format_number(lr.get('validation'))}, WikiText-2 {format_number(lr.get('wikitext2'))} (code "
+                   f"{lr.get('code')})" + (f"; the comparison's own run of that row and seed: test {ref['test']:.2f}, "
+                                           f"WikiText-2 {format_number(ref.get('wikitext2'))} (code {ref.get('code')})"
+                                           if ref.get("test") is not None else ""))
+    return ["", "Masks learned by this benchmark (`--learn`), each a run of a comparison row at its tuned "
+            "setting; its mask file is committed beside the rows (`docs/results/mask-swap-rows/`):", ""] + out if out else []
+
+
+def _before(r: dict) -> str:
+    """Dense ⊙ mask before any retraining: test / WikiText-2 (— where not scored)."""
+    b = r.get("before_retraining") or {}
+    if b.get("test") is None:
+        return "—"
+    return f"{b['test']:.2f} / {format_number(b.get('wikitext2'))}"
 
 
 def _cell(r: dict, split: str) -> str:

@@ -373,6 +373,74 @@ def test_mask_swap_retrains_one_recipe_under_each_mask_and_pairs_them(tmp_path, 
     assert "wanda" not in {r["name"] for r in json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())["rows"]}
 
 
+def test_mask_swap_learns_masks_itself_scores_them_before_retraining_and_restores_committed_ones(
+        tmp_path, monkeypatch, capsys):
+    """``--learn NAME=ROW:SEEDS`` runs a comparison row at its tuned setting once per seed and takes each run's
+    mask; every mask's dense ⊙ mask figure before retraining is in the table (the magnitude mask's is magnitude
+    pruning's own figure: the same model); a learned mask committed with the rows lets a machine that never ran
+    its learner retrain a new seed under it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+        import mask_swap
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import torch
+
+    from cast_llm.models import load_model
+
+    runs, docs, m = tmp_path / "c", tmp_path / "d", tmp_path / "m"
+    assert compare_methods.main(["--tier", "quick", "--only", "naive-kd-sgpt,cast", "--tune", "lr=1e-3,3e-3",
+                                 "--tune-only", "naive-kd-sgpt,cast", "--runs-dir", str(runs), "--docs-dir",
+                                 str(docs)]) == 0
+    chosen = json.loads((runs / "tiny-llama-256" / "cast" / "tuning.json").read_text())["chosen_setting"]
+    common = ["--tier", "quick", "--tokens", "256", "--seeds", "0", "--recipe-from", str(runs / "tiny-llama-256"),
+              "--runs-dir", str(m), "--docs-dir", str(docs)]
+    with pytest.raises(SystemExit, match="--learn 'x=cast': give NAME=ROW:SEEDS"):
+        mask_swap.main(common + ["--learn", "x=cast"])
+    with pytest.raises(SystemExit, match="not a training row of the comparison"):
+        mask_swap.main(common + ["--learn", "x=sparsegpt:0"])
+    assert mask_swap.main(common + ["--learn", "tuned CAST=cast:0,1"]) == 0
+    data = json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())
+    by = {r["name"]: r for r in data["rows"]}
+    assert {"learned-tuned-cast-seed-0", "learned-tuned-cast-seed-1"} <= set(by)
+    for seed in (0, 1):
+        lr = by[f"learned-tuned-cast-seed-{seed}"]["learner"]
+        assert lr["row"] == "cast" and lr["seed"] == seed and lr["setting"] == chosen
+        ran = json.loads((m / "tiny-llama-256" / "learners" / "cast" / f"seed-{seed}" / "compare_row.json").read_text())
+        assert ran["hyperparameters"] == {**ran["hyperparameters"], **chosen} and lr["test"] == ran["test"]
+    # seed 0 repeats the comparison's own run of that row at that setting: the same figure
+    assert by["learned-tuned-cast-seed-0"]["learner"]["comparison_row"]["test"] == by[
+        "learned-tuned-cast-seed-0"]["learner"]["test"]
+    assert "--learn 'tuned CAST=cast:0,1'" in data["regenerate"]
+    assert "--tune lr=0.001,0.003 --tune-only cast --seeds 0 --only cast" in data["regenerate"]
+    # before retraining: the magnitude mask over the dense weights is magnitude pruning's model exactly
+    cmp = compare_methods.Comparison(compare_methods.parse_args(["--tier", "quick", "--report-only",
+                                                                 "--runs-dir", str(tmp_path / "e")]))
+    pruned = load_model(str(m / "tiny-llama-256" / "masks" / "magnitude-model"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert by["magnitude"]["before_retraining"]["test"] == pytest.approx(cmp.evaluator().heldout(pruned),
+                                                                              rel=1e-9)
+    assert all(r["before_retraining"]["digest"] == r["mask_digest"] for r in data["rows"])
+    text = (docs / "mask-swap-tiny-llama-256.md").read_text()
+    assert "Before retraining (test / WikiText-2)" in text and "learned by tuned CAST, seed 0" in text
+    # a new machine: the learned masks' files come from the committed rows, and a new seed retrains under one
+    committed = tmp_path / "committed"
+    (committed / "tiny-llama-256").mkdir(parents=True)
+    shutil.copytree(m / "tiny-llama-256" / "masks", committed / "tiny-llama-256" / "masks",
+                    ignore=shutil.ignore_patterns("*-model", "magnitude*", "wanda*", "sparsegpt*"))
+    monkeypatch.setattr(mask_swap, "COMMITTED_MASKS", committed)
+    shutil.rmtree(m)
+    capsys.readouterr()
+    assert mask_swap.main(common[:5] + ["0,1"] + common[6:] + ["--learn", "tuned CAST=cast:0,1",
+                                                               "--masks", "learned-tuned-cast-seed-1"]) == 0
+    assert "learned-tuned-cast-seed-1: the committed" in capsys.readouterr().out
+    assert not (m / "tiny-llama-256" / "learners").exists()  # its learner did not run again
+    again = {r["name"]: r for r in json.loads((docs / "mask-swap-tiny-llama-256.json").read_text())["rows"]}
+    assert [x["seed"] for x in again["learned-tuned-cast-seed-1"]["seeds"]] == [0, 1]
+    assert again["learned-tuned-cast-seed-1"]["learner"]["test"] == by["learned-tuned-cast-seed-1"]["learner"]["test"]
+
+
 def test_mask_swap_names_the_comparison_run_a_learned_mask_comes_from():
     """A learned mask's exported model, seeded or a row run once (SR-STE), is traced to the comparison run that
     made it, so the report's rerun line runs it first; any other folder is not."""

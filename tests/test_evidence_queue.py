@@ -59,3 +59,36 @@ def test_a_seed_set_aside_by_a_new_tuning_leaves_the_committed_rows(monkeypatch,
     (runs / "b48k" / "row" / "seed-1" / "compare_row.json").write_text(new)
     q.sync(state, runs)
     assert (row / "seed-1" / "compare_row.json").read_text() == new
+
+
+def test_a_mask_swap_line_commits_its_rows_and_learned_masks_under_its_own_folder(monkeypatch, tmp_path):
+    """A queue line ``mask_swap.py ...`` keeps its runs apart and commits its rows and the learned masks (binary
+    files, byte for byte) under ``docs/results/mask-swap-rows``; a one-shot mask (rebuilt from its command) and
+    a model folder are not committed."""
+    repo, state = tmp_path / "repo", tmp_path / "state"
+    (repo / "docs" / "results" / "compare-rows").mkdir(parents=True)
+    (repo / "README").write_text("x\n")
+    _git(tmp_path, "init", "-q", str(repo))
+    for k, v in (("NAME", "t"), ("EMAIL", "t@t")):
+        monkeypatch.setenv(f"GIT_AUTHOR_{k}", v)
+        monkeypatch.setenv(f"GIT_COMMITTER_{k}", v)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "init")
+    q = _queue(monkeypatch, repo)
+    dest = repo / "docs" / "results" / "mask-swap-rows"
+    monkeypatch.setattr(q, "SCRIPTS", {"mask_swap.py": ("mask-swap", dest)})
+    runs = state / "mask-swap" / "m-48k"
+    (runs / "masks" / "magnitude-model").mkdir(parents=True)
+    blob = bytes(range(256)) * 3
+    (runs / "masks" / "learned-x-seed-0.safetensors").write_bytes(blob)
+    (runs / "masks" / "magnitude.safetensors").write_bytes(blob)
+    (runs / "learners" / "cast" / "seed-0" / "model").mkdir(parents=True)
+    (runs / "learners" / "cast" / "seed-0" / "model" / "compare_row.json").write_text("{}")
+    (runs / "learners" / "cast" / "seed-0" / "compare_row.json").write_text(json.dumps({"test": 9.0, "wikitext2": 9.5}))
+    q.sync(state, state / "mask-swap", dest)
+    assert (dest / "m-48k" / "masks" / "learned-x-seed-0.safetensors").read_bytes() == blob
+    assert not (dest / "m-48k" / "masks" / "magnitude.safetensors").exists()
+    assert json.loads((dest / "m-48k" / "learners" / "cast" / "seed-0" / "compare_row.json").read_text())["test"] == 9
+    assert not (dest / "m-48k" / "learners" / "cast" / "seed-0" / "model").exists()
+    assert _git(repo, "status", "--porcelain") == ""
+    assert len(_git(repo, "log", "--oneline").splitlines()) == 3
