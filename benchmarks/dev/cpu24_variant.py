@@ -8,6 +8,7 @@ before it is timed. One JSON line per (shape, rows[, values dtype]) on stdout.
 
     python benchmarks/dev/cpu24_variant.py pf128 -DCAST_PF_GATHER=128 --rows 1 --threads 1
     python benchmarks/dev/cpu24_variant.py f8k -DCAST_PF_F32=8192 --loop fp32      # the fp32-activation loop
+    python benchmarks/dev/cpu24_variant.py rk0 -DCAST_ROWS_KCHUNK=0 --path avx512-bf16-rows --rows 16
 
 ``--loop bf16`` (default): bf16 activations, bf16 values, against torch's ``F.linear`` and the careful dense
 kernel (``dense_mm``); ``--loop fp32``: fp32 activations with bf16 and fp32 values (the ``cpu-avx512`` loop), the
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="comma-separated token counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--loop", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-rows"), default="avx512-bf16",
+                    help="the bf16 loop's 2:4 path: the gather (default) or lanes over output rows (many tokens)")
     ap.add_argument("--build-root", default=str(Path(tempfile.gettempdir()) / "cast-llm-cpu24-variants"))
     args, flags = ap.parse_known_args()  # the rest: extra compiler flags, e.g. -DCAST_PF_GATHER=128
     if any(not f.startswith(("-D", "-f", "-m", "-O")) for f in flags):
@@ -84,14 +87,16 @@ def main() -> None:
     for o, i, name in SHAPES:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, i, generator=torch.Generator().manual_seed(1))
-            res = {"tag": args.tag, "shape": name, "rows": rows, "threads": args.threads, "loop": args.loop}
+            res = {"tag": args.tag, "shape": name, "rows": rows, "threads": args.threads, "loop": args.loop,
+                   **({"path": args.path} if args.loop == "bf16" else {})}
             if args.loop == "bf16":
                 w = random_24_weight(o, i, torch.bfloat16, "cpu")
                 xb, s24 = x.bfloat16(), cpu24.compress(w)
                 ref = xb.double() @ w.double().t()
                 forms = {"torch": (lambda w_, xb=xb: F.linear(xb, w_), w),
                          "careful": (lambda w_, xb=xb: ops.dense_mm(xb, w_, None), w),
-                         "2:4": (lambda s, xb=xb: ops.sparse24_mm(xb, s["values"], s["meta"], None, None, 0), s24)}
+                         "2:4": (lambda s, xb=xb: ops.sparse24_mm(xb, s["values"], s["meta"], None, None,
+                                                                  cpu24.PATHS[args.path]), s24)}
                 for k, (fn, held) in forms.items():
                     s = timed(fn, held, ref, 0.02)
                     res[k], res[k + "_gbps"] = round(s * 1e3, 4), round(nbytes(held) / s / 1e9, 1)
