@@ -949,42 +949,6 @@ def test_rows_path_across_row_sets_token_tiles_and_pack_chunks():
     assert rel(y1, ref64(x[77:78], w, bias)) <= BOUND[torch.bfloat16]
 
 
-def test_rows_path_takes_a_wide_layer_in_chunks_of_k_that_fit_l2():
-    """avx512-bf16-rows packs a 48-row set chunk of K by chunk of K where the whole set would not fit 3/4 of L2
-    (beside the next chunk's values), the chunks' fp32 sums carried in a buffer per token and lane block: many
-    chunks of 128-group multiples, a last chunk with a group tail past both transposes, a partial set, token
-    tiles of 6 and 1, bias, bf16 and int8 values, one and two threads, against float64."""
-    path = "avx512-bf16-rows"
-    if path not in PATHS:
-        pytest.skip("this CPU lacks AVX512-BF16")
-    import os
-
-    ops = cpu24.load_extension()
-    l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else 0
-    most = max(128, max(l2, 1 << 20) * 3 // 4 // 144 // 4 // 128 * 128)  # groups a chunk may take (the kernel's)
-    in_f = 4 * (2 * most + 1)  # three chunks, the last one a group short of the others' 128-multiple
-    chunk = ops.rows_chunk_groups(in_f)
-    assert chunk % 128 == 0 and in_f // 4 > 2 * chunk and in_f // 4 % chunk and ops.rows_chunk_groups(4096) == 1024
-    w, _ = planted(100, in_f, seed=13, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(14)
-    bias = torch.randn(100, generator=g).bfloat16()
-    state, w8 = cpu24.compress(w), cpu24.quantize_values(cpu24.compress(w))
-    w8_dense = cpu24.decompress(w8, 100, in_f)
-    x = torch.randn(13, in_f, generator=g).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for b in (None, bias):
-                assert rel(cpu24.sparse24_mm(path, x, state, b), ref64(x, w, b)) <= BOUND[torch.bfloat16]
-                assert rel(cpu24.sparse24_mm(path, x, w8, b), ref64(x, w8_dense, b)) <= BOUND[torch.bfloat16]
-    finally:
-        torch.set_num_threads(before)
-    broken = {k: v.clone() for k, v in state.items()}
-    broken["values"][55, -1] += 50  # the last kept value of a row of the second set: the last chunk's tail
-    assert rel(cpu24.sparse24_mm(path, x, broken, bias), ref64(x, w, bias)) > BOUND[torch.bfloat16]
-
-
 def test_rows_path_reads_any_positions():
     """avx512-bf16-rows takes each kept value's activation by its own 2-bit position (vpermw indices), so a group
     whose two positions repeat or descend is the sum it names, not a wrong pattern's product."""

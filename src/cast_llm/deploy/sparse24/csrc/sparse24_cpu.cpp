@@ -691,11 +691,10 @@ CAST_AVX512_BF16 inline void transpose16x16(__m512i (&r)[16]) {
 // Rows [r0, r0 + 16 RB) (rows >= N read as zero) into Wp / Ip[g * RB + b]: 16 rows x 16 groups of kept pairs (one
 // 64-byte load a row, masked at the row's end) and 16 rows x 128 groups of positions a transpose
 // (int8 kept values, 2:4 + W8: widened to bf16 exactly as they are loaded, the row scales applied at the store)
-// Groups [ga, gb) only (ga a multiple of 128: a chunk of K, see sparse24_mm_rows), at Wp / Ip[(g - ga) * RB + b].
 template <int Kind>
 CAST_AVX512_BF16 void rows_pack(const void* values, const uint8_t* meta, int64_t N, int64_t K, int64_t r0,
-                                int RB, int64_t ga, int64_t gb, __m512i* Wp, __m512i* Ip) {
-  const int64_t mbytes = (K + 7) / 8;
+                                int RB, __m512i* Wp, __m512i* Ip) {
+  const int64_t G = K / 4, mbytes = (K + 7) / 8;
   constexpr int64_t vb = Kind == kBF16 ? 2 : 1;  // bytes a kept value
   const __m512i nib_mask = _mm512_set1_epi32(15);
   for (int b = 0; b < RB; ++b) {
@@ -703,8 +702,8 @@ CAST_AVX512_BF16 void rows_pack(const void* values, const uint8_t* meta, int64_t
     const char* vbase = static_cast<const char*>(values) + rb * (K / 2) * vb;
     const uint8_t* mbase = meta + rb * mbytes;
     __m512i r[16];
-    for (int64_t g0 = ga; g0 < gb; g0 += 16) {
-      const int64_t ng = std::min<int64_t>(16, gb - g0);
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int64_t ng = std::min<int64_t>(16, G - g0);
       const __mmask32 m = ng == 16 ? 0xffffffffu : static_cast<__mmask32>((1ull << (2 * ng)) - 1);
       for (int l = 0; l < 16; ++l) {
         // 16 row streams K bytes apart: ask for each row's line kRowAhead chunks ahead (past the end of the
@@ -715,10 +714,10 @@ CAST_AVX512_BF16 void rows_pack(const void* values, const uint8_t* meta, int64_t
         r[l] = l < n ? load32_bf16<Kind>(row, 2 * g0, m) : _mm512_setzero_si512();
       }
       transpose16x16(r);
-      for (int64_t c = 0; c < ng; ++c) Wp[(g0 - ga + c) * RB + b] = r[c];
+      for (int64_t c = 0; c < ng; ++c) Wp[(g0 + c) * RB + b] = r[c];
     }
-    for (int64_t g0 = ga; g0 < gb; g0 += 128) {  // 64 bytes of a row's positions: 128 groups
-      const int64_t nb = std::min<int64_t>({64, mbytes - g0 / 2, (gb - g0 + 1) / 2});
+    for (int64_t g0 = 0; g0 < G; g0 += 128) {  // 64 bytes of a row's positions: 128 groups
+      const int64_t nb = std::min<int64_t>(64, mbytes - g0 / 2);
       const __mmask64 m = nb == 64 ? ~__mmask64{0} : ((__mmask64{1} << nb) - 1);
       for (int l = 0; l < 16; ++l) {
         _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(mbase + l * mbytes + g0 / 2) + 64),
@@ -726,9 +725,9 @@ CAST_AVX512_BF16 void rows_pack(const void* values, const uint8_t* meta, int64_t
         r[l] = l < n ? _mm512_maskz_loadu_epi8(m, mbase + l * mbytes + g0 / 2) : _mm512_setzero_si512();
       }
       transpose16x16(r);  // r[c]: groups g0 + 8c .. g0 + 8c + 7 of rows 0..15, 4 bits each
-      for (int64_t g = g0; g < std::min<int64_t>(gb, g0 + 128); ++g) {
+      for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 128); ++g) {
         const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(r[(g - g0) / 8], 4 * ((g - g0) % 8)), nib_mask);
-        Ip[(g - ga) * RB + b] = _mm512_or_si512(nib, _mm512_slli_epi32(nib, 14));
+        Ip[g * RB + b] = _mm512_or_si512(nib, _mm512_slli_epi32(nib, 14));
       }
     }
   }
@@ -738,9 +737,8 @@ CAST_AVX512_BF16 void rows_pack(const void* values, const uint8_t* meta, int64_t
 // prefetched into L2 per group, so that its pack reads them from L2 instead of waiting on DRAM (the pack is
 // not otherwise overlapped with compute: at 16 tokens it was a third of the call)
 struct RowsAhead {
-  const char* base = nullptr;  // the next chunk's (or set's) first row of kept values
-  int64_t row_bytes = 0, rows = 0;  // bytes of a row's chunk, and rows
-  int64_t stride = 0;               // bytes from one row of values to the next
+  const char* base = nullptr;  // the next set's first row of kept values
+  int64_t row_bytes = 0, rows = 0;
 };
 
 // A cache size of this core from sysconf (``name``: _SC_LEVEL1_DCACHE_SIZE, ...), ``fallback`` where the C
@@ -757,24 +755,22 @@ inline int64_t l2_bytes() {
   return bytes;
 }
 
-// The tile's groups [ga, ga + G) of K (one chunk); ``part``: the fp32 sums of this set's earlier chunks, (token,
-// lane block, 16 lanes), read unless ``first`` and written back unless ``last`` (which rounds and stores y)
 template <int RB, int T>
 CAST_AVX512_BF16 void rows_tile(const __m512i* Wp, const __m512i* Ip, const uint16_t* x, int64_t K, int64_t t0,
                                 const float* bias, const float* scale, uint16_t* y, int64_t N, int64_t r0,
-                                RowsAhead next, int64_t ga, int64_t G, float* part, bool first, bool last) {
+                                RowsAhead next) {
+  const int64_t G = K / 4;
   const int64_t lines = (next.row_bytes + 63) / 64;
   int64_t pf_row = 0, pf_line = 0;
   __m512 acc[RB][T];
   for (int b = 0; b < RB; ++b)
-    for (int t = 0; t < T; ++t)
-      acc[b][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + ((t0 + t) * kRowBlocks + b) * 16);
+    for (int t = 0; t < T; ++t) acc[b][t] = _mm512_setzero_ps();
   const uint16_t* xt[T];
-  for (int t = 0; t < T; ++t) xt[t] = x + (t0 + t) * K + 4 * ga;
+  for (int t = 0; t < T; ++t) xt[t] = x + (t0 + t) * K;
   for (int64_t g = 0; g < G; ++g) {
     if (next.base && pf_row < next.rows)
       for (int j = 0; j < 3; ++j) {
-        _mm_prefetch(next.base + pf_row * next.stride + 64 * pf_line, _MM_HINT_T1);
+        _mm_prefetch(next.base + pf_row * next.row_bytes + 64 * pf_line, _MM_HINT_T1);
         if (++pf_line == lines) {
           pf_line = 0;
           if (++pf_row == next.rows) break;
@@ -793,11 +789,6 @@ CAST_AVX512_BF16 void rows_tile(const __m512i* Wp, const __m512i* Ip, const uint
         acc[b][t] = _mm512_dpbf16_ps(acc[b][t], (__m512bh)_mm512_permutexvar_epi16(id[b], xb), (__m512bh)w[b]);
     }
   }
-  if (!last) {
-    for (int b = 0; b < RB; ++b)
-      for (int t = 0; t < T; ++t) _mm512_storeu_ps(part + ((t0 + t) * kRowBlocks + b) * 16, acc[b][t]);
-    return;
-  }
   for (int b = 0; b < RB; ++b) {
     const int64_t rb = r0 + 16 * b, n = std::min<int64_t>(16, N - rb);
     const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
@@ -810,8 +801,7 @@ CAST_AVX512_BF16 void rows_tile(const __m512i* Wp, const __m512i* Ip, const uint
 }
 
 using RowsTileFn = void (*)(const __m512i*, const __m512i*, const uint16_t*, int64_t, int64_t, const float*,
-                            const float*, uint16_t*, int64_t, int64_t, RowsAhead, int64_t, int64_t, float*, bool,
-                            bool);
+                            const float*, uint16_t*, int64_t, int64_t, RowsAhead);
 template <int RB, int... Ts>
 constexpr std::array<RowsTileFn, sizeof...(Ts)> rows_tiles(std::integer_sequence<int, Ts...>) {
   return {&rows_tile<RB, Ts + 1>...};
@@ -821,55 +811,28 @@ const std::array<std::array<RowsTileFn, kRowTokens>, kRowBlocks> kRowsTable = {
     rows_tiles<2>(std::make_integer_sequence<int, kRowTokens>{}),
     rows_tiles<3>(std::make_integer_sequence<int, kRowTokens>{})};
 
-#ifndef CAST_ROWS_KCHUNK  // 0: a set's whole K packed at once, however large (the build before chunks)
-#define CAST_ROWS_KCHUNK 1
-#endif
-
-// Groups a chunk of K takes: a set packed (96 bytes an input: two vectors a group and lane block) beside the next
-// chunk's kept values being prefetched (48 bytes an input) in 3/4 of L2, in multiples of 128 groups (the pack's
-// position transposes), the chunks of K as equal as that allows. Without chunks, a 48-row set of an 11008-input
-// layer packs to 1.06 MB, more than this core's L2: every token tile then read it back from L3, and the next set
-// could not be prefetched (cpu24-notes.md §21).
-inline int64_t rows_chunk_groups(int64_t K) {
-  const int64_t G = K / 4;
-  if (!CAST_ROWS_KCHUNK || 144 * K <= l2_bytes() * 3 / 4) return G;
-  const int64_t most = std::max<int64_t>(128, (l2_bytes() * 3 / 4 / 144 / 4) / 128 * 128);
-  const int64_t chunks = (G + most - 1) / most;
-  return ((G + chunks - 1) / chunks + 127) / 128 * 128;
-}
-
 void sparse24_mm_rows(const uint16_t* x, const void* values, int kind, const uint8_t* meta, const float* scale,
                       const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
   const int64_t vb = kind == kBF16 ? 2 : 1;
   const int64_t G = K / 4, set_rows = 16 * kRowBlocks, sets = (N + set_rows - 1) / set_rows;
-  const int64_t Gc = rows_chunk_groups(K);
   at::parallel_for(0, sets, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<uint8_t> hold(static_cast<size_t>(2 * Gc * kRowBlocks * 64 + 64));
+    std::vector<uint8_t> hold(static_cast<size_t>(2 * G * kRowBlocks * 64 + 64));
     __m512i* Wp = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(hold.data()) + 63) & ~uintptr_t{63});
-    __m512i* Ip = Wp + Gc * kRowBlocks;
-    std::vector<float> part(Gc < G ? static_cast<size_t>(M * kRowBlocks * 16) : 0);  // earlier chunks' sums
+    __m512i* Ip = Wp + G * kRowBlocks;
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r0 = s * set_rows;
       const int RB = static_cast<int>(std::min<int64_t>(kRowBlocks, (N - r0 + 15) / 16));
-      for (int64_t ga = 0; ga < G; ga += Gc) {
-        const int64_t gb = std::min<int64_t>(G, ga + Gc);
-        if (kind == kBF16) rows_pack<kBF16>(values, meta, N, K, r0, RB, ga, gb, Wp, Ip);
-        else rows_pack<kI8>(values, meta, N, K, r0, RB, ga, gb, Wp, Ip);
-        // the next chunk of this set, else the next set's first: its values prefetched into L2 beside this pack
-        const int64_t na = gb < G ? gb : 0, nr0 = gb < G ? r0 : r0 + set_rows;
-        const int64_t nb = std::min<int64_t>(G, na + Gc);
-        RowsAhead next;
-        if ((gb < G || s + 1 < s1) && 144 * 4 * (nb - na) <= l2_bytes() * 3 / 4) {
-          next.base = static_cast<const char*>(values) + (nr0 * (K / 2) + 2 * na) * vb;
-          next.row_bytes = 2 * (nb - na) * vb;
-          next.stride = (K / 2) * vb;
-          next.rows = std::min<int64_t>(set_rows, N - nr0);
-        }
-        for (int64_t t0 = 0; t0 < M; t0 += kRowTokens) {
-          const int T = static_cast<int>(std::min<int64_t>(kRowTokens, M - t0));
-          kRowsTable[RB - 1][T - 1](Wp, Ip, x, K, t0, bias, scale, y, N, r0, t0 == 0 ? next : RowsAhead{}, ga,
-                                    gb - ga, part.data(), ga == 0, gb == G);
-        }
+      if (kind == kBF16) rows_pack<kBF16>(values, meta, N, K, r0, RB, Wp, Ip);
+      else rows_pack<kI8>(values, meta, N, K, r0, RB, Wp, Ip);
+      RowsAhead next;
+      if (s + 1 < s1 && 144 * K <= l2_bytes() * 3 / 4) {  // this set packed (96 K bytes) + the next's values (48 K)
+        next.base = static_cast<const char*>(values) + (r0 + set_rows) * (K / 2) * vb;
+        next.row_bytes = (K / 2) * vb;
+        next.rows = std::min<int64_t>(set_rows, N - r0 - set_rows);
+      }
+      for (int64_t t0 = 0; t0 < M; t0 += kRowTokens) {
+        const int T = static_cast<int>(std::min<int64_t>(kRowTokens, M - t0));
+        kRowsTable[RB - 1][T - 1](Wp, Ip, x, K, t0, bias, scale, y, N, r0, t0 == 0 ? next : RowsAhead{});
       }
     }
   });
@@ -1299,16 +1262,12 @@ bool cpu_supports(int64_t isa) { return isa_supported(isa); }
 // the K-chunks of the avx512-bf16 path at this token count and input width (1: not K-blocked), for tests/reports
 int64_t k_chunks_op(int64_t tokens, int64_t in_features) { return k_chunks(tokens, in_features); }
 
-// the groups of K a chunk of the avx512-bf16-rows path takes at this input width (K / 4: one chunk), for tests
-int64_t rows_chunk_groups_op(int64_t in_features) { return rows_chunk_groups(in_features); }
-
 TORCH_LIBRARY(cast_llm_cpu24, m) {
   m.def("sparse24_mm(Tensor x, Tensor values, Tensor meta, Tensor? scale, Tensor? bias, int isa) -> Tensor");
   m.def("dense_mm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("unpack24_out(Tensor(a!) out, Tensor values, Tensor meta) -> ()");
   m.def("cpu_supports(int isa) -> bool", &cpu_supports);
   m.def("k_chunks(int tokens, int in_features) -> int", &k_chunks_op);
-  m.def("rows_chunk_groups(int in_features) -> int", &rows_chunk_groups_op);
 }
 
 TORCH_LIBRARY_IMPL(cast_llm_cpu24, CPU, m) {
