@@ -20,8 +20,9 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
 The careful dense kernel runs vdpbf16ps where the CPU has AVX512-BF16, else AVX2 FMA on the bf16 weight widened
 in registers (``cast_llm.deploy.sparse24.cpu.dense_path``); the JSON names both paths.
 
-Each output is checked against a float64 product (max|Δ|/max|y|). Reported: ms per call (median of
-``--repeats``), GB/s of the bytes each form reads, the byte limit (1.78× for 2:4 over dense bf16) and the
+Each output is checked against a float64 product (max|Δ|/max|y|). The forms of a cell are timed interleaved
+(``cycled_many``: each of the ``--repeats`` rounds times every form in turn), so their ratios are paired. Reported:
+ms per call (median of ``--repeats``), GB/s of the bytes each form reads, the byte limit (1.78× for 2:4 over dense bf16) and the
 ratios. Time nothing else while it runs (``benchmarks/`` results say what else ran: the load average).
 
     python benchmarks/cpu24.py --json docs/results/cpu24-linear.json --plot docs/results/cpu24-linear.png
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from _common import machine
 
 from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24.cycles import cycled_many
 from cast_llm.deploy.sparse24.kernels import KERNELS
 from cast_llm.deploy.sparse24.timing import l3_bytes, random_24_weight
 
@@ -94,7 +96,6 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     w8 = KERNELS[f"cpu-w8-{path}"].compress(w)
     ref8 = x.double() @ cpu24.decompress(w8, out_f, in_f).double().t()
     dense_b, s24_b, w8_b = w.numel() * 2, nbytes(s24), nbytes(w8)
-    need = 2 * l3_bytes()
     row = {"out": out_f, "in": in_f, "rows": rows, "bytes": {"dense_bf16": dense_b, "2:4": s24_b, "2:4+W8": w8_b}}
     forms = {
         "torch": (lambda w_: F.linear(x, w_), w, dense_b, None),
@@ -108,14 +109,14 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
             forms[EXTRA[p].replace("2:4", "2:4+W8")] = (lambda s, p=p: cpu24.sparse24_mm(p, x, s, None), w8, w8_b,
                                                        ref8)
     row["ms"], row["gbps"], row["max_rel_err"] = {}, {}, {}
-    for name, (fn, held, b, r) in forms.items():
-        copies = [held] + [({k: t.clone() for k, t in held.items()} if isinstance(held, dict) else held.clone())
-                           for _ in range(max(1, -(-need // b)) - 1)]
+    for name, (fn, held, _, r) in forms.items():
         row["max_rel_err"][name] = rel_err(fn(held), ref if r is None else r)
-        s = seconds([lambda c=c, fn=fn: fn(c) for c in copies], repeats, min_time)
+    # every form of the cell timed interleaved, round by round (the dispatcher's paired measurement): a slow
+    # spell of this host's memory system falls on all of them, not on one column (cpu24-notes.md §18, §22)
+    times = cycled_many([(fn, held) for fn, held, _, _ in forms.values()], repeats=repeats, min_time=min_time)
+    for (name, (_, _, b, _)), s in zip(forms.items(), times):
         row["ms"][name] = s * 1e3
         row["gbps"][name] = b / s / 1e9
-        del copies
     ms = row["ms"]
     row["x_torch"] = ms["torch"] / ms["2:4"]
     row["x_careful"] = ms["careful"] / ms["2:4"]
