@@ -7,10 +7,14 @@ dense weight. The compressed form (``values (out, in/2)``, ``meta (out, ceil(in/
 value) is bit for bit the ``positions`` stream of ``--format compressed`` checkpoints for rows of a multiple of
 8 inputs, so :func:`cast_llm.deploy.compressed.load_compressed` hands the file's tensors to the kernel as they are.
 
-Five instruction paths, chosen per CPU at run time from one build (``PATHS``):
+Six instruction paths, chosen per CPU at run time from one build (``PATHS``):
 
 * ``avx512-bf16`` — bf16 activations and values, vpermt2w gathers the kept activations, vdpbf16ps accumulates
-  in fp32 (AVX512-BW/VBMI/BF16: AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+);
+  in fp32 (AVX512-BW/VBMI/BF16: AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+); each row's values
+  prefetched 8 KB ahead in software at one token;
+* ``avx512-bf16-hwpf`` — the same loop without any software prefetch (the hardware prefetchers alone): the
+  distance tuned on one core costs 25-45 % on another (docs/results/cpu24-notes.md §23), so the dispatcher
+  times both and keeps the faster per shape and token bucket;
 * ``amx-bf16`` — bf16 activations and values on CPUs with AMX (Intel Sapphire Rapids+): 16 rows at a time
   expanded into a dense panel in L1 (vpexpandw), multiplied on AMX tiles; reads each weight byte once per call
   whatever the token count, so it is the multi-token path there (one token: ``avx512-bf16`` is faster). Linux
@@ -50,9 +54,10 @@ __all__ = ["PATHS", "BadPositionsError", "available_paths", "bad_position_rows",
            "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
            "unpack_mm"]
 
-BF16_PATHS = ("avx512-bf16", "amx-bf16", "avx512-bf16-rows")  # bf16 activations only
+BF16_PATHS = ("avx512-bf16", "avx512-bf16-hwpf", "amx-bf16", "avx512-bf16-rows")  # bf16 activations only
 NO_W8_PATHS = ("amx-bf16",)  # no int8-values variant
-PATHS = {"avx512-bf16": 0, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512": 1, "avx2": 2}  # name -> isa id
+PATHS = {"avx512-bf16": 0, "avx512-bf16-hwpf": 6, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512": 1,
+         "avx2": 2}  # name -> isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
 NAME = "cast_llm_cpu24"

@@ -150,7 +150,7 @@ struct PfAhead {
 // Steps [s0, s1) of 64 inputs (32 kept values) of rows n0 .. n0 + R into acc (and the masked tail when ``tail``):
 // the loop of block_avx512_bf16, shared with the K-blocked path, whose rows cover one chunk of K each (``ahead``:
 // the prefetch of that path, see PfAhead; nullptr: the rows' own next steps)
-template <int R, int T, int Kind>
+template <int R, int T, int Kind, bool SwPf = true>
 CAST_AVX512_BF16 inline void bf16_steps(__m512 (&acc)[R][T], const void* values, const uint8_t* meta,
                                         const uint16_t* x, int64_t n0, int64_t t0, int64_t K, int64_t s0,
                                         int64_t s1, bool tail, const PfAhead* ahead) {
@@ -164,7 +164,9 @@ CAST_AVX512_BF16 inline void bf16_steps(__m512 (&acc)[R][T], const void* values,
   for (int j = 0; j < 32; ++j) base_w[j] = static_cast<uint16_t>(4 * (j / 2));
   const __m512i ctrl = _mm512_load_si512(ctrl_b), base = _mm512_load_si512(base_w);
   const __m512i three = _mm512_set1_epi16(3);
-  constexpr int64_t kPf = R == 1 ? CAST_PF_GATHER : CAST_PF;  // prefetch distance in steps
+  // prefetch distance in steps; none at all on avx512-bf16-hwpf (SwPf false: the hardware prefetchers alone,
+  // faster on some cores than the distance tuned on another: cpu24-notes.md §23)
+  constexpr int64_t kPf = !SwPf ? 0 : R == 1 ? CAST_PF_GATHER : CAST_PF;
   int64_t pf_row = ahead ? ahead->row : 0, pf_step = ahead ? ahead->step : 0;
   for (int64_t s = s0; s < s1; ++s) {
     __m512i xlo[T], xhi[T];
@@ -222,14 +224,14 @@ CAST_AVX512_BF16 inline void bf16_steps(__m512 (&acc)[R][T], const void* values,
   }
 }
 
-template <int R, int T, int Kind>
+template <int R, int T, int Kind, bool SwPf = true>
 CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta, const uint16_t* x,
                                         float* out, int64_t n0, int64_t t0, int64_t K, int64_t N) {
   // out: (T, R) fp32 results for rows n0.. and tokens t0..; values bf16 (Kind kBF16) or int8 (kI8)
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  bf16_steps<R, T, Kind>(acc, values, meta, x, n0, t0, K, 0, K / 64, true, nullptr);
+  bf16_steps<R, T, Kind, SwPf>(acc, values, meta, x, n0, t0, K, 0, K / 64, true, nullptr);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
   (void)N;
@@ -839,7 +841,8 @@ void sparse24_mm_rows(const uint16_t* x, const void* values, int kind, const uin
 }
 
 // ----------------------------------------------------------------------------------------------- driver
-enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Rows = 5 };  // (4: a removed path)
+enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Rows = 5,
+           kAvx512Bf16Hw = 6 };  // (4: a removed path)
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -856,6 +859,7 @@ bool isa_supported(int64_t isa) {
     case kAmxBf16:
       return isa_supported(kAvx512Bf16) && amx_cpu() && amx_permitted();
     case kAvx512Bf16Rows:
+    case kAvx512Bf16Hw:
       return isa_supported(kAvx512Bf16);
     default:
       return false;
@@ -864,10 +868,10 @@ bool isa_supported(int64_t isa) {
 
 using BlockFn = void (*)(const void*, const uint8_t*, const void*, float*, int64_t, int64_t, int64_t, int64_t);
 
-template <int Kind, int R, int T>
+template <int Kind, int R, int T, bool SwPf>
 void bf16_block(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
                 int64_t N) {
-  block_avx512_bf16<R, T, Kind>(v, m, static_cast<const uint16_t*>(x), o, n0, t0, K, N);
+  block_avx512_bf16<R, T, Kind, SwPf>(v, m, static_cast<const uint16_t*>(x), o, n0, t0, K, N);
 }
 template <int Kind, int R, int T>
 void f32_block512(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
@@ -895,18 +899,21 @@ Table make_table() {
   return t;
 }
 
-template <int Kind> struct MakeBf16 { template <int R, int T> struct M { static constexpr BlockFn f = &bf16_block<Kind, R, T>; }; };
+template <int Kind, bool SwPf = true> struct MakeBf16 { template <int R, int T> struct M { static constexpr BlockFn f = &bf16_block<Kind, R, T, SwPf>; }; };
 template <int Kind> struct Make512 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block512<Kind, R, T>; }; };
 template <int Kind> struct Make256 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block256<Kind, R, T>; }; };
 
 const Table& table_for(int64_t isa, int kind) {
   static const Table bf16[3] = {make_table<MakeBf16<kBF16>::M>(), make_table<MakeBf16<kBF16>::M>(),
                                 make_table<MakeBf16<kI8>::M>()};  // (no fp32 values on this path)
+  static const Table bf16hw[3] = {make_table<MakeBf16<kBF16, false>::M>(), make_table<MakeBf16<kBF16, false>::M>(),
+                                  make_table<MakeBf16<kI8, false>::M>()};
   static const Table a512[3] = {make_table<Make512<kBF16>::M>(), make_table<Make512<kF32>::M>(),
                                 make_table<Make512<kI8>::M>()};
   static const Table a256[3] = {make_table<Make256<kBF16>::M>(), make_table<Make256<kF32>::M>(),
                                 make_table<Make256<kI8>::M>()};
   if (isa == kAvx512Bf16) return bf16[kind];
+  if (isa == kAvx512Bf16Hw) return bf16hw[kind];
   if (isa == kAvx512) return a512[kind];
   return a256[kind];
 }
@@ -1038,7 +1045,7 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   }
   TORCH_CHECK(kind != kI8 || (scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N),
               "sparse24_mm: int8 values need an fp32 scale of out entries");
-  TORCH_CHECK(isa != kAvx512Bf16 || (kind != kF32 && x.scalar_type() == at::kBFloat16),
+  TORCH_CHECK((isa != kAvx512Bf16 && isa != kAvx512Bf16Hw) || (kind != kF32 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the avx512-bf16 path takes bf16 x and bf16 or int8 values");
   TORCH_CHECK(isa != kAmxBf16 || (kind == kBF16 && x.scalar_type() == at::kBFloat16),
               "sparse24_mm: the amx-bf16 path takes bf16 x and bf16 values");
@@ -1048,7 +1055,7 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
 
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), mc = meta.contiguous();
   // fp32 paths read fp32 activations: a bf16 x is widened once per call (M x K, from L1/L2)
-  const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAmxBf16 ||
+  const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAvx512Bf16Hw || isa == kAmxBf16 ||
                            isa == kAvx512Bf16Rows;
   const at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
   at::Tensor bias_f, scale_f;
@@ -1069,7 +1076,8 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
                      N, K);
     return y;
   }
-  if (isa == kAvx512Bf16 && k_chunks(M, K) > 1) {
+  // (2-4 tokens K-blocked: one loop with its own prefetch for both gather paths)
+  if ((isa == kAvx512Bf16 || isa == kAvx512Bf16Hw) && k_chunks(M, K) > 1) {
     sparse24_mm_kblocked(static_cast<const uint16_t*>(xc.data_ptr()), vc.data_ptr(), kind, mc.data_ptr<uint8_t>(),
                          scale.has_value() ? scale_f.data_ptr<float>() : nullptr,
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, static_cast<uint16_t*>(y.data_ptr()),
@@ -1086,7 +1094,7 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   void* yptr = y.data_ptr();
   // a thread's share should be worth the fork: ~64 rows of a 4096-input layer
   const int64_t grain = std::max<int64_t>(1, (16 * 4096) / std::max<int64_t>(K, 1) / std::max<int64_t>(M, 1));
-  run_blocks(M, N, rows_per_block(M, K, isa == kAvx512Bf16), grain,
+  run_blocks(M, N, rows_per_block(M, K, isa == kAvx512Bf16 || isa == kAvx512Bf16Hw), grain,
              [&](float* res, int64_t n0, int64_t t0, int64_t R, int64_t T) {
     table.fn[R - 1][T - 1](vptr, mptr, xptr, res, n0, t0, K, N);
   }, sptr, bptr, out_bf16, yptr);
