@@ -84,7 +84,7 @@ def best_path() -> str | None:
     return next((p for p in ("avx512-bf16", "avx512", "avx2") if p in paths), None)
 
 
-EXTRA = {"amx-bf16": "2:4 amx", "avx512-bf16-rows": "2:4 rows"}  # more 2:4 paths, timed where the CPU runs them
+EXTRA = {"avx512-bf16-hwpf": "2:4 hwpf", "amx-bf16": "2:4 amx", "avx512-bf16-rows": "2:4 rows"}  # more 2:4 paths, timed where the CPU runs them
 
 
 def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float, path: str = "avx512-bf16",
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB; 2:4 path {path}"
           f"{''.join(f' and {p}' for p in extra)}, careful dense path {cpu24.dense_path()}")
     print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'careful':>9}{'2:4':>8}{'2:4+W8':>8}"
-          f"{'2:4 amx':>8}{'2:4 rows':>9} ms | {'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}"
+          f"{'2:4 hwpf':>9}{'2:4 amx':>8}{'2:4 rows':>9} ms | {'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}"
           f"{'W8/torch':>9}{'best/torch':>11}{'best/careful':>13}{'bestW8/torch':>13} best")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                 results.append(r)
                 ms, gb = r["ms"], r["gbps"]
                 print(f"{label:<22}{threads:>4}{rows:>5} | {ms['torch']:>8.3f}{ms['careful']:>9.3f}{ms['2:4']:>8.3f}"
-                      f"{ms['2:4+W8']:>8.3f}{ms.get('2:4 amx', float('nan')):>8.3f}"
+                      f"{ms['2:4+W8']:>8.3f}{ms.get('2:4 hwpf', float('nan')):>9.3f}{ms.get('2:4 amx', float('nan')):>8.3f}"
                       f"{ms.get('2:4 rows', float('nan')):>9.3f}    | {gb['torch']:>6.1f}"
                       f"{gb['2:4']:>6.1f}      | {r['x_torch']:>8.2f}x{r['x_careful']:>11.2f}x{r['w8_x_torch']:>8.2f}x"
                       f"{r['best_x_torch']:>10.2f}x{r['best_x_careful']:>12.2f}x{r['best_w8_x_torch']:>12.2f}x"

@@ -22,8 +22,8 @@ MODELS = {  # file stem -> (model, workload)
     "smollm2-135m-prefill512": ("SmolLM2-135M (embedded, magnitude 2:4)", "512 prompt + 8 decode"),
     "tinyllama-1.1b-prefill512": ("TinyLlama-1.1B shape (random 2:4)", "512 prompt + 8 decode"),
 }
-EXTRA = {"2:4 amx": "amx", "2:4 rows": "rows"}  # benchmarks/cpu24.py's names of the other 2:4 paths -> column
-BEST = {"2:4": "gather", "2:4 amx": "amx", "2:4 rows": "rows"}
+EXTRA = {"2:4 hwpf": "hwpf", "2:4 amx": "amx", "2:4 rows": "rows"}  # benchmarks/cpu24.py's names of the other 2:4 paths -> column
+BEST = {"2:4": "gather", "2:4 hwpf": "hwpf", "2:4 amx": "amx", "2:4 rows": "rows"}
 HEAD = re.compile(r"\(([\d.]+) ms a token against torch's ([\d.]+)\)")
 
 
@@ -61,6 +61,7 @@ LINEAR = {  # file -> the CPU it was measured on (each machine's own table)
     "cpu24-linear-rerun.json": "the same AMD EPYC, a second run the same hour (1 and 4 rows)",
     "cpu24-linear-avx2.json": "AMD EPYC (Zen 3), AVX2 only",
     "cpu24-linear-amx.json": "Intel Xeon with AVX-512 and AMX",
+    "cpu24-linear-zen4.json": "AMD EPYC, another core (32 KB L1D, Zen 4), the hardware-prefetch path as a column",
 }
 
 

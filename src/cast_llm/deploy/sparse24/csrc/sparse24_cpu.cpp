@@ -933,8 +933,11 @@ inline int64_t l1_bytes() {
   return bytes;
 }
 
+#ifndef CAST_ROWS1  // rows a block at one token (the A/B of cpu24-notes.md §25)
+#define CAST_ROWS1 1
+#endif
 inline int64_t rows_per_block(int64_t tokens, int64_t K, bool bf16_gather) {
-  if (tokens == 1) return 1;
+  if (tokens == 1) return CAST_ROWS1;
   if (bf16_gather && tokens <= kTokens && tokens * K * 2 <= l1_bytes()) return 1;
   return kRows;
 }
