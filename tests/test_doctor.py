@@ -53,6 +53,10 @@ def test_doctor_json_lists_every_kernel_path_then_the_table_reads_the_verdict_fi
     table = capsys.readouterr().out
     assert not probes
     assert "environment" in table and "adams.update" in table and "CUDA-only" in table and "docs/gpu.md" in table
+    # where the CPU 2:4 layers' compressed tensors lie, and why not on huge pages where they are not
+    why = cpu24.huge_pages_reason()
+    assert env["cpu_huge_pages"] == why
+    assert ("CPU 2:4 weights: on huge pages" if why is None else f"CPU 2:4 weights: on 4 KB pages ({why})") in table
 
 
 def _every_module() -> list[str]:

@@ -325,6 +325,44 @@ def test_a_sparse24_linear_on_each_cpu_kernel_takes_3d_strided_and_empty_inputs(
         assert layer(torch.randn(0, 100).to(dtype)).shape == (0, 37)
 
 
+def test_a_cpu_layers_compressed_tensors_lie_on_huge_pages_where_the_os_allows_and_the_switch_turns_it_off(
+        monkeypatch, tmp_path):
+    t = torch.randn(1024, 640)  # 2.5 MB: one whole 2 MB chunk and a tail
+    h = cpu24.on_huge_pages(t)
+    assert torch.equal(h, t) and h.shape == t.shape and h.dtype == t.dtype
+    if cpu24.huge_pages_reason() is None:
+        assert h.data_ptr() % cpu24.HUGE_PAGE == 0 and h.data_ptr() != t.data_ptr()
+        t.add_(1)
+        assert not torch.equal(h, t)  # a copy, not a view of the source
+    else:
+        assert h is t
+    small = torch.randn(8, 8)
+    assert cpu24.on_huge_pages(small) is small
+    # a layer: its values (>= 2 MB) moved, its output the same as with the switch off
+    in_f, out_f = 4096, 512  # bf16 values 512 x 2048 x 2 B = 2 MB
+    w, _ = planted(out_f, in_f, dtype=torch.bfloat16)
+    lin = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin.requires_grad_(False)
+    name = next(iter(available_kernels("cpu", torch.bfloat16, CPU_KERNELS)[0]))
+    x = torch.randn(3, in_f).bfloat16()
+    on = Sparse24Linear.from_linear(lin, kernels=(name,))
+    values = next(iter(on.states.values()))["values"]
+    assert (values.data_ptr() % cpu24.HUGE_PAGE == 0) == (cpu24.huge_pages_reason() is None)
+    monkeypatch.setenv("CAST_LLM_HUGE_PAGES", "0")
+    assert cpu24.huge_pages_reason() == "CAST_LLM_HUGE_PAGES=0" and cpu24.on_huge_pages(t) is t
+    off = Sparse24Linear.from_linear(lin, kernels=(name,))
+    assert torch.equal(on(x), off(x))
+    monkeypatch.delenv("CAST_LLM_HUGE_PAGES")
+    never = tmp_path / "enabled"
+    never.write_text("always madvise [never]\n")
+    monkeypatch.setattr(cpu24, "THP_ENABLED", never)
+    assert "never" in cpu24.huge_pages_reason() and cpu24.on_huge_pages(t) is t
+    monkeypatch.setattr(cpu24, "THP_ENABLED", tmp_path / "missing")
+    assert "cannot be read" in cpu24.huge_pages_reason()
+
+
 # ------------------------------------------------------------------------------- 2. without the extension
 @contextlib.contextmanager
 def extension_missing(monkeypatch, how: str, tmp_path: Path):

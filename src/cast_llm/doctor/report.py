@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from cast_llm import kernels
+from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.kernels.environment import environment
 
@@ -33,6 +34,7 @@ def doctor(*, recheck: bool = False) -> dict[str, Any]:
     env = environment()
     if env["cuda_available"]:
         env["cusparselt_direct"] = cusparselt_direct.library_version()
+    env["cpu_huge_pages"] = cpu24.huge_pages_reason()  # None: CPU 2:4 layers' compressed tensors on huge pages
     rows = []
     started = time.perf_counter()
     for name in sorted(kernels.REGISTRY):
@@ -74,6 +76,8 @@ def format_doctor(report: dict[str, Any]) -> str:
         + (f" (direct binding: {env.get('cusparselt_direct')})" if env["cuda_available"] else "")
         + f", NCCL {env['nccl']}",
         f"  CPU: {env['cpu']}, {env['cpu_threads']} thread(s) for the probes",
+        "  CPU 2:4 weights: " + ("on huge pages (transparent, madvise; CAST_LLM_HUGE_PAGES=0 turns it off)"
+                                 if env.get("cpu_huge_pages") is None else f"on 4 KB pages ({env['cpu_huge_pages']})"),
         f"  kernels: {env['kernels_mode']}; torch.compile candidates {env['compile_candidates']}; verdicts in "
         f"{env['verdict_file']}",
         "",

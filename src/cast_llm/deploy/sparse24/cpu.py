@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ctypes
 import hashlib
+import mmap
 import os
 import sys
 import time
@@ -174,6 +176,48 @@ def unavailable_reason(path: str, device: torch.device, dtype: torch.dtype, valu
 
 
 # ------------------------------------------------------------------------------------- the compressed form
+HUGE_PAGE = 2 << 20  # the x86-64 transparent huge page
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_reason() -> str | None:
+    """Why the compressed weights are not placed on huge pages here (None: they are, :func:`on_huge_pages`)."""
+    if os.environ.get("CAST_LLM_HUGE_PAGES", "1") == "0":
+        return "CAST_LLM_HUGE_PAGES=0"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "this platform has no madvise(MADV_HUGEPAGE)"
+    try:
+        mode = THP_ENABLED.read_text()
+    except OSError:
+        return f"{THP_ENABLED} cannot be read (no transparent huge pages)"
+    return "transparent huge pages are off here ([never])" if "[never]" in mode else None
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of CPU tensor ``t`` (2 MB or more) in memory advised ``MADV_HUGEPAGE`` over its whole 2 MB-aligned
+    chunks (a tail stays on 4 KB pages: no resident memory added), or ``t`` itself where that does not apply
+    (another device, smaller, :func:`huge_pages_reason`). The kernels stream these bytes once per token: on 4 KB
+    pages each 4 KB row starts a new page (a TLB miss, and the hardware prefetchers stop at the page's end);
+    huge pages made the one-token 2:4 GEMM 20-27 % faster on 4096-input layers (cpu24-notes.md §26)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < HUGE_PAGE or huge_pages_reason():
+        return t
+    size = nbytes + HUGE_PAGE
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(buf)
+    addr = ctypes.addressof(view)
+    del view  # (an exported buffer would keep the mapping from closing with the tensor)
+    off = (-addr) % HUGE_PAGE
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:
+        buf.close()
+        return t
+    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=off).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """``(out, in)`` exactly-2:4 weight → ``{"values": (out, in/2), "meta": (out, ceil(in/8)) uint8}``."""
     out_f, in_f = weight.shape
