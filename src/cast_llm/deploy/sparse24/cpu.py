@@ -38,8 +38,8 @@ line and the layers run dense. ``CAST_LLM_KERNELS=reference`` (``--kernels refer
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ctypes
+import fcntl
 import hashlib
 import mmap
 import os
