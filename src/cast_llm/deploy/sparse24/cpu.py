@@ -38,7 +38,6 @@ line and the layers run dense. ``CAST_LLM_KERNELS=reference`` (``--kernels refer
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -202,20 +201,14 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < HUGE_PAGE or huge_pages_reason():
         return t
-    size = nbytes + HUGE_PAGE
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    view = ctypes.c_char.from_buffer(buf)
-    addr = ctypes.addressof(view)
-    del view  # (an exported buffer would keep the mapping from closing with the tensor)
-    off = (-addr) % HUGE_PAGE
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds the mapping for as long as the tensor lives
+    off = (-raw.data_ptr()) % HUGE_PAGE
     try:
         buf.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE_PAGE * HUGE_PAGE)
     except OSError:
-        buf.close()
         return t
-    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=off).view(t.shape)
-    out.copy_(t)
-    return out
+    return raw[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
 def compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
