@@ -3,9 +3,12 @@
 Side by side in one process, on random exactly-2:4 weights, every weight cycled through copies that together
 hold at least twice the last-level cache (as in a model's forward: each layer's weight comes from DRAM):
 
-* ``torch`` — ``F.linear`` on the dense bf16 weight with zeros (what a user runs today);
+* ``torch`` — ``F.linear`` on the dense bf16 weight with zeros, where torch's allocator puts it (what a user
+  runs today: 4 KB pages unless ``THP_MEM_ALLOC_ENABLE=1`` or the OS's THP mode is ``always``);
+* ``torch hp`` — the same on weights laid on huge pages (:func:`cast_llm.deploy.sparse24.cpu.on_huge_pages`):
+  what torch would do with the 2:4 layers' page placement;
 * ``careful`` — a dense bf16 kernel written with the same care as the 2:4 one (``cast_llm_cpu24.dense_mm``:
-  the same blocks and threading): what sparsity itself buys;
+  the same blocks and threading, its weight on huge pages as the 2:4 weights are): what sparsity itself buys;
 * ``2:4`` — the widest CPU 2:4 path this CPU runs (``cpu-avx512-bf16``, else ``cpu-avx512``, else ``cpu-avx2``;
   kept values + 2-bit positions, read directly: 0.5625 of the dense bytes);
 * ``2:4 amx`` — where the CPU has AMX, the ``cpu-amx-bf16`` path as well (the same bytes, expanded into a dense
@@ -19,6 +22,9 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
 
 The careful dense kernel runs vdpbf16ps where the CPU has AVX512-BF16, else AVX2 FMA on the bf16 weight widened
 in registers (``cast_llm.deploy.sparse24.cpu.dense_path``); the JSON names both paths.
+
+Every 2:4 form's compressed tensors lie where a ``Sparse24Linear`` puts them: on huge pages where the OS allows
+(``CAST_LLM_HUGE_PAGES=0``: not; the JSON's ``huge_pages`` says which), every copy alike.
 
 Each output is checked against a float64 product (max|Δ|/max|y|). The forms of a cell are timed interleaved
 (``cycled_many``: each of the ``--repeats`` rounds times every form in turn), so their ratios are paired. Reported:
@@ -97,24 +103,29 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     ref8 = x.double() @ cpu24.decompress(w8, out_f, in_f).double().t()
     dense_b, s24_b, w8_b = w.numel() * 2, nbytes(s24), nbytes(w8)
     row = {"out": out_f, "in": in_f, "rows": rows, "bytes": {"dense_bf16": dense_b, "2:4": s24_b, "2:4+W8": w8_b}}
-    forms = {
-        "torch": (lambda w_: F.linear(x, w_), w, dense_b, None),
-        "careful": (lambda w_: cpu24.dense_mm(x, w_), w, dense_b, None),
-        "2:4": (lambda s: cpu24.sparse24_mm(path, x, s, None), s24, s24_b, None),
-        "2:4+W8": (lambda s: cpu24.sparse24_mm(path, x, s, None), w8, w8_b, ref8),
+    hp = cpu24.on_huge_pages  # the 2:4 layer's placement (linear.py), applied to every copy cycled
+    w_hp = hp(w)
+    s24, w8 = ({k: hp(t) for k, t in st.items()} for st in (s24, w8))
+    forms = {  # name -> (fn, held, bytes, reference (None: ref), placement of the copies (None: torch's))
+        "torch": (lambda w_: F.linear(x, w_), w, dense_b, None, None),
+        "torch hp": (lambda w_: F.linear(x, w_), w_hp, dense_b, None, hp),
+        "careful": (lambda w_: cpu24.dense_mm(x, w_), w_hp, dense_b, None, hp),
+        "2:4": (lambda s: cpu24.sparse24_mm(path, x, s, None), s24, s24_b, None, hp),
+        "2:4+W8": (lambda s: cpu24.sparse24_mm(path, x, s, None), w8, w8_b, ref8, hp),
     }
     for p in extra:
-        forms[EXTRA[p]] = (lambda s, p=p: cpu24.sparse24_mm(p, x, s, None), s24, s24_b, None)
+        forms[EXTRA[p]] = (lambda s, p=p: cpu24.sparse24_mm(p, x, s, None), s24, s24_b, None, hp)
         if p not in cpu24.NO_W8_PATHS:  # the same int8 values through this path
             forms[EXTRA[p].replace("2:4", "2:4+W8")] = (lambda s, p=p: cpu24.sparse24_mm(p, x, s, None), w8, w8_b,
-                                                       ref8)
+                                                       ref8, hp)
     row["ms"], row["gbps"], row["max_rel_err"] = {}, {}, {}
-    for name, (fn, held, _, r) in forms.items():
+    for name, (fn, held, _, r, _) in forms.items():
         row["max_rel_err"][name] = rel_err(fn(held), ref if r is None else r)
     # every form of the cell timed interleaved, round by round (the dispatcher's paired measurement): a slow
     # spell of this host's memory system falls on all of them, not on one column (cpu24-notes.md §18, §22)
-    times = cycled_many([(fn, held) for fn, held, _, _ in forms.values()], repeats=repeats, min_time=min_time)
-    for (name, (_, _, b, _)), s in zip(forms.items(), times):
+    times = cycled_many([(fn, held, place) for fn, held, _, _, place in forms.values()], repeats=repeats,
+                        min_time=min_time)
+    for (name, (_, _, b, _, _)), s in zip(forms.items(), times):
         row["ms"][name] = s * 1e3
         row["gbps"][name] = b / s / 1e9
     ms = row["ms"]
@@ -127,6 +138,7 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     row["best"] = min(["2:4", *(EXTRA[p] for p in extra)], key=lambda k: ms[k])
     row["best_x_torch"] = ms["torch"] / ms[row["best"]]
     row["best_x_careful"] = ms["careful"] / ms[row["best"]]
+    row["best_x_torch_hp"] = ms["torch hp"] / ms[row["best"]]
     return row
 
 
@@ -151,9 +163,10 @@ def main(argv=None) -> int:
     results = []
     print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB; 2:4 path {path}"
           f"{''.join(f' and {p}' for p in extra)}, careful dense path {cpu24.dense_path()}")
-    print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'careful':>9}{'2:4':>8}{'2:4+W8':>8}"
+    print(f"weights on huge pages: {cpu24.huge_pages_reason() or 'yes'} (2:4 forms, careful, torch hp; torch: its allocator)")
+    print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'torch hp':>9}{'careful':>9}{'2:4':>8}{'2:4+W8':>8}"
           f"{'2:4 hwpf':>9}{'2:4 amx':>8}{'2:4 rows':>9} ms | {'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}"
-          f"{'W8/torch':>9}{'best/torch':>11}{'best/careful':>13}{'bestW8/torch':>13} best")
+          f"{'W8/torch':>9}{'best/torch':>11}{'best/tor.hp':>12}{'best/careful':>13}{'bestW8/torch':>13} best")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for label, (out_f, in_f) in shapes.items():
@@ -162,11 +175,11 @@ def main(argv=None) -> int:
                 r.update(shape=label, threads=threads)
                 results.append(r)
                 ms, gb = r["ms"], r["gbps"]
-                print(f"{label:<22}{threads:>4}{rows:>5} | {ms['torch']:>8.3f}{ms['careful']:>9.3f}{ms['2:4']:>8.3f}"
+                print(f"{label:<22}{threads:>4}{rows:>5} | {ms['torch']:>8.3f}{ms['torch hp']:>9.3f}{ms['careful']:>9.3f}{ms['2:4']:>8.3f}"
                       f"{ms['2:4+W8']:>8.3f}{ms.get('2:4 hwpf', float('nan')):>9.3f}{ms.get('2:4 amx', float('nan')):>8.3f}"
                       f"{ms.get('2:4 rows', float('nan')):>9.3f}    | {gb['torch']:>6.1f}"
                       f"{gb['2:4']:>6.1f}      | {r['x_torch']:>8.2f}x{r['x_careful']:>11.2f}x{r['w8_x_torch']:>8.2f}x"
-                      f"{r['best_x_torch']:>10.2f}x{r['best_x_careful']:>12.2f}x{r['best_w8_x_torch']:>12.2f}x"
+                      f"{r['best_x_torch']:>10.2f}x{r['best_x_torch_hp']:>11.2f}x{r['best_x_careful']:>12.2f}x{r['best_w8_x_torch']:>12.2f}x"
                       f" {r['best']}", flush=True)
     worst = max(max(v for k, v in r["max_rel_err"].items() if k.startswith("2:4")) for r in results)
     print(f"max|Δ|/max|y| against float64: {worst:.2e} (bf16 output rounding: ≤ 3.9e-3)")
@@ -177,13 +190,16 @@ def main(argv=None) -> int:
             continue
         lo_t = min(r["best_x_torch"] for r in sel)
         lo_c = min(r["best_x_careful"] for r in sel)
+        lo_hp = min(r["best_x_torch_hp"] for r in sel)
         ok = lo_t >= g_torch and (g_careful is None or lo_c >= g_careful)
-        goals.append({"rows": rows, "min_x_torch": lo_t, "min_x_careful": lo_c, "goal_x_torch": g_torch,
-                      "goal_x_careful": g_careful, "met": ok})
-        print(f"rows {rows}: worst best-2:4/torch {lo_t:.2f}x (goal ≥ {g_torch}x), worst 2:4/careful {lo_c:.2f}x"
+        goals.append({"rows": rows, "min_x_torch": lo_t, "min_x_careful": lo_c, "min_x_torch_hp": lo_hp,
+                      "goal_x_torch": g_torch, "goal_x_careful": g_careful, "met": ok})
+        print(f"rows {rows}: worst best-2:4/torch {lo_t:.2f}x (goal ≥ {g_torch}x; on huge pages torch {lo_hp:.2f}x),"
+              f" worst 2:4/careful {lo_c:.2f}x"
               + (f" (goal ≥ {g_careful}x)" if g_careful else "") + f": {'met' if ok else 'NOT met'}")
     doc = {"benchmark": "cpu24", "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]),
-           "machine": machine(), "l3_bytes": l3_bytes(), "path": path, "amx_path": amx, "extra_paths": list(extra), "dense_path": cpu24.dense_path(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "machine": machine(), "l3_bytes": l3_bytes(), "path": path, "amx_path": amx, "extra_paths": list(extra), "dense_path": cpu24.dense_path(),
+           "huge_pages": cpu24.huge_pages_reason() or "on", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "results": results, "goals": goals, "max_rel_err": worst}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,8 @@ LINEAR = {  # file -> the CPU it was measured on (each machine's own table)
     "cpu24-linear-avx2.json": "AMD EPYC (Zen 3), AVX2 only",
     "cpu24-linear-amx.json": "Intel Xeon with AVX-512 and AMX",
     "cpu24-linear-zen4.json": "AMD EPYC, another core (32 KB L1D, Zen 4), the hardware-prefetch path as a column",
+    "cpu24-linear-zen4-hp.json": "the same Zen 4 core, the 2:4 and careful weights on huge pages as the layers lay them",
+    "cpu24-linear-zen4-hp-rerun.json": "the same, a second run ten minutes later",
 }
 
 
@@ -75,6 +77,8 @@ def linear_rows(name: str = "cpu24-linear.json") -> tuple[list[dict], dict]:
                "x_careful": round(r["x_careful"], 2), "careful_x_torch": round(r["careful_x_torch"], 2),
                "w8_x_torch": round(r["w8_x_torch"], 2), "w8_x_24": round(r["ms"]["2:4"] / r["ms"]["2:4+W8"], 2),
                "gbps_24": round(r["gbps"]["2:4"], 1), "gbps_torch": round(r["gbps"]["torch"], 1)}
+        if "torch hp" in r["ms"]:  # torch on huge pages (runs since cpu24-notes.md §27)
+            row.update(torch_hp_ms=round(r["ms"]["torch hp"], 3), best_x_torch_hp=round(r["best_x_torch_hp"], 2))
         for key, col in EXTRA.items():  # the other 2:4 paths the run timed, and the fastest of all
             if key in r["ms"]:
                 row.update({f"{col}_ms": round(r["ms"][key], 3),
@@ -82,26 +86,36 @@ def linear_rows(name: str = "cpu24-linear.json") -> tuple[list[dict], dict]:
                             "best": r["best"], "best_x_torch": round(r["best_x_torch"], 2)})
         rows.append(row)
     return rows, {"file": name, "cpu": LINEAR.get(name, name), "command": d["command"], "machine": d["machine"],
-                  "when": d["when"], "goals": d["goals"], "max_rel_err": d["max_rel_err"]}
+                  "when": d["when"], "goals": d["goals"], "max_rel_err": d["max_rel_err"],
+                  "huge_pages": d.get("huge_pages")}
 
 
 def linear_table(lin: list[dict], meta: dict) -> list[str]:
     extra = [name for name in EXTRA.values() if any(f"{name}_ms" in r for r in lin)]
+    hp = any("torch_hp_ms" in r for r in lin)
     cols = "".join(f"2:4 {name} ms | " for name in extra)
+    pages = ("" if meta.get("huge_pages") is None else " 2:4 and careful weights on huge pages" + (
+        "" if meta["huge_pages"] == "on" else f": no ({meta['huge_pages']})") + "; torch's where its allocator puts"
+        " them" + (", torch hp's on huge pages" if hp else "") + ".")
     out = [f"## Per linear, LLaMA-7B shapes, weights cycled past L3 — {meta['cpu']} (`{meta['command']}`)", "",
-           f"{meta['machine']}; {meta['when']}. Max |Δ|/max|y| against a float64 product: {meta['max_rel_err']:.2e}.", "",
-           "| shape | threads | rows | torch dense bf16 ms | careful dense ms | 2:4 ms | 2:4+W8 ms | "
+           f"{meta['machine']}; {meta['when']}. Max |Δ|/max|y| against a float64 product: {meta['max_rel_err']:.2e}."
+           + pages, "",
+           "| shape | threads | rows | torch dense bf16 ms | " + ("torch on huge pages ms | " if hp else "")
+           + "careful dense ms | 2:4 ms | 2:4+W8 ms | "
            + cols + "2:4 GB/s | 2:4 / torch | 2:4 / careful | 2:4+W8 / torch |"
-           + (" fastest 2:4 / torch |" if extra else ""),
-           "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|---:|---:|---:|"
-           + ("---:|" if extra else "")]
-    out += [f"| {r['shape']} | {r['threads']} | {r['rows']} | {r['torch_ms']:.3f} | {r['careful_ms']:.3f} | "
+           + (" fastest 2:4 / torch |" if extra else "") + (" fastest 2:4 / torch hp |" if hp else ""),
+           "|---|---:|---:|---:|" + ("---:|" if hp else "") + "---:|---:|---:|" + "---:|" * len(extra)
+           + "---:|---:|---:|---:|" + ("---:|" if extra else "") + ("---:|" if hp else "")]
+    out += [f"| {r['shape']} | {r['threads']} | {r['rows']} | {r['torch_ms']:.3f} | "
+            + (f"{r['torch_hp_ms']:.3f} | " if hp else "") + f"{r['careful_ms']:.3f} | "
             f"{r['sparse_ms']:.3f} | {r['w8_ms']:.3f} | " + "".join(f"{r[f'{n}_ms']:.3f} | " for n in extra)
             + f"{r['gbps_24']:.1f} | {r['x_torch']:.2f}× | {r['x_careful']:.2f}× | {r['w8_x_torch']:.2f}× |"
             + (f" {r['best_x_torch']:.2f}× ({BEST.get(r['best'], 'gather')}) |" if extra else "")
+            + (f" {r['best_x_torch_hp']:.2f}× |" if hp else "")
             for r in lin]
     out += ["", "Goals of issue 48 (worst cell" + (", the fastest 2:4 path" if extra else "") + "): " + "; ".join(
-        f"{g['rows']} row{'s' if g['rows'] > 1 else ''}: {g['min_x_torch']:.2f}× torch (goal {g['goal_x_torch']}×)"
+        f"{g['rows']} row{'s' if g['rows'] > 1 else ''}: {g['min_x_torch']:.2f}× torch (goal {g['goal_x_torch']}×"
+        + (f"; {g['min_x_torch_hp']:.2f}× torch on huge pages" if "min_x_torch_hp" in g else "") + ")"
         + (f", {g['min_x_careful']:.2f}× careful (goal {g['goal_x_careful']}×)" if g["goal_x_careful"] else "")
         + (" — met" if g["met"] else " — not met") for g in meta["goals"]), ""]
     return out

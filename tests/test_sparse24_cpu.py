@@ -566,6 +566,28 @@ def test_one_real_measurement_on_this_cpu(kernel):
     assert note is None and math.isfinite(s) and 0 < s < 0.1, (s, note)
 
 
+def test_the_copies_timed_lie_where_the_layer_puts_its_tensors_huge_pages_for_2_4_torchs_allocator_for_dense():
+    from cast_llm.deploy.sparse24.cycles import _clone, cycled_many
+
+    t = torch.randn(1024, 640)  # 2.5 MB
+    seen = []
+    cycled_many([(lambda w: seen.append(w.data_ptr()), t, cpu24.on_huge_pages)], repeats=1, min_time=0)
+    copies = set(seen) - {t.data_ptr()}
+    assert copies and len(copies) >= 2  # distinct copies, each cycled
+    on = cpu24.huge_pages_reason() is None
+    assert all((p % cpu24.HUGE_PAGE == 0) == on for p in copies)
+    small = torch.zeros(8)  # below 2 MB: on_huge_pages hands back its argument, the copy is still a copy
+    assert _clone(small, cpu24.on_huge_pages).data_ptr() != small.data_ptr()
+    # the dispatcher's cases: a CPU 2:4 kernel's state and its copies on huge pages, the dense weight not moved
+    w, x = timing._cpu_inputs(512, 4096, torch.bfloat16, 1)
+    _, held, place = timing._gemm_case("dense", w, x)
+    assert held is w and place is None
+    if "avx512-bf16" in PATHS:
+        _, held, place = timing._gemm_case("cpu-avx512-bf16", w, x)
+        assert place is cpu24.on_huge_pages
+        assert (held["values"].data_ptr() % cpu24.HUGE_PAGE == 0) == on
+
+
 def test_the_candidates_of_one_key_are_timed_interleaved_and_a_failing_one_is_inf():
     from cast_llm.deploy.sparse24.cycles import cycled_many
 
@@ -895,6 +917,7 @@ def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
     assert {"benchmark", "command", "machine", "l3_bytes", "when", "results", "goals", "max_rel_err"} <= set(doc)
     assert doc["benchmark"] == "cpu24" and doc["max_rel_err"] <= BOUND[torch.bfloat16]
     assert doc["path"] == bench.best_path() and doc["dense_path"] == cpu24.dense_path() is not None
+    assert doc["huge_pages"] == (cpu24.huge_pages_reason() or "on")
     assert len(doc["results"]) == len(bench.TINY) * 2 and {g["rows"] for g in doc["goals"]} == {1, 4}
     for r in doc["results"]:
         assert {"out", "in", "rows", "bytes", "ms", "gbps", "max_rel_err", "x_torch", "x_careful", "w8_x_torch",
@@ -902,7 +925,8 @@ def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
         extra = {label for p, label in bench.EXTRA.items() if p in PATHS}  # amx, rows: where this CPU runs them
         extra_w8 = {bench.EXTRA[p].replace("2:4", "2:4+W8") for p in bench.EXTRA if p in PATHS
                     and p not in cpu24.NO_W8_PATHS}
-        assert set(r["ms"]) == {"torch", "careful", "2:4", "2:4+W8", *extra, *extra_w8}
+        assert set(r["ms"]) == {"torch", "torch hp", "careful", "2:4", "2:4+W8", *extra, *extra_w8}
+        assert r["best_x_torch_hp"] == pytest.approx(r["ms"]["torch hp"] / r["ms"][r["best"]])
         assert all(v > 0 for v in r["ms"].values())
         assert r["ms"][r["best"]] == min(r["ms"][k] for k in ("2:4", *extra))
         assert r["bytes"]["2:4"] == r["bytes"]["dense_bf16"] * 0.5625

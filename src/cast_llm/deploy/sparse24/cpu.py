@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import mmap
 import os
@@ -185,11 +186,19 @@ def huge_pages_reason() -> str | None:
         return "CAST_LLM_HUGE_PAGES=0"
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return "this platform has no madvise(MADV_HUGEPAGE)"
-    try:
-        mode = THP_ENABLED.read_text()
-    except OSError:
+    mode = _thp_mode(THP_ENABLED)
+    if mode is None:
         return f"{THP_ENABLED} cannot be read (no transparent huge pages)"
     return "transparent huge pages are off here ([never])" if "[never]" in mode else None
+
+
+@functools.lru_cache(maxsize=4)
+def _thp_mode(path: Path) -> str | None:
+    """The kernel's THP mode line, read once per process (a model's ~300 large tensors each ask)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,13 @@ def nbytes(held) -> int:
     return sum(t.numel() * t.element_size() for t in held.values())
 
 
-def _clone(held):
-    return held.clone() if isinstance(held, torch.Tensor) else {k: t.clone() for k, t in held.items()}
+def _clone(held, place: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """A copy of ``held`` laid out as ``place`` lays a tensor (e.g. :func:`.cpu.on_huge_pages`: the copies are
+    where the layer's own tensors are, so they are timed as they run); ``None``: torch's allocator."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return place(t.clone()) if place else t.clone()  # (a clone first: ``place`` may hand back its argument)
+
+    return copy(held) if isinstance(held, torch.Tensor) else {k: copy(t) for k, t in held.items()}
 
 
 def cycled(fn: Callable[[object], object], held, *, repeats: int = 5, min_time: float = 0.02) -> float:
@@ -47,16 +52,17 @@ def cycled(fn: Callable[[object], object], held, *, repeats: int = 5, min_time: 
     return cycled_many([(fn, held)], repeats=repeats, min_time=min_time)[0]
 
 
-def cycled_many(cases: Sequence[tuple[Callable[[object], object], object]], *, repeats: int = 5,
-                min_time: float = 0.02) -> list[float]:
+def cycled_many(cases: Sequence[tuple], *, repeats: int = 5, min_time: float = 0.02) -> list[float]:
     """:func:`cycled` for several ``(fn, held)`` candidates at once, **interleaved**: each of the ``repeats``
     runs one round (``min_time`` of calls over the copies) of every candidate in turn, so a slow spell of the
     memory system (a CPU's bandwidth moves by ±30 % over tenths of a second, docs/results/cpu24-notes.md §11)
-    falls on all of them alike and their comparison is paired. Median seconds per call of each, in order."""
+    falls on all of them alike and their comparison is paired. A case is ``(fn, held)`` or ``(fn, held, place)``:
+    ``place`` lays out each copy's tensors as the running layer's are (:func:`_clone`). Median seconds per call of
+    each, in order."""
     plans = []
-    for fn, held in cases:
+    for fn, held, *place in cases:
         count = min(MAX_COPIES, max(2, -(-2 * l3_bytes() // max(nbytes(held), 1))))
-        copies = [held] + [_clone(held) for _ in range(count - 1)]
+        copies = [held] + [_clone(held, *place) for _ in range(count - 1)]
         for c in copies[:2]:
             fn(c)
         t0 = time.perf_counter()

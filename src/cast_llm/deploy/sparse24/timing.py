@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.deploy.sparse24 import cpu
-from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, l3_bytes
+from cast_llm.deploy.sparse24.cycles import cycled_many, l3_bytes
 from cast_llm.sparsity.mask import nm_mask
 
 DENSE_CAREFUL = "dense-careful"  # = dispatch.DENSE_CAREFUL (dispatch imports this module: not imported from there)
@@ -111,21 +111,24 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """``x Wᵀ`` by ``kernel`` (``"dense"`` = ``F.linear``, ``"dense-careful"`` = the CPU extension's dense GEMM) as a
     no-argument callable; compresses once."""
-    fn, held = _gemm_case(kernel, weight, x)
+    fn, held, _ = _gemm_case(kernel, weight, x)
     return lambda: fn(held)
 
 
 def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
-    """``(fn, held)``: ``kernel``'s call on one copy of what it reads (the dense weight, or its compressed state),
-    so that :func:`.cycles.cycled` can cycle copies of ``held``."""
+    """``(fn, held, place)``: ``kernel``'s call on one copy of what it reads (the dense weight, or its compressed
+    state) laid out as a layer lays it, and how to lay out more copies, so that :func:`.cycles.cycled` can cycle
+    them: a 2:4 layer's CPU tensors lie on huge pages where the OS allows (``Sparse24Linear`` maps them through
+    :func:`.cpu.on_huge_pages`), a dense weight where torch's allocator put it."""
     from cast_llm.deploy.sparse24.kernels import KERNELS, sparse_linear
 
     if kernel == "dense":
-        return (lambda w: F.linear(x, w)), weight
+        return (lambda w: F.linear(x, w)), weight, None
     if kernel == DENSE_CAREFUL:
-        return (lambda w: cpu.dense_mm(x, w)), weight
+        return (lambda w: cpu.dense_mm(x, w)), weight, None
     k, out_features = KERNELS[kernel], weight.shape[0]
-    return (lambda s: sparse_linear(k, x, s, None, out_features)), k.compress(weight)
+    held = {name: cpu.on_huge_pages(t) for name, t in k.compress(weight).items()}
+    return (lambda s: sparse_linear(k, x, s, None, out_features)), held, cpu.on_huge_pages
 
 
 def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:
@@ -145,8 +148,8 @@ def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torc
     """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU at this shape, the weight
     cycled past the last-level cache (:func:`cast_llm.deploy.sparse24.cycles.cycled`)."""
     weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
-    fn, held = _gemm_case(kernel, weight, x)
-    return cycled(fn, held, repeats=repeats, min_time=min_time)
+    fn, held, place = _gemm_case(kernel, weight, x)
+    return cycled_many([(fn, held, place)], repeats=repeats, min_time=min_time)[0]
 
 
 def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
@@ -162,10 +165,10 @@ def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dty
     results, cases = {}, {}
     for k in kernels:
         try:
-            fn, held = _gemm_case(k, weight, x)
+            fn, held, place = _gemm_case(k, weight, x)
             if k != "dense" and (why := _wrong(fn(held), ref)):
                 raise RuntimeError(why)
-            cases[k] = (fn, held)
+            cases[k] = (fn, held, place)
         except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
             results[k] = (math.inf, _why(e))
     try:
