@@ -143,7 +143,8 @@ def test_the_gather_path_at_two_to_four_tokens_on_either_side_of_its_l1_rule(in_
 def test_the_k_blocked_gather_path_matches_float64_over_its_chunks_and_tail():
     """2-4 tokens whose activations take more than 3/4 of L1 go through K in chunks, one row at a time, the
     chunks' fp32 sums added (sparse24_cpu.cpp, k_chunks): many chunks, a short last chunk with the masked tail,
-    bias, bf16 and int8 values, and rows split over two threads, against float64."""
+    bias, bf16 and int8 values, both gather paths, and rows split over two threads, against float64 (one token,
+    one pass, alongside)."""
     if "avx512-bf16" not in PATHS:
         pytest.skip("this CPU lacks the instructions of the avx512-bf16 path")
     import os
@@ -151,8 +152,10 @@ def test_the_k_blocked_gather_path_matches_float64_over_its_chunks_and_tail():
     ops = cpu24.load_extension()
     l1 = os.sysconf("SC_LEVEL1_DCACHE_SIZE") if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names else 0
     in_f = 64 * (2 * max(l1, 32 << 10) // 64 + 3) + 4  # ~2 × L1 inputs: 4 tokens are many chunks; a 4-input tail
-    assert ops.k_chunks(1, in_f) == 1 and all(ops.k_chunks(m, in_f) > 2 for m in (2, 3, 4))
+    assert all(ops.k_chunks(m, in_f) > 2 for m in (2, 3, 4))
     assert ops.k_chunks(5, in_f) == 1  # 5 tokens and more: the four-row blocks
+    assert ops.k_chunks(1, in_f) == 1  # one token: one pass (the build; -DCAST_KBLOCK1_PCT=50 cuts it, §28)
+    paths = [p for p in ("avx512-bf16", "avx512-bf16-hwpf") if p in PATHS]
     w, _ = planted(40, in_f, seed=11, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(12)
     bias = torch.randn(40, generator=g).bfloat16()
@@ -162,19 +165,21 @@ def test_the_k_blocked_gather_path_matches_float64_over_its_chunks_and_tail():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for rows in (2, 3, 4):
+            for rows in (1, 2, 3, 4):
                 x = torch.randn(rows, in_f, generator=g).bfloat16()
-                for b in (None, bias):
-                    got = cpu24.sparse24_mm("avx512-bf16", x, state, b)
+                for b, path in itertools.product((None, bias), paths):
+                    got = cpu24.sparse24_mm(path, x, state, b)
                     assert got.shape == (rows, 40) and rel(got, ref64(x, w, b)) <= BOUND[torch.bfloat16]
-                    got8 = cpu24.sparse24_mm("avx512-bf16", x, w8, b)
+                    got8 = cpu24.sparse24_mm(path, x, w8, b)
                     assert rel(got8, ref64(x, w8_dense, b)) <= BOUND[torch.bfloat16]
     finally:
         torch.set_num_threads(before)
     broken = {k: v.clone() for k, v in state.items()}
     broken["values"][7, -1] += 50  # the last kept value of a row: in the tail of the last chunk
-    x = torch.randn(4, in_f, generator=g).bfloat16()
-    assert rel(cpu24.sparse24_mm("avx512-bf16", x, broken, None), ref64(x, w, None)) > BOUND[torch.bfloat16]
+    for rows, path in itertools.product((1, 4), paths):
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        x[:, -4:] = 4.0  # the tail's activations large: the broken value moves its row's output by 200
+        assert rel(cpu24.sparse24_mm(path, x, broken, None), ref64(x, w, None)) > BOUND[torch.bfloat16]
 
 
 def test_careful_dense_gemm_matches_float64_on_tails_bias_and_row_counts():

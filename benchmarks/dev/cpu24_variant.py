@@ -57,17 +57,19 @@ def nbytes(held) -> int:
     return held.numel() * held.element_size()
 
 
-def copies_of(held) -> list:
+def copies_of(held, place=None) -> list:
+    """``held`` and its copies past 2x the last-level cache, each tensor laid out by ``place`` (None: torch's)."""
     count = max(1, -(-2 * l3_bytes() // nbytes(held)))
-    clone = (lambda h: {a: t.clone() for a, t in h.items()}) if isinstance(held, dict) else (lambda h: h.clone())
-    return [held] + [clone(held) for _ in range(count - 1)]
+    lay = (lambda t: place(t.clone())) if place else (lambda t: t.clone())
+    clone = (lambda h: {a: lay(t) for a, t in h.items()}) if isinstance(held, dict) else lay
+    return [clone(held) if place else held] + [clone(held) for _ in range(count - 1)]
 
 
-def timed(fn, held, ref, bound: float) -> float:
+def timed(fn, held, ref, bound: float, place=None) -> float:
     err = rel_err(fn(held), ref)
     if not err < bound:
         raise SystemExit(f"wrong product: relative error {err:.3g} >= {bound}")
-    return seconds([lambda c=c: fn(c) for c in copies_of(held)], repeats=7, min_time=0.3)
+    return seconds([lambda c=c: fn(c) for c in copies_of(held, place)], repeats=7, min_time=0.3)
 
 
 def main() -> None:
@@ -76,8 +78,12 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="comma-separated token counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--loop", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-rows"), default="avx512-bf16",
-                    help="the bf16 loop's 2:4 path: the gather (default) or lanes over output rows (many tokens)")
+    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-hwpf", "avx512-bf16-rows"), default="avx512-bf16",
+                    help="the bf16 loop's 2:4 path: the gather (default), the gather without software prefetch, or"
+                         " lanes over output rows (many tokens)")
+    ap.add_argument("--pages", choices=("layer", "torch"), default="layer",
+                    help="layer: the 2:4 and careful weights on huge pages as a Sparse24Linear lays them (where the OS"
+                         " allows), torch's where its allocator puts it; torch: every weight where torch puts it")
     ap.add_argument("--build-root", default=str(Path(tempfile.gettempdir()) / "cast-llm-cpu24-variants"))
     args, flags = ap.parse_known_args()  # the rest: extra compiler flags, e.g. -DCAST_PF_GATHER=128
     if any(not f.startswith(("-D", "-f", "-m", "-O")) for f in flags):
@@ -88,17 +94,19 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, i, generator=torch.Generator().manual_seed(1))
             res = {"tag": args.tag, "shape": name, "rows": rows, "threads": args.threads, "loop": args.loop,
+                   "pages": args.pages,
                    **({"path": args.path} if args.loop == "bf16" else {})}
             if args.loop == "bf16":
                 w = random_24_weight(o, i, torch.bfloat16, "cpu")
                 xb, s24 = x.bfloat16(), cpu24.compress(w)
                 ref = xb.double() @ w.double().t()
-                forms = {"torch": (lambda w_, xb=xb: F.linear(xb, w_), w),
-                         "careful": (lambda w_, xb=xb: ops.dense_mm(xb, w_, None), w),
+                hp = cpu24.on_huge_pages if args.pages == "layer" else None
+                forms = {"torch": (lambda w_, xb=xb: F.linear(xb, w_), w, None),
+                         "careful": (lambda w_, xb=xb: ops.dense_mm(xb, w_, None), w, hp),
                          "2:4": (lambda s, xb=xb: ops.sparse24_mm(xb, s["values"], s["meta"], None, None,
-                                                                  cpu24.PATHS[args.path]), s24)}
-                for k, (fn, held) in forms.items():
-                    s = timed(fn, held, ref, 0.02)
+                                                                  cpu24.PATHS[args.path]), s24, hp)}
+                for k, (fn, held, place) in forms.items():
+                    s = timed(fn, held, ref, 0.02, place)
                     res[k], res[k + "_gbps"] = round(s * 1e3, 4), round(nbytes(held) / s / 1e9, 1)
                 res["x_torch"] = round(res["torch"] / res["2:4"], 3)
                 res["x_careful"] = round(res["careful"] / res["2:4"], 3)

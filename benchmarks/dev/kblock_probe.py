@@ -27,29 +27,32 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--path", default="avx512-bf16", choices=sorted(cpu24.PATHS), help="the 2:4 path timed")
+    ap.add_argument("--shape", default="4096x11008", help="out x in")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu24.load_extension()
-    o, i = 4096, 11008
+    o, i = (int(v) for v in args.shape.split("x"))
+    isa, hp = cpu24.PATHS[args.path], cpu24.on_huge_pages  # laid out as a layer's (huge pages where allowed)
     w = random_24_weight(o, i, torch.bfloat16, "cpu")
     x = torch.randn(args.tokens, i, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.double() @ w.double().t()
     kc = i // args.chunks
     assert kc % 64 == 0, f"chunk of {kc} inputs: not a multiple of 64"
-    whole = cpu24.compress(w)
+    whole = {k: hp(t) for k, t in cpu24.compress(w).items()}
     parts = {}  # one state of tensors, so that the timing clones it like any compressed weight
     for c in range(args.chunks):
         p = cpu24.compress(w[:, c * kc:(c + 1) * kc].contiguous())
-        parts[f"values{c}"], parts[f"meta{c}"] = p["values"], p["meta"]
+        parts[f"values{c}"], parts[f"meta{c}"] = hp(p["values"]), hp(p["meta"])
     xs = [x[:, c * kc:(c + 1) * kc].contiguous() for c in range(args.chunks)]
 
     def one(s):
-        return ops.sparse24_mm(x, s["values"], s["meta"], None, None, 0)
+        return ops.sparse24_mm(x, s["values"], s["meta"], None, None, isa)
 
     def chunked(s):
         y = None
         for c, xc in enumerate(xs):
-            part = ops.sparse24_mm(xc, s[f"values{c}"], s[f"meta{c}"], None, None, 0).float()
+            part = ops.sparse24_mm(xc, s[f"values{c}"], s[f"meta{c}"], None, None, isa).float()
             y = part if y is None else y.add_(part)
         return y
 
@@ -57,8 +60,8 @@ def main() -> None:
         err = float((fn(held).double() - ref).abs().max() / ref.abs().max())
         assert err < 0.02, (name, err)
     # the dispatcher's paired timing: both forms interleaved over rounds, each over copies past the last-level cache
-    t_whole, t_chunked = cycled_many([(one, whole), (chunked, parts)], repeats=args.rounds)
-    print(json.dumps({"tokens": args.tokens, "chunks": args.chunks, "threads": args.threads,
+    t_whole, t_chunked = cycled_many([(one, whole, hp), (chunked, parts, hp)], repeats=args.rounds)
+    print(json.dumps({"path": args.path, "shape": args.shape, "tokens": args.tokens, "chunks": args.chunks, "threads": args.threads,
                       "whole_ms": round(t_whole * 1e3, 3), "chunked_ms": round(t_chunked * 1e3, 3),
                       "median_ratio": round(t_whole / t_chunked, 3)}))
 

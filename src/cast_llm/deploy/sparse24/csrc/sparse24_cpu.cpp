@@ -238,13 +238,14 @@ CAST_AVX512_BF16 void block_avx512_bf16(const void* values, const uint8_t* meta,
 }
 
 // Rows n .. n + R's chunk [s0, s1) of steps (plus the tail with the last chunk), added into out[r * T + t] (fp32)
-template <int R, int T, int Kind>
+// (SwPf false, the avx512-bf16-hwpf path: no software prefetch at all, ``ahead`` unused)
+template <int R, int T, int Kind, bool SwPf = true>
 CAST_AVX512_BF16 void chunk_rows_bf16(const void* values, const uint8_t* meta, const uint16_t* x, float* out,
                                       int64_t n, int64_t K, int64_t s0, int64_t s1, bool tail, PfAhead ahead) {
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  bf16_steps<R, T, Kind>(acc, values, meta, x, n, 0, K, s0, s1, tail, &ahead);
+  bf16_steps<R, T, Kind, SwPf>(acc, values, meta, x, n, 0, K, s0, s1, tail, SwPf ? &ahead : nullptr);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r * T + t] += _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -953,13 +954,21 @@ inline int64_t rows_per_block(int64_t tokens, int64_t K, bool bf16_gather) {
 #ifndef CAST_KBLOCK_PCT  // the activations' share of L1 above which (and to which) K is cut
 #define CAST_KBLOCK_PCT 75
 #endif
+// One token: its activations cut to at most this share of L1 (0, the build: never). On a 32 KB-L1 core one token
+// of 11008 inputs (22 KB, 69 % of L1) ran 1.27-1.46x faster as two separately compressed weights of 5504 inputs
+// (the probe of cpu24-notes.md §28), but this loop's visits of the row-major layout (each row's 5.5 KB piece, then
+// the next row's) ran 1.3-1.5x slower than one pass (§28's A/B, -DCAST_KBLOCK1_PCT=50): the gain needs the
+// chunk-major layout of the probe, which every path would have to read. Kept for reruns of that A/B.
+#ifndef CAST_KBLOCK1_PCT
+#define CAST_KBLOCK1_PCT 0
+#endif
 inline int64_t k_chunks(int64_t M, int64_t K) {
   if (!CAST_KBLOCK) return 1;
   const int64_t full = K / 64;
   // the rest of L1 is room for the values' lines: 2 tokens × 11008 inputs (44 KB of a 48 KB L1) ran one row a
   // block at 3.40 ms, in two chunks 1.61 (§20); cut at 1/2 of L1 the 4096-input shapes ran 1.3-1.6x slower
-  const int64_t budget = l1_bytes() * CAST_KBLOCK_PCT / 100;
-  if (M < 2 || M > kTokens || M * K * 2 <= budget || full < 2) return 1;
+  const int64_t budget = l1_bytes() * (M == 1 ? CAST_KBLOCK1_PCT : CAST_KBLOCK_PCT) / 100;
+  if (M < 1 || M > kTokens || budget <= 0 || M * K * 2 <= budget || full < 2) return 1;
   const int64_t want = std::min(full, (M * K * 2 + budget - 1) / budget);
   const int64_t len = (full + want - 1) / want;  // steps a chunk; no chunk left empty
   return (full + len - 1) / len;
@@ -968,14 +977,20 @@ inline int64_t k_chunks(int64_t M, int64_t K) {
 using ChunkFn = void (*)(const void*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t,
                          bool, PfAhead);
 
+template <bool SwPf>
+struct ChunkFns {  // [int8 values][tokens - 1]
+  static constexpr ChunkFn fn[2][4] = {
+      {&chunk_rows_bf16<1, 1, kBF16, SwPf>, &chunk_rows_bf16<1, 2, kBF16, SwPf>, &chunk_rows_bf16<1, 3, kBF16, SwPf>,
+       &chunk_rows_bf16<1, 4, kBF16, SwPf>},
+      {&chunk_rows_bf16<1, 1, kI8, SwPf>, &chunk_rows_bf16<1, 2, kI8, SwPf>, &chunk_rows_bf16<1, 3, kI8, SwPf>,
+       &chunk_rows_bf16<1, 4, kI8, SwPf>}};
+};
+
 void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const uint8_t* meta, const float* scale,
-                          const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  // one row at a time (two rows a block measured slower: §20)
-  static const ChunkFn fns[2][3] = {{&chunk_rows_bf16<1, 2, kBF16>, &chunk_rows_bf16<1, 3, kBF16>,
-                                     &chunk_rows_bf16<1, 4, kBF16>},
-                                    {&chunk_rows_bf16<1, 2, kI8>, &chunk_rows_bf16<1, 3, kI8>,
-                                     &chunk_rows_bf16<1, 4, kI8>}};
-  const ChunkFn fn = fns[kind == kI8 ? 1 : 0][M - 2];
+                          const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K, bool sw_pf) {
+  // one row at a time (two rows a block measured slower: §20); the hwpf path without software prefetch at one
+  // token (-DCAST_KBLOCK1_PCT only); 2-4 tokens prefetch on both paths (without it 1.6x slower at 4 tokens, §28)
+  const ChunkFn fn = (sw_pf ? ChunkFns<true>::fn : ChunkFns<false>::fn)[kind == kI8 ? 1 : 0][M - 1];
   const int64_t full = K / 64, chunks = k_chunks(M, K), len = (full + chunks - 1) / chunks;
   const int64_t grain = std::max<int64_t>(16, (16 * 4096) / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
@@ -1079,12 +1094,13 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
                      N, K);
     return y;
   }
-  // (2-4 tokens K-blocked: one loop with its own prefetch for both gather paths)
+  // (2-4 tokens K-blocked where their activations crowd L1, one token only with -DCAST_KBLOCK1_PCT: one loop with
+  // its own prefetch, none for the hwpf path at one token)
   if ((isa == kAvx512Bf16 || isa == kAvx512Bf16Hw) && k_chunks(M, K) > 1) {
     sparse24_mm_kblocked(static_cast<const uint16_t*>(xc.data_ptr()), vc.data_ptr(), kind, mc.data_ptr<uint8_t>(),
                          scale.has_value() ? scale_f.data_ptr<float>() : nullptr,
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, static_cast<uint16_t*>(y.data_ptr()),
-                         M, N, K);
+                         M, N, K, isa == kAvx512Bf16 || M > 1);
     return y;
   }
   const Table& table = table_for(isa, kind);
