@@ -105,7 +105,7 @@ def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: floa
     row = {"out": out_f, "in": in_f, "rows": rows, "bytes": {"dense_bf16": dense_b, "2:4": s24_b, "2:4+W8": w8_b}}
     hp = cpu24.on_huge_pages  # the 2:4 layer's placement (linear.py), applied to every copy cycled
     w_hp = hp(w)
-    s24, w8 = ({k: hp(t) for k, t in st.items()} for st in (s24, w8))
+    s24, w8 = cpu24.state_on_huge_pages(s24), cpu24.state_on_huge_pages(w8)
     forms = {  # name -> (fn, held, bytes, reference (None: ref), placement of the copies (None: torch's))
         "torch": (lambda w_: F.linear(x, w_), w, dense_b, None, None),
         "torch hp": (lambda w_: F.linear(x, w_), w_hp, dense_b, None, hp),

@@ -53,7 +53,7 @@ from cast_llm.errors import CastError
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = ["PATHS", "BadPositionsError", "available_paths", "bad_position_rows", "check_positions", "compress", "decompress", "dense_mm", "dense_path", "dense_unavailable_reason",
-           "extension_reason", "load_extension", "quantize_values", "scratch_bytes", "sparse24_mm", "unavailable_reason",
+           "extension_reason", "load_extension", "on_huge_pages", "quantize_values", "scratch_bytes", "sparse24_mm", "state_on_huge_pages", "unavailable_reason",
            "unpack_mm"]
 
 BF16_PATHS = ("avx512-bf16", "avx512-bf16-hwpf", "amx-bf16", "avx512-bf16-rows")  # bf16 activations only
@@ -218,6 +218,11 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     except OSError:
         return t
     return raw[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
+def state_on_huge_pages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A compressed state with each tensor through :func:`on_huge_pages` (how a CPU 2:4 layer holds it)."""
+    return {k: on_huge_pages(t) for k, t in state.items()}
 
 
 def compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:

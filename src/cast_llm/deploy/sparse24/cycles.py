@@ -41,15 +41,18 @@ def _clone(held, place: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """A copy of ``held`` laid out as ``place`` lays a tensor (e.g. :func:`.cpu.on_huge_pages`: the copies are
     where the layer's own tensors are, so they are timed as they run); ``None``: torch's allocator."""
     def copy(t: torch.Tensor) -> torch.Tensor:
-        return place(t.clone()) if place else t.clone()  # (a clone first: ``place`` may hand back its argument)
+        out = place(t) if place else t
+        return t.clone() if out is t else out  # (``place`` hands back its argument where it does not apply)
 
     return copy(held) if isinstance(held, torch.Tensor) else {k: copy(t) for k, t in held.items()}
 
 
-def cycled(fn: Callable[[object], object], held, *, repeats: int = 5, min_time: float = 0.02) -> float:
+def cycled(fn: Callable[[object], object], held, *, place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           repeats: int = 5, min_time: float = 0.02) -> float:
     """Median seconds per ``fn(copy)`` call over copies of ``held`` (a weight or a compressed state) that hold
-    at least 2× the last-level cache together (at most :data:`MAX_COPIES`)."""
-    return cycled_many([(fn, held)], repeats=repeats, min_time=min_time)[0]
+    at least 2× the last-level cache together (at most :data:`MAX_COPIES`), each laid out by ``place``
+    (:func:`_clone`)."""
+    return cycled_many([(fn, held, place)], repeats=repeats, min_time=min_time)[0]
 
 
 def cycled_many(cases: Sequence[tuple], *, repeats: int = 5, min_time: float = 0.02) -> list[float]:

@@ -50,7 +50,7 @@ from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
 from cast_llm.deploy.sparse24.buckets import token_bucket
 from cast_llm.deploy.sparse24.capture import capturing
-from cast_llm.deploy.sparse24.cycles import cycled, cycled_many
+from cast_llm.deploy.sparse24.cycles import cycled
 from cast_llm.sparsity.mask import nm_mask
 
 __all__ = [
@@ -487,8 +487,8 @@ def _cpu_gemm_timer(impl: Kernel | None, device: torch.device, variant: tuple) -
     x = torch.randn(1, 4096, generator=gen).to(dtype)
     if impl is None:
         return cycled(lambda w_: F.linear(x, w_), w)
-    state = {k: cpu24.on_huge_pages(t) for k, t in impl.compress(w).items()}  # laid out as a layer's (linear.py)
-    return cycled_many([(lambda s: sparse_linear(impl, x, s, None, 4096), state, cpu24.on_huge_pages)])[0]
+    return cycled(lambda s: sparse_linear(impl, x, s, None, 4096), cpu24.state_on_huge_pages(impl.compress(w)),
+                  place=cpu24.on_huge_pages)  # laid out as a layer's (linear.py)
 
 
 def _cpu_runs_on(name: str, dtype: torch.dtype):

@@ -91,7 +91,7 @@ class Sparse24Linear(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         # CPU compressed tensors on huge pages where the OS allows (cpu.on_huge_pages: a 4 KB page per row cost
         # the one-token GEMM 20-27 %); GPU states and small tensors pass through unchanged
-        self.states = {fmt: {k: cpu24.on_huge_pages(v) for k, v in st.items()} for fmt, st in states.items()}
+        self.states = {fmt: cpu24.state_on_huge_pages(st) for fmt, st in states.items()}
         self.kernels = list(kernels)
         self.dense_weight = dense_weight
         self.bias = bias

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.deploy.sparse24 import cpu
-from cast_llm.deploy.sparse24.cycles import cycled_many, l3_bytes
+from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, l3_bytes
 from cast_llm.sparsity.mask import nm_mask
 
 DENSE_CAREFUL = "dense-careful"  # = dispatch.DENSE_CAREFUL (dispatch imports this module: not imported from there)
@@ -127,8 +127,8 @@ def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
     if kernel == DENSE_CAREFUL:
         return (lambda w: cpu.dense_mm(x, w)), weight, None
     k, out_features = KERNELS[kernel], weight.shape[0]
-    held = {name: cpu.on_huge_pages(t) for name, t in k.compress(weight).items()}
-    return (lambda s: sparse_linear(k, x, s, None, out_features)), held, cpu.on_huge_pages
+    return (lambda s: sparse_linear(k, x, s, None, out_features)), cpu.state_on_huge_pages(k.compress(weight)), \
+        cpu.on_huge_pages
 
 
 def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:
@@ -149,7 +149,7 @@ def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torc
     cycled past the last-level cache (:func:`cast_llm.deploy.sparse24.cycles.cycled`)."""
     weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
     fn, held, place = _gemm_case(kernel, weight, x)
-    return cycled_many([(fn, held, place)], repeats=repeats, min_time=min_time)[0]
+    return cycled(fn, held, place=place, repeats=repeats, min_time=min_time)
 
 
 def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
