@@ -11,6 +11,8 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
   the same blocks and threading, its weight on huge pages as the 2:4 weights are): what sparsity itself buys;
 * ``2:4`` — the widest CPU 2:4 path this CPU runs (``cpu-avx512-bf16``, else ``cpu-avx512``, else ``cpu-avx2``;
   kept values + 2-bit positions, read directly: 0.5625 of the dense bytes);
+* ``2:4 hwpf`` — the same loop without software prefetch (``cpu-avx512-bf16-hwpf`` or ``cpu-avx2-hwpf``, the
+  twin of the ``2:4`` column's path): the hardware prefetchers alone, faster on some cores (cpu24-notes.md §23, §30);
 * ``2:4 amx`` — where the CPU has AMX, the ``cpu-amx-bf16`` path as well (the same bytes, expanded into a dense
   panel in L1 and multiplied on AMX tiles);
 * ``2:4 rows`` — where the CPU has AVX512-BF16, the ``cpu-avx512-bf16-rows`` prefill path as well (the same
@@ -90,7 +92,14 @@ def best_path() -> str | None:
     return next((p for p in ("avx512-bf16", "avx512", "avx2") if p in paths), None)
 
 
-EXTRA = {"avx512-bf16-hwpf": "2:4 hwpf", "amx-bf16": "2:4 amx", "avx512-bf16-rows": "2:4 rows"}  # more 2:4 paths, timed where the CPU runs them
+# more 2:4 paths, timed where the CPU runs them; a "-hwpf" path (no software prefetch) only beside its own loop
+EXTRA = {"avx512-bf16-hwpf": "2:4 hwpf", "avx2-hwpf": "2:4 hwpf", "amx-bf16": "2:4 amx", "avx512-bf16-rows": "2:4 rows"}
+
+
+def extra_paths(path: str) -> tuple[str, ...]:
+    """The other 2:4 paths timed beside ``path`` on this CPU (the hwpf twin of ``path`` only)."""
+    return tuple(p for p in EXTRA if p in cpu24.available_paths()
+                 and (not p.endswith("-hwpf") or p == f"{path}-hwpf"))
 
 
 def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float, path: str = "avx512-bf16",
@@ -158,7 +167,7 @@ def main(argv=None) -> int:
         print(f"cpu24: the CPU 2:4 kernels cannot run here ({why}); nothing measured", file=sys.stderr)
         return 2
     shapes = TINY if args.tiny else SHAPES
-    extra = tuple(p for p in EXTRA if p in cpu24.available_paths())
+    extra = extra_paths(path)
     amx = "amx-bf16" in extra
     results = []
     print(f"machine: {machine()}; last-level cache {l3_bytes() >> 20} MiB; 2:4 path {path}"

@@ -122,6 +122,24 @@ def test_every_path_matches_a_float64_product_on_every_pattern_tail_bias_and_row
     assert not bad, f"{path} {dtype}: max|Δ|/max|y| over {BOUND[dtype]}: {bad[:5]}"
 
 
+@pytest.mark.parametrize("loop", ["avx512-bf16", "avx2"])
+def test_a_hwpf_path_is_its_loop_without_prefetch_the_same_sums_bit_for_bit(loop):
+    """``<loop>-hwpf`` is ``<loop>`` compiled without software prefetch (a hint: no arithmetic changes), so both
+    give the same bits on every value kind and token count: a twin wired to another loop or kind would not."""
+    if loop not in PATHS:
+        pytest.skip(f"this CPU lacks the instructions of the {loop} path")
+    twin = f"{loop}-hwpf"
+    assert twin in PATHS
+    kinds = (torch.bfloat16,) if loop in cpu24.BF16_PATHS else (torch.bfloat16, torch.float32)
+    g = torch.Generator().manual_seed(21)
+    for dtype in kinds:
+        w, _ = planted(37, 1540, seed=5, dtype=dtype)
+        for state in (cpu24.compress(w), cpu24.quantize_values(cpu24.compress(w))):
+            for rows in (1, 3, 16):
+                x = torch.randn(rows, 1540, generator=g).to(dtype)
+                assert torch.equal(cpu24.sparse24_mm(loop, x, state, None), cpu24.sparse24_mm(twin, x, state, None))
+
+
 @pytest.mark.parametrize("in_f", [1540, 8196], ids=["fits-L1", "past-L1"])
 def test_the_gather_path_at_two_to_four_tokens_on_either_side_of_its_l1_rule(in_f):
     """avx512-bf16 takes one row a block for 2-4 tokens where their activations fit L1 (tokens × in × 2 bytes),

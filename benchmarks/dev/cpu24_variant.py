@@ -78,9 +78,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="comma-separated token counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--loop", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-hwpf", "avx512-bf16-rows"), default="avx512-bf16",
-                    help="the bf16 loop's 2:4 path: the gather (default), the gather without software prefetch, or"
-                         " lanes over output rows (many tokens)")
+    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-hwpf", "avx512-bf16-rows", "avx2"),
+                    default="avx512-bf16",
+                    help="the bf16 loop's 2:4 path: the gather (default), the gather without software prefetch,"
+                         " lanes over output rows (many tokens), or the AVX2 loop (bf16 x widened once per call;"
+                         " CPUs without AVX-512)")
     ap.add_argument("--pages", choices=("layer", "torch"), default="layer",
                     help="layer: the 2:4 and careful weights on huge pages as a Sparse24Linear lays them (where the OS"
                          " allows), torch's where its allocator puts it; torch: every weight where torch puts it")

@@ -28,7 +28,10 @@
 //                reads the bytes faster);
 //   avx2         fp32 x, 16 inputs a step: the values' pairs shuffled once per row and step, two in-lane
 //                vpermilps + a blend per token (no lane-crossing permute), tiles of at most 2 rows x 2 tokens
-//                (AVX2 has 16 registers), two accumulators at one row and token; for CPUs without AVX-512.
+//                (AVX2 has 16 registers), two accumulators at one row and token; for CPUs without AVX-512;
+//   avx2-hwpf    the same loop without software prefetch (the hardware prefetchers alone): on a Zen 3 core it
+//                was faster in 9 of 12 cells of an unpaired A/B and slower in 3 (cpu24-notes.md §30), so the
+//                dispatcher times both per shape, as it does avx512-bf16 and avx512-bf16-hwpf.
 // A single token is processed one row at a time (two memory streams per thread: values and positions, prefetched
 // 8 KB ahead), and so are 2-4 tokens on avx512-bf16 where their activations fit L1; more tokens four rows and
 // up to four tokens a block (the indices are computed once per row and step and reused for every token, each
@@ -340,7 +343,7 @@ CAST_AVX2 inline __m256 load8_lanes_avx2(const void* values_row, int64_t j) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-template <int Kind, int R, int T>
+template <int Kind, int R, int T, bool SwPf>
 CAST_AVX2 inline __attribute__((always_inline)) void tile_step_avx2(const void* values, const uint8_t* meta,
                                                                     const float* x, __m256 (&acc)[R][T], int64_t s,
                                                                     int64_t n0, int64_t t0, int64_t K) {
@@ -355,9 +358,13 @@ CAST_AVX2 inline __attribute__((always_inline)) void tile_step_avx2(const void* 
     uint16_t bits;
 #if CAST_PF > 0
     // a 64-byte line of values every 64 / (8 vsize) steps, of positions every 32 steps, CAST_PF steps ahead
-    if ((s & (64 / (8 * vsize) - 1)) == 0)
-      _mm_prefetch(static_cast<const char*>(values) + (n * half + (s + CAST_PF) * 8) * vsize, _MM_HINT_T0);
-    if ((s & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 2), _MM_HINT_T0);
+    // (none on the avx2-hwpf path)
+    if (SwPf) {
+      if ((s & (64 / (8 * vsize) - 1)) == 0)
+        _mm_prefetch(static_cast<const char*>(values) + (n * half + (s + CAST_PF) * 8) * vsize, _MM_HINT_T0);
+      if ((s & 31) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 2), _MM_HINT_T0);
+    }
 #endif
     std::memcpy(&bits, meta + n * mbytes + s * 2, 2);
     idx[r] = _mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts);
@@ -380,7 +387,7 @@ CAST_AVX2 inline __attribute__((always_inline)) void tile_step_avx2(const void* 
 // and lanes 2,3 | 6,7 from groups 2 | 3 (x1): vpermilps on each half (within 128-bit lanes; it reads only the low
 // 2 bits of each control lane, so one shift by 2 order[e] makes the control) and one blend, no lane-crossing
 // permute.
-template <int Kind, int R, int T>
+template <int Kind, int R, int T, bool SwPf>
 CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
                          int64_t t0, int64_t K, int R_all, int r_off, int t_off) {
   constexpr int U = (R == 1 && T == 1) ? 2 : 1;
@@ -394,8 +401,9 @@ CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x
   const int64_t full = K / 16;
   int64_t s = 0;
   for (; s + U <= full; s += U)
-    for (int u = 0; u < U; ++u) tile_step_avx2<Kind, R, T>(values, meta, x, acc[u], s + u, n0 + r_off, t0 + t_off, K);
-  for (; s < full; ++s) tile_step_avx2<Kind, R, T>(values, meta, x, acc[0], s, n0 + r_off, t0 + t_off, K);
+    for (int u = 0; u < U; ++u)
+      tile_step_avx2<Kind, R, T, SwPf>(values, meta, x, acc[u], s + u, n0 + r_off, t0 + t_off, K);
+  for (; s < full; ++s) tile_step_avx2<Kind, R, T, SwPf>(values, meta, x, acc[0], s, n0 + r_off, t0 + t_off, K);
   for (int r = 0; r < R; ++r) {
     const int64_t n = n0 + r_off + r;
     const void* vrow = static_cast<const char*>(values) + n * half * vsize;
@@ -424,11 +432,11 @@ inline void in_tiles_2x2(int R, int T, const Tile& tile) {
     }
 }
 
-template <int Kind, int R, int T>
+template <int Kind, int R, int T, bool SwPf>
 CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
                           int64_t t0, int64_t K, int64_t N) {
   in_tiles_2x2(R, T, [&](auto rt, auto tt, int r, int t) {
-    tile_avx2<Kind, decltype(rt)::value, decltype(tt)::value>(values, meta, x, out, n0, t0, K, R, r, t);
+    tile_avx2<Kind, decltype(rt)::value, decltype(tt)::value, SwPf>(values, meta, x, out, n0, t0, K, R, r, t);
   });
   (void)N;
 }
@@ -843,7 +851,7 @@ void sparse24_mm_rows(const uint16_t* x, const void* values, int kind, const uin
 
 // ----------------------------------------------------------------------------------------------- driver
 enum Isa { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kAmxBf16 = 3, kAvx512Bf16Rows = 5,
-           kAvx512Bf16Hw = 6 };  // (4: a removed path)
+           kAvx512Bf16Hw = 6, kAvx2Hw = 7 };  // (4: a removed path)
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -856,6 +864,7 @@ bool isa_supported(int64_t isa) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     case kAvx2:
+    case kAvx2Hw:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAmxBf16:
       return isa_supported(kAvx512Bf16) && amx_cpu() && amx_permitted();
@@ -879,10 +888,10 @@ void f32_block512(const void* v, const uint8_t* m, const void* x, float* o, int6
                   int64_t N) {
   block_avx512<Kind, R, T>(v, m, static_cast<const float*>(x), o, n0, t0, K, N);
 }
-template <int Kind, int R, int T>
+template <int Kind, int R, int T, bool SwPf>
 void f32_block256(const void* v, const uint8_t* m, const void* x, float* o, int64_t n0, int64_t t0, int64_t K,
                   int64_t N) {
-  block_avx2<Kind, R, T>(v, m, static_cast<const float*>(x), o, n0, t0, K, N);
+  block_avx2<Kind, R, T, SwPf>(v, m, static_cast<const float*>(x), o, n0, t0, K, N);
 }
 
 // table[R - 1][T - 1] for one (isa, kind)
@@ -902,7 +911,7 @@ Table make_table() {
 
 template <int Kind, bool SwPf = true> struct MakeBf16 { template <int R, int T> struct M { static constexpr BlockFn f = &bf16_block<Kind, R, T, SwPf>; }; };
 template <int Kind> struct Make512 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block512<Kind, R, T>; }; };
-template <int Kind> struct Make256 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block256<Kind, R, T>; }; };
+template <int Kind, bool SwPf = true> struct Make256 { template <int R, int T> struct M { static constexpr BlockFn f = &f32_block256<Kind, R, T, SwPf>; }; };
 
 const Table& table_for(int64_t isa, int kind) {
   static const Table bf16[3] = {make_table<MakeBf16<kBF16>::M>(), make_table<MakeBf16<kBF16>::M>(),
@@ -913,9 +922,12 @@ const Table& table_for(int64_t isa, int kind) {
                                 make_table<Make512<kI8>::M>()};
   static const Table a256[3] = {make_table<Make256<kBF16>::M>(), make_table<Make256<kF32>::M>(),
                                 make_table<Make256<kI8>::M>()};
+  static const Table a256hw[3] = {make_table<Make256<kBF16, false>::M>(), make_table<Make256<kF32, false>::M>(),
+                                  make_table<Make256<kI8, false>::M>()};
   if (isa == kAvx512Bf16) return bf16[kind];
   if (isa == kAvx512Bf16Hw) return bf16hw[kind];
   if (isa == kAvx512) return a512[kind];
+  if (isa == kAvx2Hw) return a256hw[kind];
   return a256[kind];
 }
 
