@@ -9,6 +9,7 @@ before it is timed. One JSON line per (shape, rows[, values dtype]) on stdout.
     python benchmarks/dev/cpu24_variant.py pf128 -DCAST_PF_GATHER=128 --rows 1 --threads 1
     python benchmarks/dev/cpu24_variant.py f8k -DCAST_PF_F32=8192 --loop fp32      # the fp32-activation loop
     python benchmarks/dev/cpu24_variant.py rk0 -DCAST_ROWS_KCHUNK=0 --path avx512-bf16-rows --rows 16
+    python benchmarks/dev/cpu24_variant.py old --source /tmp/old.cpp --path avx2-hwpf   # another source
 
 ``--loop bf16`` (default): bf16 activations, bf16 values, against torch's ``F.linear`` and the careful dense
 kernel (``dense_mm``); ``--loop fp32``: fp32 activations with bf16 and fp32 values (the ``cpu-avx512`` loop), the
@@ -37,11 +38,11 @@ from cast_llm.deploy.sparse24.timing import l3_bytes, random_24_weight  # noqa: 
 SHAPES = [(4096, 4096, "qkvo"), (11008, 4096, "gate/up"), (4096, 11008, "down")]
 
 
-def load_variant(tag: str, flags: list[str], root: Path):
+def load_variant(tag: str, flags: list[str], root: Path, source: Path = cpu24.SOURCE):
     folder = root / f"build_{tag}"
     folder.mkdir(parents=True, exist_ok=True)
     src = folder / "sparse24_cpu.cpp"
-    shutil.copy(cpu24.SOURCE, src)
+    shutil.copy(source, src)
     so = folder / f"{cpu24.NAME}.so"
     if not so.exists():
         cpp_extension.load(name=cpu24.NAME, sources=[str(src)], extra_cflags=cpu24.CFLAGS + flags,
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="comma-separated token counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--loop", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-hwpf", "avx512-bf16-rows", "avx2"),
+    ap.add_argument("--path", choices=("avx512-bf16", "avx512-bf16-hwpf", "avx512-bf16-rows", "avx2", "avx2-hwpf"),
                     default="avx512-bf16",
                     help="the bf16 loop's 2:4 path: the gather (default), the gather without software prefetch,"
                          " lanes over output rows (many tokens), or the AVX2 loop (bf16 x widened once per call;"
@@ -86,12 +87,15 @@ def main() -> None:
     ap.add_argument("--pages", choices=("layer", "torch"), default="layer",
                     help="layer: the 2:4 and careful weights on huge pages as a Sparse24Linear lays them (where the OS"
                          " allows), torch's where its allocator puts it; torch: every weight where torch puts it")
+    ap.add_argument("--source", type=Path, default=cpu24.SOURCE,
+                    help="the extension's C++ source to build (default: the package's; e.g. an older commit's, saved"
+                         " with git show, for an A/B of two sources)")
     ap.add_argument("--build-root", default=str(Path(tempfile.gettempdir()) / "cast-llm-cpu24-variants"))
     args, flags = ap.parse_known_args()  # the rest: extra compiler flags, e.g. -DCAST_PF_GATHER=128
     if any(not f.startswith(("-D", "-f", "-m", "-O")) for f in flags):
         ap.error(f"not compiler flags: {[f for f in flags if not f.startswith(('-D', '-f', '-m', '-O'))]}")
     torch.set_num_threads(args.threads)
-    ops = load_variant(args.tag, flags, Path(args.build_root))
+    ops = load_variant(args.tag, flags, Path(args.build_root), args.source)
     for o, i, name in SHAPES:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, i, generator=torch.Generator().manual_seed(1))

@@ -324,23 +324,42 @@ CAST_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The 8 kept values of a 16-input step in the order the in-lane permutes produce them: lane e holds kept value
-// order[e], order = [0 1 4 5 | 2 3 6 7] (pairs 0, 2, 1, 3: one shuffle of the pairs, per row and step, reused
-// for every token).
+// The 16 kept values of a 32-input step as two fp32 vectors in the order the in-lane permutes produce them:
+// a = kept values [0-3 | 8-11], b = [4-7 | 12-15] (128-bit lanes). bf16: one 256-bit load, vpunpck{l,h}wd with
+// zero (the bf16 bits become the high half of each fp32: widened exactly, one µop for 8 values); fp32: two loads
+// and two vperm2f128; int8: one vpshufb of the 16 bytes, then two vpmovsxbd + vcvtdq2ps.
 template <int Kind>
-CAST_AVX2 inline __m256 load8_lanes_avx2(const void* values_row, int64_t j) {
-  if (Kind == kF32) {
-    const __m256 v = _mm256_loadu_ps(static_cast<const float*>(values_row) + j);
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
-  }
+CAST_AVX2 inline __attribute__((always_inline)) void load16_lanes_avx2(const void* values_row, int64_t j, __m256& a,
+                                                                       __m256& b) {
   if (Kind == kBF16) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values_row) + j));
-    h = _mm_shuffle_epi32(h, 0xD8);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values_row) + j));
+    const __m256i z = _mm256_setzero_si256();
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+  } else if (Kind == kF32) {
+    const float* p = static_cast<const float*>(values_row) + j;
+    const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    b = _mm256_permute2f128_ps(lo, hi, 0x31);
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values_row) + j));
+    const __m128i r = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r, r)));
   }
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values_row) + j));
-  b = _mm_shufflelo_epi16(b, 0xD8);
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+// The activations of one token as the AVX2 steps read them (sparse24_mm lays them out once per call): in every
+// whole 32-input step the 128-bit quarters [0-3, 16-19, 4-7, 20-23, 8-11, 24-27, 12-15, 28-31], so that the step's
+// four 256-bit loads are [0-3 | 16-19], [4-7 | 20-23], [8-11 | 24-27], [12-15 | 28-31]: each lane of a and b then
+// finds its group's four inputs in the same 128-bit lane of one of two of them. The tail past the last whole step
+// stays in order (dot_tail reads it).
+CAST_AVX2 void avx2_layout_x(const float* x, float* out, int64_t K) {
+  const int64_t full = K / 32;
+  static constexpr int kFrom[8] = {0, 16, 4, 20, 8, 24, 12, 28};
+  for (int64_t s = 0; s < full; ++s)
+    for (int q = 0; q < 8; ++q) _mm_storeu_ps(out + s * 32 + q * 4, _mm_loadu_ps(x + s * 32 + kFrom[q]));
+  std::memcpy(out + full * 32, x + full * 32, static_cast<size_t>(K - full * 32) * sizeof(float));
 }
 
 template <int Kind, int R, int T, bool SwPf>
@@ -350,43 +369,43 @@ CAST_AVX2 inline __attribute__((always_inline)) void tile_step_avx2(const void* 
   const int64_t half = K / 2;
   const int64_t mbytes = (K + 7) / 8;
   const int64_t vsize = Kind == kF32 ? 4 : (Kind == kBF16 ? 2 : 1);
-  const __m256i shifts = _mm256_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14);
-  __m256i idx[R];
-  __m256 v[R];
+  // lane e of a holds kept value e (e < 4) or e + 4: its position is bits 2e.. or 2e + 8.. of the step's word
+  const __m256i shifts_a = _mm256_setr_epi32(0, 2, 4, 6, 16, 18, 20, 22);
+  const __m256i shifts_b = _mm256_setr_epi32(8, 10, 12, 14, 24, 26, 28, 30);
+  __m256i ia[R], ib[R];
+  __m256 va[R], vb[R];
   for (int r = 0; r < R; ++r) {
     const int64_t n = n0 + r;
-    uint16_t bits;
-#if CAST_PF > 0
-    // a 64-byte line of values every 64 / (8 vsize) steps, of positions every 32 steps, CAST_PF steps ahead
-    // (none on the avx2-hwpf path)
-    if (SwPf) {
-      if ((s & (64 / (8 * vsize) - 1)) == 0)
-        _mm_prefetch(static_cast<const char*>(values) + (n * half + (s + CAST_PF) * 8) * vsize, _MM_HINT_T0);
-      if ((s & 31) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF) * 2), _MM_HINT_T0);
+    if (SwPf && CAST_PF > 0) {
+      // a 64-byte line of values every 64 / (16 vsize) steps, of positions every 16 steps, the same bytes ahead
+      // as the 16-input loop's CAST_PF steps (none on the avx2-hwpf path)
+      if ((s & (64 / (16 * vsize) - 1)) == 0)
+        _mm_prefetch(static_cast<const char*>(values) + (n * half + (s + CAST_PF / 2) * 16) * vsize, _MM_HINT_T0);
+      if ((s & 15) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(meta + n * mbytes + (s + CAST_PF / 2) * 4), _MM_HINT_T0);
     }
-#endif
-    std::memcpy(&bits, meta + n * mbytes + s * 2, 2);
-    idx[r] = _mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts);
-    v[r] = load8_lanes_avx2<Kind>(static_cast<const char*>(values) + n * half * vsize, s * 8);
+    int32_t bits;
+    std::memcpy(&bits, meta + n * mbytes + s * 4, 4);
+    const __m256i b = _mm256_set1_epi32(bits);
+    ia[r] = _mm256_srlv_epi32(b, shifts_a);  // vpermilps reads the low 2 bits of each lane
+    ib[r] = _mm256_srlv_epi32(b, shifts_b);
+    load16_lanes_avx2<Kind>(static_cast<const char*>(values) + n * half * vsize, s * 16, va[r], vb[r]);
   }
   for (int t = 0; t < T; ++t) {
-    const float* xt = x + (t0 + t) * K + s * 16;
+    const float* xt = x + (t0 + t) * K + s * 32;
     const __m256 x0 = _mm256_loadu_ps(xt), x1 = _mm256_loadu_ps(xt + 8);
+    const __m256 x2 = _mm256_loadu_ps(xt + 16), x3 = _mm256_loadu_ps(xt + 24);
     for (int r = 0; r < R; ++r) {
-      const __m256 g = _mm256_blend_ps(_mm256_permutevar_ps(x0, idx[r]), _mm256_permutevar_ps(x1, idx[r]), 0xCC);
-      acc[r][t] = _mm256_fmadd_ps(v[r], g, acc[r][t]);
+      // lanes 0, 1 | 4, 5 of a: groups 0 | 4 (x0); lanes 2, 3 | 6, 7: groups 1 | 5 (x1); b likewise from x2, x3
+      const __m256 ga = _mm256_blend_ps(_mm256_permutevar_ps(x0, ia[r]), _mm256_permutevar_ps(x1, ia[r]), 0xCC);
+      const __m256 gb = _mm256_blend_ps(_mm256_permutevar_ps(x2, ib[r]), _mm256_permutevar_ps(x3, ib[r]), 0xCC);
+      acc[r][t] = _mm256_fmadd_ps(va[r], ga, _mm256_fmadd_ps(vb[r], gb, acc[r][t]));
     }
   }
 }
 
-// One tile of at most two rows and two tokens (its accumulators, indices, values and activations fit AVX2's 16
-// registers); a single row and token keeps two accumulators (two steps in flight: the FMA's latency hidden).
-// Kept value j belongs to group j / 2 (inputs 4(j/2)..+3) and its position is bits 2j..2j+1: lane e takes
-// order[e], so lanes 0,1 | 4,5 come from groups 0 | 1 (the step's first 8 inputs x0, low | high 128-bit lane)
-// and lanes 2,3 | 6,7 from groups 2 | 3 (x1): vpermilps on each half (within 128-bit lanes; it reads only the low
-// 2 bits of each control lane, so one shift by 2 order[e] makes the control) and one blend, no lane-crossing
-// permute.
+// One tile of at most two rows and two tokens; a single row and token keeps two accumulators (two steps in
+// flight: the FMA's latency hidden). x: the activations laid out by avx2_layout_x.
 template <int Kind, int R, int T, bool SwPf>
 CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x, float* out, int64_t n0,
                          int64_t t0, int64_t K, int R_all, int r_off, int t_off) {
@@ -398,7 +417,7 @@ CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[u][r][t] = _mm256_setzero_ps();
-  const int64_t full = K / 16;
+  const int64_t full = K / 32;
   int64_t s = 0;
   for (; s + U <= full; s += U)
     for (int u = 0; u < U; ++u)
@@ -410,7 +429,7 @@ CAST_AVX2 void tile_avx2(const void* values, const uint8_t* meta, const float* x
     for (int t = 0; t < T; ++t) {
       __m256 a = acc[0][r][t];
       if (U == 2) a = _mm256_add_ps(a, acc[U - 1][r][t]);
-      const float tail = dot_tail<Kind>(vrow, meta + n * mbytes, x + (t0 + t_off + t) * K, full * 8, half);
+      const float tail = dot_tail<Kind>(vrow, meta + n * mbytes, x + (t0 + t_off + t) * K, full * 16, half);
       out[(t_off + t) * R_all + r_off + r] = hsum256(a) + tail;
     }
   }
@@ -1087,7 +1106,13 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   // fp32 paths read fp32 activations: a bf16 x is widened once per call (M x K, from L1/L2)
   const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAvx512Bf16Hw || isa == kAmxBf16 ||
                            isa == kAvx512Bf16Rows;
-  const at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
+  at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
+  if (isa == kAvx2 || isa == kAvx2Hw) {  // the AVX2 steps read each token's activations in their own layout
+    at::Tensor laid = at::empty_like(xa);
+    for (int64_t t = 0; t < M; ++t)
+      avx2_layout_x(xa.data_ptr<float>() + t * K, laid.data_ptr<float>() + t * K, K);
+    xa = laid;
+  }
   at::Tensor bias_f, scale_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   if (scale.has_value()) scale_f = scale->contiguous();
