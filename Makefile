@@ -52,8 +52,9 @@ lint: install
 # two workers: most tests are single-threaded (tests/conftest.py) and many wait on subprocesses, so two
 # share a 2-core machine well (measured here: 4 min 22 s against 6 min 44 s in one process).
 # compile-src: the suite's own modules compiled on all cores before its processes start importing them.
+# --durations: the 15 slowest tests printed with every run (the suite's 8-minute budget is kept by trimming them)
 test: install lint compile-src
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15
 
 # while editing: everything but the tests marked slow (the real model, long runs, other processes)
 test-fast: install compile-src
