@@ -19,6 +19,8 @@ hold at least twice the last-level cache (as in a model's forward: each layer's 
   bytes, lanes over output rows: a vpermw and a vdpbf16ps per 16 rows, token and group). The goals are judged on
   the fastest 2:4 path of each cell (``best``), which is what the dispatcher picks (``2:4+W8 rows``: the int8
   values through it; ``best_w8``: the faster W8 path);
+* ``2:4 tok`` — where the CPU's widest path is AVX2, the ``cpu-avx2-tokens`` prefill path as well (lanes over 16
+  tokens: a broadcast and two FMAs per kept value, no permute; cpu24-notes.md §33);
 * ``2:4+W8`` — the gather path on int8 kept values widened in registers + fp32 row scales, bf16 activations:
   0.3125 of the dense bf16 bytes plus 4 bytes a row.
 
@@ -93,13 +95,14 @@ def best_path() -> str | None:
 
 
 # more 2:4 paths, timed where the CPU runs them; a "-hwpf" path (no software prefetch) only beside its own loop
-EXTRA = {"avx512-bf16-hwpf": "2:4 hwpf", "avx2-hwpf": "2:4 hwpf", "amx-bf16": "2:4 amx", "avx512-bf16-rows": "2:4 rows"}
+EXTRA = {"avx512-bf16-hwpf": "2:4 hwpf", "avx2-hwpf": "2:4 hwpf", "amx-bf16": "2:4 amx", "avx512-bf16-rows": "2:4 rows",
+         "avx2-tokens": "2:4 tok"}
 
 
 def extra_paths(path: str) -> tuple[str, ...]:
     """The other 2:4 paths timed beside ``path`` on this CPU (the hwpf twin of ``path`` only)."""
     return tuple(p for p in EXTRA if p in cpu24.available_paths()
-                 and (not p.endswith("-hwpf") or p == f"{path}-hwpf"))
+                 and (not p.endswith("-hwpf") or p == f"{path}-hwpf") and (p != "avx2-tokens" or path == "avx2"))
 
 
 def measure_shape(out_f: int, in_f: int, rows: int, repeats: int, min_time: float, path: str = "avx512-bf16",
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
           f"{''.join(f' and {p}' for p in extra)}, careful dense path {cpu24.dense_path()}")
     print(f"weights on huge pages: {cpu24.huge_pages_reason() or 'yes'} (2:4 forms, careful, torch hp; torch: its allocator)")
     print(f"{'shape':<22}{'thr':>4}{'rows':>5} | {'torch':>8}{'torch hp':>9}{'careful':>9}{'2:4':>8}{'2:4+W8':>8}"
-          f"{'2:4 hwpf':>9}{'2:4 amx':>8}{'2:4 rows':>9} ms | {'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}"
+          f"{'2:4 hwpf':>9}{'2:4 amx':>8}{'2:4 rows':>9}{'2:4 tok':>8} ms | {'torch':>6}{'2:4':>6} GB/s | {'2:4/torch':>9}{'2:4/careful':>12}"
           f"{'W8/torch':>9}{'best/torch':>11}{'best/tor.hp':>12}{'best/careful':>13}{'bestW8/torch':>13} best")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
                 ms, gb = r["ms"], r["gbps"]
                 print(f"{label:<22}{threads:>4}{rows:>5} | {ms['torch']:>8.3f}{ms['torch hp']:>9.3f}{ms['careful']:>9.3f}{ms['2:4']:>8.3f}"
                       f"{ms['2:4+W8']:>8.3f}{ms.get('2:4 hwpf', float('nan')):>9.3f}{ms.get('2:4 amx', float('nan')):>8.3f}"
-                      f"{ms.get('2:4 rows', float('nan')):>9.3f}    | {gb['torch']:>6.1f}"
+                      f"{ms.get('2:4 rows', float('nan')):>9.3f}{ms.get('2:4 tok', float('nan')):>8.3f}    | {gb['torch']:>6.1f}"
                       f"{gb['2:4']:>6.1f}      | {r['x_torch']:>8.2f}x{r['x_careful']:>11.2f}x{r['w8_x_torch']:>8.2f}x"
                       f"{r['best_x_torch']:>10.2f}x{r['best_x_torch_hp']:>11.2f}x{r['best_x_careful']:>12.2f}x{r['best_w8_x_torch']:>12.2f}x"
                       f" {r['best']}", flush=True)

@@ -7,7 +7,7 @@ dense weight. The compressed form (``values (out, in/2)``, ``meta (out, ceil(in/
 value) is bit for bit the ``positions`` stream of ``--format compressed`` checkpoints for rows of a multiple of
 8 inputs, so :func:`cast_llm.deploy.compressed.load_compressed` hands the file's tensors to the kernel as they are.
 
-Seven instruction paths, chosen per CPU at run time from one build (``PATHS``):
+Eight instruction paths, chosen per CPU at run time from one build (``PATHS``):
 
 * ``avx512-bf16`` — bf16 activations and values, vpermt2w gathers the kept activations, vdpbf16ps accumulates
   in fp32 (AVX512-BW/VBMI/BF16: AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+); each row's values
@@ -28,7 +28,11 @@ Seven instruction paths, chosen per CPU at run time from one build (``PATHS``):
 * ``avx512`` — fp32 activations (a bf16 input is widened once per call), fp32 / bf16 / int8 values;
 * ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512;
 * ``avx2-hwpf`` — that loop without software prefetch: on a Zen 3 core the hardware prefetchers alone were faster
-  in most cells and slower in some (docs/results/cpu24-notes.md §30), so the dispatcher times both there too.
+  in most cells and slower in some (docs/results/cpu24-notes.md §30), so the dispatcher times both there too;
+* ``avx2-tokens`` — fp32 activations, many tokens (prefill) on CPUs without AVX-512: lanes over 16 tokens (the
+  activations transposed once per call), per kept value one broadcast and two FMAs on the 16 tokens' activations
+  at its position, K in chunks whose activations fit L1 — one multiply-add per kept value and token, half a dense
+  GEMM's, no permute (docs/results/cpu24-notes.md §33).
 
 The extension is built by :mod:`torch.utils.cpp_extension` (ninja, the compiler torch was built for) the first
 time a process needs it — ``make install`` does it once (``python -m cast_llm.deploy.sparse24.build``) — into a cache folder keyed by a hash of the source,
@@ -61,7 +65,7 @@ __all__ = ["PATHS", "BadPositionsError", "available_paths", "bad_position_rows",
 BF16_PATHS = ("avx512-bf16", "avx512-bf16-hwpf", "amx-bf16", "avx512-bf16-rows")  # bf16 activations only
 NO_W8_PATHS = ("amx-bf16",)  # no int8-values variant
 PATHS = {"avx512-bf16": 0, "avx512-bf16-hwpf": 6, "amx-bf16": 3, "avx512-bf16-rows": 5, "avx512": 1,
-         "avx2": 2, "avx2-hwpf": 7}  # name -> isa id
+         "avx2": 2, "avx2-hwpf": 7, "avx2-tokens": 8}  # name -> isa id
 SOURCE = Path(__file__).parent / "csrc" / "sparse24_cpu.cpp"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # no -march: the ISA-specific code carries target attributes
 NAME = "cast_llm_cpu24"
