@@ -476,6 +476,7 @@ CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* 
 #define CAST_TOK_KC 256
 #endif
 constexpr int64_t kTokLanes = 16;
+static_assert(CAST_TOK_KC % 64 == 0, "CAST_TOK_KC: a multiple of 64 inputs (whole 32-value position words a chunk)");
 
 // x (M, K) fp32 -> xt: for token block b, xt[(b K + k) 16 + l] = x[16 b + l, k] (0 past M)
 void avx2_tokens_layout(const float* x, float* xt, int64_t M, int64_t K) {
