@@ -174,3 +174,24 @@ def test_split_k_argument_name_matches_this_torchs_schema():
     names = [a.name for a in torch.ops.aten._cslt_sparse_mm.default._schema.arguments]
     name, _ = K._cslt_mm_kwargs()
     assert name is None or name in names
+
+
+def test_the_cpu_extension_builds_where_an_x86_64_compiler_and_ninja_are_here():
+    """The CPU 2:4 tests skip their whole module where the extension is missing (a machine without a compiler runs
+    dense, by design), so a source that no longer compiles would skip them all and the suite would pass. Where an
+    x86-64 Linux machine has a C++ compiler and ninja (make install's, and CI's), the build must succeed."""
+    import platform
+    import shutil
+    import sys
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    from cast_llm import kernels
+
+    if platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
+        pytest.skip("the CPU 2:4 extension is built for x86-64 Linux")
+    if not (shutil.which("c++") or shutil.which("g++")) or not is_ninja_available():
+        pytest.skip("no C++ compiler or no ninja here: the 2:4 layers run dense, as designed")
+    if kernels.mode() == kernels.REFERENCE:
+        pytest.skip("the checked kernels are switched off in this run (--kernels reference)")
+    assert cpu24.extension_reason() is None
