@@ -33,9 +33,9 @@
 //   avx2-hwpf    the same loop without software prefetch (the hardware prefetchers alone): on a Zen 3 core it
 //                was faster in 9 of 12 cells of an unpaired A/B and slower in 3 (cpu24-notes.md §30), so the
 //                dispatcher times both per shape, as it does avx512-bf16 and avx512-bf16-hwpf;
-//   avx2-tokens  fp32 x, many tokens (prefill) on CPUs without AVX-512: lanes over 16 tokens (x transposed once
-//                per call), per kept value one broadcast and two FMAs on the activations at its position, K in
-//                chunks whose activations fit L1: one multiply-add per kept value and token, no permute.
+//   avx2-tokens  fp32 x, several tokens (prefill) on CPUs without AVX-512: lanes over 16 tokens, or 8 for calls of
+//                at most 8 (x transposed once per call), per kept value one broadcast and one FMA per 8 tokens on
+//                the activations at its position, K in chunks whose activations fit L1: no permute.
 // A single token is processed one row at a time (two memory streams per thread: values and positions, prefetched
 // 8 KB ahead), and so are 2-4 tokens on avx512-bf16 where their activations fit L1; more tokens four rows and
 // up to four tokens a block (the indices are computed once per row and step and reused for every token, each
@@ -475,21 +475,23 @@ CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* 
 #ifndef CAST_TOK_KC
 #define CAST_TOK_KC 256
 #endif
-constexpr int64_t kTokLanes = 16;
+// Lanes: 16 tokens a block (two vectors a kept value), or 8 where the call has at most 8 tokens (one vector: 16
+// lanes would leave more than half of them empty). The chunk holds 16 KB of activations either way.
 static_assert(CAST_TOK_KC % 64 == 0, "CAST_TOK_KC: a multiple of 64 inputs (whole 32-value position words a chunk)");
+inline int64_t token_lanes(int64_t M) { return M <= 8 ? 8 : 16; }
 
-// x (M, K) fp32 -> xt: for token block b, xt[(b K + k) 16 + l] = x[16 b + l, k] (0 past M)
-void avx2_tokens_layout(const float* x, float* xt, int64_t M, int64_t K) {
-  const int64_t blocks = (M + kTokLanes - 1) / kTokLanes;
+// x (M, K) fp32 -> xt: for token block b of L lanes, xt[(b K + k) L + l] = x[L b + l, k] (0 past M)
+void avx2_tokens_layout(const float* x, float* xt, int64_t M, int64_t K, int64_t L) {
+  const int64_t blocks = (M + L - 1) / L;
   for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t l = 0; l < kTokLanes; ++l) {
-      const int64_t t = b * kTokLanes + l;
-      float* dst = xt + b * K * kTokLanes + l;
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t t = b * L + l;
+      float* dst = xt + b * K * L + l;
       if (t < M) {
         const float* src = x + t * K;
-        for (int64_t k = 0; k < K; ++k) dst[k * kTokLanes] = src[k];
+        for (int64_t k = 0; k < K; ++k) dst[k * L] = src[k];
       } else {
-        for (int64_t k = 0; k < K; ++k) dst[k * kTokLanes] = 0.f;
+        for (int64_t k = 0; k < K; ++k) dst[k * L] = 0.f;
       }
     }
 }
@@ -515,86 +517,86 @@ CAST_AVX2 inline void widen_values_avx2(const void* values_row, int64_t j0, int6
   }
 }
 
-// 32 kept values (or fewer: n) of one row against 16 tokens: four pairs of accumulators (the FMA latency hidden)
-template <int N32>
+// 32 kept values (or fewer: n) of one row against the block's 8 V tokens: four accumulator sets (the FMA latency
+// hidden), V vectors each
+template <int N32, int V>
 CAST_AVX2 inline __attribute__((always_inline)) void tokens_word_avx2(uint64_t bits, const float* v, const float* xw,
-                                                                      int n, __m256 (&a)[4][2]) {
+                                                                      int n, __m256 (&a)[4][V]) {
 #pragma GCC unroll 32
   for (int jj = 0; jj < 32; ++jj) {
     if (N32 == 0 && jj >= n) break;
-    const float* xr = xw + ((jj / 2) * 4 + static_cast<int64_t>((bits >> (2 * jj)) & 3)) * kTokLanes;
+    const float* xr = xw + ((jj / 2) * 4 + static_cast<int64_t>((bits >> (2 * jj)) & 3)) * (8 * V);
     const __m256 vv = _mm256_broadcast_ss(v + jj);
-    a[jj & 3][0] = _mm256_fmadd_ps(vv, _mm256_loadu_ps(xr), a[jj & 3][0]);
-    a[jj & 3][1] = _mm256_fmadd_ps(vv, _mm256_loadu_ps(xr + 8), a[jj & 3][1]);
+    for (int u = 0; u < V; ++u) a[jj & 3][u] = _mm256_fmadd_ps(vv, _mm256_loadu_ps(xr + 8 * u), a[jj & 3][u]);
   }
 }
 
 // one thread's rows [n0, n1): every token block, chunk by chunk (a function of its own: a lambda would not carry
 // the target attribute)
-template <int Kind>
+template <int Kind, int V>
 CAST_AVX2 void tokens_rows_avx2(const float* xt, const void* values, const uint8_t* meta, const float* scale,
                                 const float* bias, void* y, bool out_bf16, int64_t M, int64_t N, int64_t K,
                                 int64_t n0, int64_t n1) {
+  constexpr int64_t L = 8 * V;
   const int64_t half = K / 2, mbytes = (K + 7) / 8;
   const int64_t vsize = Kind == kF32 ? 4 : (Kind == kBF16 ? 2 : 1);
-  const int64_t blocks = (M + kTokLanes - 1) / kTokLanes;
-  const int64_t kc = CAST_TOK_KC;
-  {
-    std::vector<float> sums(static_cast<size_t>((n1 - n0) * kTokLanes));
-    alignas(32) float vf[CAST_TOK_KC / 2];
-    for (int64_t b = 0; b < blocks; ++b) {
-      std::fill(sums.begin(), sums.end(), 0.f);
-      const float* xb = xt + b * K * kTokLanes;
-      for (int64_t k0 = 0; k0 < K; k0 += kc) {
-        const int64_t j0 = k0 / 2, count = std::min(kc, K - k0) / 2;
-        const float* xc = xb + k0 * kTokLanes;
-        for (int64_t n = n0; n < n1; ++n) {
-          const char* vrow = static_cast<const char*>(values) + n * half * vsize;
-          const uint8_t* mrow = meta + n * mbytes;
-          if (n + 2 < n1) {  // the row after next's piece of this chunk: a strided stream the prefetchers may miss
-            const char* nv = vrow + 2 * half * vsize + j0 * vsize;
-            for (int64_t off = 0; off < count * vsize; off += 64) _mm_prefetch(nv + off, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(mrow + 2 * mbytes + j0 / 4), _MM_HINT_T0);
-          }
-          widen_values_avx2<Kind>(vrow, j0, count, vf);
-          __m256 a[4][2];
-          for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm256_setzero_ps();
-          int64_t w = 0;
-          for (; w + 32 <= count; w += 32) {
-            uint64_t bits;
-            std::memcpy(&bits, mrow + (j0 + w) / 4, 8);
-            tokens_word_avx2<1>(bits, vf + w, xc + (w / 2) * 4 * kTokLanes, 32, a);
-          }
-          if (w < count)
-            tokens_word_avx2<0>(read_meta(mrow, j0 + w, count - w), vf + w, xc + (w / 2) * 4 * kTokLanes,
-                                static_cast<int>(count - w), a);
-          float* srow = sums.data() + (n - n0) * kTokLanes;
-          const __m256 s0 = _mm256_add_ps(_mm256_add_ps(a[0][0], a[1][0]), _mm256_add_ps(a[2][0], a[3][0]));
-          const __m256 s1 = _mm256_add_ps(_mm256_add_ps(a[0][1], a[1][1]), _mm256_add_ps(a[2][1], a[3][1]));
-          _mm256_storeu_ps(srow, _mm256_add_ps(_mm256_loadu_ps(srow), s0));
-          _mm256_storeu_ps(srow + 8, _mm256_add_ps(_mm256_loadu_ps(srow + 8), s1));
+  const int64_t blocks = (M + L - 1) / L;
+  const int64_t kc = CAST_TOK_KC * 2 / V;  // 16 KB of activations a chunk
+  std::vector<float> sums(static_cast<size_t>((n1 - n0) * L));
+  alignas(32) float vf[CAST_TOK_KC];
+  for (int64_t b = 0; b < blocks; ++b) {
+    std::fill(sums.begin(), sums.end(), 0.f);
+    const float* xb = xt + b * K * L;
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t j0 = k0 / 2, count = std::min(kc, K - k0) / 2;
+      const float* xc = xb + k0 * L;
+      for (int64_t n = n0; n < n1; ++n) {
+        const char* vrow = static_cast<const char*>(values) + n * half * vsize;
+        const uint8_t* mrow = meta + n * mbytes;
+        if (n + 2 < n1) {  // the row after next's piece of this chunk: a strided stream the prefetchers may miss
+          const char* nv = vrow + 2 * half * vsize + j0 * vsize;
+          for (int64_t off = 0; off < count * vsize; off += 64) _mm_prefetch(nv + off, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(mrow + 2 * mbytes + j0 / 4), _MM_HINT_T0);
+        }
+        widen_values_avx2<Kind>(vrow, j0, count, vf);
+        __m256 a[4][V];
+        for (int u = 0; u < 4; ++u)
+          for (int w = 0; w < V; ++w) a[u][w] = _mm256_setzero_ps();
+        int64_t w = 0;
+        for (; w + 32 <= count; w += 32) {
+          uint64_t bits;
+          std::memcpy(&bits, mrow + (j0 + w) / 4, 8);
+          tokens_word_avx2<1, V>(bits, vf + w, xc + (w / 2) * 4 * L, 32, a);
+        }
+        if (w < count)
+          tokens_word_avx2<0, V>(read_meta(mrow, j0 + w, count - w), vf + w, xc + (w / 2) * 4 * L,
+                                 static_cast<int>(count - w), a);
+        float* srow = sums.data() + (n - n0) * L;
+        for (int u = 0; u < V; ++u) {
+          const __m256 s = _mm256_add_ps(_mm256_add_ps(a[0][u], a[1][u]), _mm256_add_ps(a[2][u], a[3][u]));
+          _mm256_storeu_ps(srow + 8 * u, _mm256_add_ps(_mm256_loadu_ps(srow + 8 * u), s));
         }
       }
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t l = 0; l < kTokLanes && b * kTokLanes + l < M; ++l) {
-          const int64_t t = b * kTokLanes + l;
-          float v = sums[(n - n0) * kTokLanes + l];
-          if (scale) v *= scale[n];
-          if (bias) v += bias[n];
-          if (out_bf16) static_cast<uint16_t*>(y)[t * N + n] = f32_to_bf16(v);
-          else static_cast<float*>(y)[t * N + n] = v;
-        }
     }
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t l = 0; l < L && b * L + l < M; ++l) {
+        const int64_t t = b * L + l;
+        float v = sums[(n - n0) * L + l];
+        if (scale) v *= scale[n];
+        if (bias) v += bias[n];
+        if (out_bf16) static_cast<uint16_t*>(y)[t * N + n] = f32_to_bf16(v);
+        else static_cast<float*>(y)[t * N + n] = v;
+      }
   }
 }
 
-template <int Kind>
+template <int Kind, int V>
 void sparse24_mm_avx2_tokens(const float* xt, const void* values, const uint8_t* meta, const float* scale,
                              const float* bias, void* y, bool out_bf16, int64_t M, int64_t N, int64_t K) {
-  const int64_t blocks = (M + kTokLanes - 1) / kTokLanes;
-  const int64_t grain = std::max<int64_t>(1, 256 * 1024 / std::max<int64_t>(K * blocks, 1));
+  const int64_t blocks = (M + 8 * V - 1) / (8 * V);
+  const int64_t grain = std::max<int64_t>(1, 256 * 1024 / std::max<int64_t>(K * blocks * V, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    tokens_rows_avx2<Kind>(xt, values, meta, scale, bias, y, out_bf16, M, N, K, n0, n1);
+    tokens_rows_avx2<Kind, V>(xt, values, meta, scale, bias, y, out_bf16, M, N, K, n0, n1);
   });
 }
 
@@ -1246,18 +1248,29 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
                            isa == kAvx512Bf16Rows;
   at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
   if (isa == kAvx2Tokens) {  // lanes over tokens: the activations transposed once per call
-    at::Tensor xt = at::empty({(M + kTokLanes - 1) / kTokLanes * kTokLanes * K}, xa.options().dtype(at::kFloat));
+    const int64_t L = token_lanes(M);
+    at::Tensor xt = at::empty({(M + L - 1) / L * L * K}, xa.options().dtype(at::kFloat));
     at::Tensor y2 = at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y2;
-    avx2_tokens_layout(xa.data_ptr<float>(), xt.data_ptr<float>(), M, K);
+    avx2_tokens_layout(xa.data_ptr<float>(), xt.data_ptr<float>(), M, K, L);
     at::Tensor bias_t = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     at::Tensor scale_t = scale.has_value() ? scale->contiguous() : at::Tensor();
     const float* bp = bias.has_value() ? bias_t.data_ptr<float>() : nullptr;
     const float* sp = scale.has_value() ? scale_t.data_ptr<float>() : nullptr;
     const bool ob = x.scalar_type() == at::kBFloat16;
-    if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16>(xt.data_ptr<float>(), vc.data_ptr(), mc.data_ptr<uint8_t>(), sp, bp, y2.data_ptr(), ob, M, N, K);
-    else if (kind == kF32) sparse24_mm_avx2_tokens<kF32>(xt.data_ptr<float>(), vc.data_ptr(), mc.data_ptr<uint8_t>(), sp, bp, y2.data_ptr(), ob, M, N, K);
-    else sparse24_mm_avx2_tokens<kI8>(xt.data_ptr<float>(), vc.data_ptr(), mc.data_ptr<uint8_t>(), sp, bp, y2.data_ptr(), ob, M, N, K);
+    const float* xp = xt.data_ptr<float>();
+    const void* vp = vc.data_ptr();
+    const uint8_t* mp = mc.data_ptr<uint8_t>();
+    void* yp = y2.data_ptr();
+    if (L == 8) {
+      if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else if (kind == kF32) sparse24_mm_avx2_tokens<kF32, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else sparse24_mm_avx2_tokens<kI8, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+    } else {
+      if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else if (kind == kF32) sparse24_mm_avx2_tokens<kF32, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else sparse24_mm_avx2_tokens<kI8, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+    }
     return y2;
   }
   if (isa == kAvx2 || isa == kAvx2Hw) {  // the AVX2 steps read each token's activations in their own layout
