@@ -29,10 +29,10 @@ Eight instruction paths, chosen per CPU at run time from one build (``PATHS``):
 * ``avx2`` — the same on 256-bit registers, for CPUs without AVX-512;
 * ``avx2-hwpf`` — that loop without software prefetch: on a Zen 3 core the hardware prefetchers alone were faster
   in most cells and slower in some (docs/results/cpu24-notes.md §30), so the dispatcher times both there too;
-* ``avx2-tokens`` — fp32 activations, many tokens (prefill) on CPUs without AVX-512: lanes over 16 tokens (the
-  activations transposed once per call), per kept value one broadcast and two FMAs on the 16 tokens' activations
-  at its position, K in chunks whose activations fit L1 — one multiply-add per kept value and token, half a dense
-  GEMM's, no permute (docs/results/cpu24-notes.md §33).
+* ``avx2-tokens`` — fp32 activations, several tokens (prefill) on CPUs without AVX-512: lanes over 16 tokens, or
+  8 for calls of at most 8 (the activations transposed once per call), per kept value one broadcast and one FMA
+  per 8 tokens on their activations at its position, K in chunks whose activations fit L1 — one multiply-add per
+  kept value and token, half a dense GEMM's, no permute (docs/results/cpu24-notes.md §33-34).
 
 The extension is built by :mod:`torch.utils.cpp_extension` (ninja, the compiler torch was built for) the first
 time a process needs it — ``make install`` does it once (``python -m cast_llm.deploy.sparse24.build``) — into a cache folder keyed by a hash of the source,

@@ -471,7 +471,8 @@ CAST_AVX2 void block_avx2(const void* values, const uint8_t* meta, const float* 
 // block zero-padded); per row and kept value one broadcast of the value and two FMAs whose second operand is the
 // 16 tokens' activations at the kept position (two 8-lane loads from L1), so no permute at all. K is visited in
 // chunks of CAST_TOK_KC inputs whose 16 tokens' activations fit L1 (256 inputs: 16 KB); a thread visits its rows
-// chunk by chunk, carrying each row's 16 fp32 sums between chunks. Each weight byte is read once per 16 tokens.
+// chunk by chunk, carrying each row's 16 fp32 sums between chunks. Each weight byte is read once per 16 tokens
+// (8 lanes for calls of at most 8 tokens: below).
 #ifndef CAST_TOK_KC
 #define CAST_TOK_KC 256
 #endif
