@@ -105,6 +105,16 @@ inline uint64_t read_meta(const uint8_t* meta_row, int64_t j0, int64_t count) {
   return bits;
 }
 
+// One output of row n: its fp32 sum times the row's scale (int8 values) plus its bias, rounded once to the output
+// dtype, stored at y[at] (bf16 or fp32 y).
+inline void store_out(float v, int64_t n, int64_t at, const float* scale, const float* bias, bool out_bf16,
+                      void* y) {
+  if (scale) v *= scale[n];
+  if (bias) v += bias[n];
+  if (out_bf16) static_cast<uint16_t*>(y)[at] = f32_to_bf16(v);
+  else static_cast<float*>(y)[at] = v;
+}
+
 // ----------------------------------------------------------------------------------------- scalar (tails)
 // One output, kept values [j0, j_end) of row n, fp32 activations (the reference the vector code follows).
 template <int Kind>
@@ -580,14 +590,8 @@ CAST_AVX2 void tokens_rows_avx2(const float* xt, const void* values, const uint8
       }
     }
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t l = 0; l < L && b * L + l < M; ++l) {
-        const int64_t t = b * L + l;
-        float v = sums[(n - n0) * L + l];
-        if (scale) v *= scale[n];
-        if (bias) v += bias[n];
-        if (out_bf16) static_cast<uint16_t*>(y)[t * N + n] = f32_to_bf16(v);
-        else static_cast<float*>(y)[t * N + n] = v;
-      }
+      for (int64_t l = 0; l < L && b * L + l < M; ++l)
+        store_out(sums[(n - n0) * L + l], n, (b * L + l) * N + n, scale, bias, out_bf16, y);
   }
 }
 
@@ -1177,12 +1181,7 @@ void sparse24_mm_kblocked(const uint16_t* x, const void* values, int kind, const
       }
     }
     for (int64_t n = b0; n < b1; ++n)
-      for (int64_t t = 0; t < M; ++t) {
-        float v = acc[(n - b0) * M + t];
-        if (scale) v *= scale[n];
-        if (bias) v += bias[n];
-        y[t * N + n] = f32_to_bf16(v);
-      }
+      for (int64_t t = 0; t < M; ++t) store_out(acc[(n - b0) * M + t], n, t * N + n, scale, bias, true, y);
   });
 }
 
@@ -1201,14 +1200,8 @@ void run_blocks(int64_t M, int64_t N, int64_t rb, int64_t grain, const Block& bl
         const int64_t T = std::min(kTokens, M - t0);
         block(res, n0, t0, R, T);
         for (int64_t t = 0; t < T; ++t)
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t n = n0 + r;
-            float v = res[t * R + r];
-            if (scale) v *= scale[n];
-            if (bias) v += bias[n];
-            if (out_bf16) static_cast<uint16_t*>(y)[(t0 + t) * N + n] = f32_to_bf16(v);
-            else static_cast<float*>(y)[(t0 + t) * N + n] = v;
-          }
+          for (int64_t r = 0; r < R; ++r)
+            store_out(res[t * R + r], n0 + r, (t0 + t) * N + n0 + r, scale, bias, out_bf16, y);
       }
     }
   });
