@@ -1241,32 +1241,6 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   const bool bf16_x_path = isa == kAvx512Bf16 || isa == kAvx512Bf16Hw || isa == kAmxBf16 ||
                            isa == kAvx512Bf16Rows;
   at::Tensor xa = (bf16_x_path || x.scalar_type() == at::kFloat) ? xc : xc.to(at::kFloat);
-  if (isa == kAvx2Tokens) {  // lanes over tokens: the activations transposed once per call
-    const int64_t L = token_lanes(M);
-    at::Tensor xt = at::empty({(M + L - 1) / L * L * K}, xa.options().dtype(at::kFloat));
-    at::Tensor y2 = at::empty({M, N}, x.options());
-    if (M == 0 || N == 0) return y2;
-    avx2_tokens_layout(xa.data_ptr<float>(), xt.data_ptr<float>(), M, K, L);
-    at::Tensor bias_t = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    at::Tensor scale_t = scale.has_value() ? scale->contiguous() : at::Tensor();
-    const float* bp = bias.has_value() ? bias_t.data_ptr<float>() : nullptr;
-    const float* sp = scale.has_value() ? scale_t.data_ptr<float>() : nullptr;
-    const bool ob = x.scalar_type() == at::kBFloat16;
-    const float* xp = xt.data_ptr<float>();
-    const void* vp = vc.data_ptr();
-    const uint8_t* mp = mc.data_ptr<uint8_t>();
-    void* yp = y2.data_ptr();
-    if (L == 8) {
-      if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
-      else if (kind == kF32) sparse24_mm_avx2_tokens<kF32, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
-      else sparse24_mm_avx2_tokens<kI8, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
-    } else {
-      if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
-      else if (kind == kF32) sparse24_mm_avx2_tokens<kF32, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
-      else sparse24_mm_avx2_tokens<kI8, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
-    }
-    return y2;
-  }
   if (isa == kAvx2 || isa == kAvx2Hw) {  // the AVX2 steps read each token's activations in their own layout
     at::Tensor laid = at::empty_like(xa);
     for (int64_t t = 0; t < M; ++t)
@@ -1278,6 +1252,28 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   if (scale.has_value()) scale_f = scale->contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  if (isa == kAvx2Tokens) {  // lanes over tokens: the activations transposed once per call
+    const int64_t L = token_lanes(M);
+    at::Tensor xt = at::empty({(M + L - 1) / L * L * K}, xa.options());
+    avx2_tokens_layout(xa.data_ptr<float>(), xt.data_ptr<float>(), M, K, L);
+    const float* xp = xt.data_ptr<float>();
+    const void* vp = vc.data_ptr();
+    const uint8_t* mp = mc.data_ptr<uint8_t>();
+    const float* sp = scale.has_value() ? scale_f.data_ptr<float>() : nullptr;
+    const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+    const bool ob = x.scalar_type() == at::kBFloat16;
+    void* yp = y.data_ptr();
+    if (L == 8) {
+      if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else if (kind == kF32) sparse24_mm_avx2_tokens<kF32, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else sparse24_mm_avx2_tokens<kI8, 1>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+    } else {
+      if (kind == kBF16) sparse24_mm_avx2_tokens<kBF16, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else if (kind == kF32) sparse24_mm_avx2_tokens<kF32, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+      else sparse24_mm_avx2_tokens<kI8, 2>(xp, vp, mp, sp, bp, yp, ob, M, N, K);
+    }
+    return y;
+  }
   if (isa == kAmxBf16) {
     sparse24_mm_amx(static_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint16_t*>(vc.data_ptr()),
                     mc.data_ptr<uint8_t>(), bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
