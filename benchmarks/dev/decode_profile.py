@@ -52,7 +52,7 @@ def main():
             to_sparse24_(model, targets=targets)
             plan = plan_sparse24_(model, [1], modes=("eager",), release=True)
             chosen = {}
-            for fqn, c in plan.items():
+            for c in plan.values():
                 for v in c.values():
                     chosen[v] = chosen.get(v, 0) + 1
             print("2:4 choices at 1 token:", chosen)

@@ -12,9 +12,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["MAX_COPIES", "cycled", "cycled_many", "l3_bytes", "nbytes"]
+__all__ = ["MAX_COPIES", "MIN_TIME", "REPEATS", "cycled", "cycled_many", "l3_bytes", "nbytes"]
 
 MAX_COPIES = 512  # tiny layers (tests) would need thousands of copies to fill the cache: their timing is host-bound
+# what a timing spends by default: REPEATS rounds of every candidate, each round MIN_TIME seconds of calls (read
+# at each call, so the test suite can shorten them for its tiny layers: tests/conftest.py)
+REPEATS, MIN_TIME = 5, 0.02
 
 
 def l3_bytes() -> int:
@@ -48,20 +51,22 @@ def _clone(held, place: Callable[[torch.Tensor], torch.Tensor] | None = None):
 
 
 def cycled(fn: Callable[[object], object], held, *, place: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           repeats: int = 5, min_time: float = 0.02) -> float:
+           repeats: int | None = None, min_time: float | None = None) -> float:
     """Median seconds per ``fn(copy)`` call over copies of ``held`` (a weight or a compressed state) that hold
     at least 2× the last-level cache together (at most :data:`MAX_COPIES`), each laid out by ``place``
     (:func:`_clone`)."""
     return cycled_many([(fn, held, place)], repeats=repeats, min_time=min_time)[0]
 
 
-def cycled_many(cases: Sequence[tuple], *, repeats: int = 5, min_time: float = 0.02) -> list[float]:
+def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time: float | None = None) -> list[float]:
     """:func:`cycled` for several ``(fn, held)`` candidates at once, **interleaved**: each of the ``repeats``
     runs one round (``min_time`` of calls over the copies) of every candidate in turn, so a slow spell of the
     memory system (a CPU's bandwidth moves by ±30 % over tenths of a second, docs/results/cpu24-notes.md §11)
     falls on all of them alike and their comparison is paired. A case is ``(fn, held)`` or ``(fn, held, place)``:
     ``place`` lays out each copy's tensors as the running layer's are (:func:`_clone`). Median seconds per call of
-    each, in order."""
+    each, in order (``repeats`` / ``min_time``: :data:`REPEATS` / :data:`MIN_TIME` where None)."""
+    repeats = REPEATS if repeats is None else repeats
+    min_time = MIN_TIME if min_time is None else min_time
     plans = []
     for fn, held, *place in cases:
         count = min(MAX_COPIES, max(2, -(-2 * l3_bytes() // max(nbytes(held), 1))))

@@ -144,7 +144,7 @@ def _cpu_inputs(out_features: int, in_features: int, dtype: torch.dtype, tokens:
 
 
 def cycled_seconds(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, *,
-                   repeats: int = 5, min_time: float = 0.02) -> float:
+                   repeats: int | None = None, min_time: float | None = None) -> float:
     """Median seconds per call of ``kernel`` (``"dense"``: ``F.linear``) on the CPU at this shape, the weight
     cycled past the last-level cache (:func:`cast_llm.deploy.sparse24.cycles.cycled`)."""
     weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
