@@ -57,13 +57,15 @@ def _fresh_kernel_verdicts(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _short_cpu_gemm_timings(monkeypatch):
-    """The CPU dispatcher's timings shortened for the suite's tiny layers (one round of 5 ms, three repeats,
-    against the product's five of 20 ms): what the tests check is which candidate a measurement picks and what is
-    reported, not how precise the timing is; a test that needs the product's values sets them back."""
+    """The CPU dispatcher's timings shortened for the suite's tiny layers (three rounds of 5 ms over at most 16
+    copies of a weight, against the product's five of 20 ms over up to 512): what the tests check is which
+    candidate a measurement picks and what is reported, not how precise the timing is; a test that needs the
+    product's values sets them back."""
     from cast_llm.deploy.sparse24 import cycles
 
     monkeypatch.setattr(cycles, "REPEATS", 3)
     monkeypatch.setattr(cycles, "MIN_TIME", 0.005)
+    monkeypatch.setattr(cycles, "MAX_COPIES", 16)
 
 
 @pytest.fixture(scope="session")
