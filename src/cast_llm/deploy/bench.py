@@ -410,6 +410,9 @@ def format_report(r: BenchReport) -> str:
     if d.cuda_peak_bytes is not None:
         lines.append(row("CUDA peak (MiB)", d.cuda_peak_bytes * mib, s and s.cuda_peak_bytes * mib, "{:,.1f}",
                          higher_better=False))
+    if s is not None:
+        lines.append("  ratio: 2:4 / dense for tokens/s, dense / 2:4 for memory: above 1x the 2:4 model is faster or "
+                     "smaller")
     if r.sparse_skipped:
         lines.append(f"  sparse path skipped: {r.sparse_skipped}")
     if r.timing:
