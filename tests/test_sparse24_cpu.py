@@ -140,6 +140,24 @@ def test_a_hwpf_path_is_its_loop_without_prefetch_the_same_sums_bit_for_bit(loop
                 assert torch.equal(cpu24.sparse24_mm(loop, x, state, None), cpu24.sparse24_mm(twin, x, state, None))
 
 
+@pytest.mark.parametrize("loop", ["avx2", "avx2-hwpf"])
+def test_the_avx2_loop_widens_bf16_activations_exactly_as_it_lays_them_out(loop):
+    """The AVX2 loop lays out bf16 activations while widening them (avx2_layout_x_bf16), fp32 ones as they are
+    (avx2_layout_x): widening is exact, so bf16 x gives the bits of the same values as fp32 x, rounded once to
+    bf16 — whole 32-input steps and the in-order tail (1540 = 48 steps + 4), every value kind, 1-5 tokens."""
+    if loop not in PATHS:
+        pytest.skip(f"this CPU lacks the instructions of the {loop} path")
+    g = torch.Generator().manual_seed(23)
+    for dtype in (torch.bfloat16, torch.float32):
+        w, _ = planted(21, 1540, seed=9, dtype=dtype)
+        for state in (cpu24.compress(w), cpu24.quantize_values(cpu24.compress(w))):
+            for rows in (1, 2, 5):
+                x = torch.randn(rows, 1540, generator=g).bfloat16()
+                got = cpu24.sparse24_mm(loop, x, state, None)
+                assert got.dtype == torch.bfloat16
+                assert torch.equal(got, cpu24.sparse24_mm(loop, x.float(), state, None).bfloat16())
+
+
 @pytest.mark.parametrize("in_f", [1540, 8196], ids=["fits-L1", "past-L1"])
 def test_the_gather_path_at_two_to_four_tokens_on_either_side_of_its_l1_rule(in_f):
     """avx512-bf16 takes one row a block for 2-4 tokens where their activations fit L1 (tokens × in × 2 bytes),
