@@ -13,13 +13,10 @@ import sys
 import time
 
 import torch
+from decode_profile import pruned_bf16_model  # (this folder)
 
 from cast_llm.deploy.sparse24 import plan_sparse24_, to_sparse24_
 from cast_llm.deploy.sparse24.decode import StaticDecoder
-from cast_llm.jobs.bench import random_model
-from cast_llm.models import load_model
-from cast_llm.prune.magnitude import magnitude_prune_
-from cast_llm.targets import find_targets
 
 
 class Compiled:
@@ -63,13 +60,7 @@ def main():
     spec = sys.argv[1] if len(sys.argv) > 1 else "random:tinyllama-1.1b"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     torch.set_num_threads(2)
-    if spec.startswith("random:"):
-        model = random_model(spec.split(":", 1)[1], torch.bfloat16, torch.device("cpu"))
-    else:
-        model = load_model(spec, dtype=torch.bfloat16, device=torch.device("cpu")).eval()
-    targets = find_targets(model, n=2, m=4, skip_incompatible=True)
-    for t in targets:
-        magnitude_prune_(t.weight.data, 2, 4)
+    model, targets = pruned_bf16_model(spec)
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     res = {}
     for label in ("dense", "2:4"):

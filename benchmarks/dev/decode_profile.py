@@ -35,18 +35,25 @@ def steps(model, n, ctx=contextlib.nullcontext, prompt_len=128):
     return dt, prof
 
 
-@torch.inference_mode()
-def main():
-    spec = sys.argv[1] if len(sys.argv) > 1 else "random:tinyllama-1.1b"
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    torch.set_num_threads(2)
+def pruned_bf16_model(spec: str):
+    """(model in bf16 on the CPU, its 2:4 targets magnitude-pruned in place): ``random:<shape>`` or a name."""
     if spec.startswith("random:"):
         model = random_model(spec.split(":", 1)[1], torch.bfloat16, torch.device("cpu"))
     else:
         model = load_model(spec, dtype=torch.bfloat16, device=torch.device("cpu")).eval()
     targets = find_targets(model, n=2, m=4, skip_incompatible=True)
-    for t in targets:
-        magnitude_prune_(t.weight.data, 2, 4)
+    with torch.no_grad():
+        for t in targets:
+            magnitude_prune_(t.weight.data, 2, 4)
+    return model, targets
+
+
+@torch.inference_mode()
+def main():
+    spec = sys.argv[1] if len(sys.argv) > 1 else "random:tinyllama-1.1b"
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    torch.set_num_threads(2)
+    model, targets = pruned_bf16_model(spec)
     for label in ("dense", "2:4"):
         if label == "2:4":
             to_sparse24_(model, targets=targets)
