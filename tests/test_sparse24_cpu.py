@@ -158,6 +158,25 @@ def test_the_avx2_loop_widens_bf16_activations_exactly_as_it_lays_them_out(loop)
                 assert torch.equal(got, cpu24.sparse24_mm(loop, x.float(), state, None).bfloat16())
 
 
+def test_the_op_takes_the_input_as_it_comes_and_refuses_a_wrong_width():
+    """``sparse24_mm`` on x of shape (..., in) gives (..., out), the 2-D result's rows (a layer calls it on its
+    input with no reshape / view around it); a last dimension that is not the layer's is a one-line error, not a
+    reshape into other rows."""
+    if not PATHS:
+        pytest.skip("no CPU 2:4 path runs here")
+    path, op = PATHS[0], cpu24.load_extension().sparse24_mm
+    w, _ = planted(12, 64, seed=4, dtype=torch.bfloat16)
+    state = cpu24.compress(w)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    flat = cpu24.sparse24_mm(path, x.reshape(6, 64), state, None)
+    for shaped in (x, x[0, 0], x[:, :0]):
+        y = op(shaped, state["values"], state["meta"], None, None, cpu24.PATHS[path])
+        assert y.shape == (*shaped.shape[:-1], 12)
+        assert torch.equal(y.reshape(-1, 12), flat[:y.reshape(-1, 12).shape[0]])
+    with pytest.raises(RuntimeError, match="values must be"):
+        op(torch.zeros(1, 128).bfloat16(), state["values"], state["meta"], None, None, cpu24.PATHS[path])
+
+
 @pytest.mark.parametrize("in_f", [1540, 8196], ids=["fits-L1", "past-L1"])
 def test_the_gather_path_at_two_to_four_tokens_on_either_side_of_its_l1_rule(in_f):
     """avx512-bf16 takes one row a block for 2-4 tokens where their activations fit L1 (tokens × in × 2 bytes),

@@ -59,6 +59,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1223,8 +1224,9 @@ void run_blocks(int64_t M, int64_t N, int64_t rb, int64_t grain, const Block& bl
   });
 }
 
-at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
-                       const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias, int64_t isa) {
+static at::Tensor sparse24_mm_2d(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
+                                 int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && values.device().is_cpu() && meta.device().is_cpu(),
               "sparse24_mm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && values.dim() == 2 && meta.dim() == 2, "sparse24_mm: 2-D x, values and meta");
@@ -1502,6 +1504,19 @@ bool cpu_supports(int64_t isa) { return isa_supported(isa); }
 
 // the K-chunks of the avx512-bf16 path at this token count and input width (1: not K-blocked), for tests/reports
 int64_t k_chunks_op(int64_t tokens, int64_t in_features) { return k_chunks(tokens, in_features); }
+
+// x of any leading shape (..., in), flattened to rows here, the output (..., out) as F.linear gives it: a layer's
+// forward hands the op its input as it comes, with no reshape and view around the call in Python (~2 µs a call,
+// which decides small layers at one token: docs/results/cpu24-notes.md §38)
+at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                       const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias, int64_t isa) {
+  if (x.dim() == 2) return sparse24_mm_2d(x, values, meta, scale, bias, isa);
+  TORCH_CHECK(x.dim() >= 1, "sparse24_mm: x must have at least one dimension");
+  const at::Tensor y = sparse24_mm_2d(x.reshape({-1, x.size(-1)}), values, meta, scale, bias, isa);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = y.size(1);
+  return y.view(sizes);
+}
 
 TORCH_LIBRARY(cast_llm_cpu24, m) {
   m.def("sparse24_mm(Tensor x, Tensor values, Tensor meta, Tensor? scale, Tensor? bias, int isa) -> Tensor");
