@@ -43,6 +43,7 @@ offered again on this machine (the verdict is cached); ``CAST_LLM_KERNELS=refere
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -504,8 +505,7 @@ def _cpu_gemm_timer(impl: Kernel | None, device: torch.device, variant: tuple) -
         seconds = cycled(lambda w_: F.linear(x, w_), w)
         _cpu_timer_inputs.cache_clear(), _cpu_timer_state.cache_clear()
         return seconds
-    return cycled(lambda s: sparse_linear(impl, x, s, None, 4096),
-                  cpu24.state_on_huge_pages(_cpu_timer_state(dtype, impl.fmt)),
+    return cycled(bound_call(impl, x, 4096, 4096), cpu24.state_on_huge_pages(_cpu_timer_state(dtype, impl.fmt)),
                   place=cpu24.on_huge_pages)  # laid out as a layer's (linear.py)
 
 
@@ -534,6 +534,21 @@ def _cpu_path(dtype: torch.dtype) -> kernels.CheckedPath:
 
 
 SPARSE24_CPU_GEMM = {dtype: _cpu_path(dtype) for dtype in (torch.bfloat16, torch.float32)}
+
+
+def bound_call(kernel: Kernel, x: torch.Tensor, in_features: int, out_features: int):
+    """``fn(state)``: ``kernel``'s call on ``x`` as a layer holding ``state`` runs it (:meth:`Kernel.bind`, bound
+    once per state, looked up by id), for timings that cycle copies of a state: what a layer pays, not the
+    general :func:`sparse_linear`'s few µs of Python more a call (docs/results/cpu24-notes.md §37)."""
+    bound: dict[int, Callable] = {}
+
+    def run(state):
+        fn = bound.get(id(state))
+        if fn is None:
+            fn = bound[id(state)] = kernel.bind(state, None, in_features, out_features)
+        return fn(x)
+
+    return run
 
 
 def sparse_linear(kernel: Kernel, x: torch.Tensor, state: dict[str, torch.Tensor], bias: torch.Tensor | None,

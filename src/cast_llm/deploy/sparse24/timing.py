@@ -120,22 +120,15 @@ def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
     state) laid out as a layer lays it, and how to lay out more copies, so that :func:`.cycles.cycled` can cycle
     them: a 2:4 layer's CPU tensors lie on huge pages where the OS allows (``Sparse24Linear`` maps them through
     :func:`.cpu.on_huge_pages`), a dense weight where torch's allocator put it."""
-    from cast_llm.deploy.sparse24.kernels import KERNELS
+    from cast_llm.deploy.sparse24.kernels import KERNELS, bound_call
 
     if kernel == "dense":
         return (lambda w: F.linear(x, w)), weight, None
     if kernel == DENSE_CAREFUL:
         return (lambda w: cpu.dense_mm(x, w)), weight, None
     k, (out_features, in_features) = KERNELS[kernel], weight.shape
-    bound: dict[int, Callable] = {}  # id(copy) -> the call a layer holding that copy runs (Kernel.bind)
-
-    def run(s):  # what Sparse24Linear's forward runs, not the general sparse_linear: on a small layer the
-        fn = bound.get(id(s))  # difference (~3-5 µs of Python a call) can decide the choice (cpu24-notes.md §37)
-        if fn is None:
-            fn = bound[id(s)] = k.bind(s, None, in_features, out_features)
-        return fn(x)
-
-    return run, cpu.state_on_huge_pages(k.compress(weight)), cpu.on_huge_pages
+    # what Sparse24Linear's forward runs: on a small layer the general path's extra µs can decide the choice
+    return bound_call(k, x, in_features, out_features), cpu.state_on_huge_pages(k.compress(weight)), cpu.on_huge_pages
 
 
 def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:

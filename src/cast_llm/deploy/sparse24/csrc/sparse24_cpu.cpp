@@ -368,12 +368,12 @@ CAST_AVX2 inline __attribute__((always_inline)) void load16_lanes_avx2(const voi
 // whole 32-input step the 128-bit quarters [0-3, 16-19, 4-7, 20-23, 8-11, 24-27, 12-15, 28-31], so that the step's
 // four 256-bit loads are [0-3 | 16-19], [4-7 | 20-23], [8-11 | 24-27], [12-15 | 28-31]: each lane of a and b then
 // finds its group's four inputs in the same 128-bit lane of one of two of them. The tail past the last whole step
-// stays in order (dot_tail reads it).
+// stays in order (dot_tail reads it). kLayoutFrom[q]: where quarter q of a laid-out step comes from.
+constexpr int kLayoutFrom[8] = {0, 16, 4, 20, 8, 24, 12, 28};
 CAST_AVX2 void avx2_layout_x(const float* x, float* out, int64_t K) {
   const int64_t full = K / 32;
-  static constexpr int kFrom[8] = {0, 16, 4, 20, 8, 24, 12, 28};
   for (int64_t s = 0; s < full; ++s)
-    for (int q = 0; q < 8; ++q) _mm_storeu_ps(out + s * 32 + q * 4, _mm_loadu_ps(x + s * 32 + kFrom[q]));
+    for (int q = 0; q < 8; ++q) _mm_storeu_ps(out + s * 32 + q * 4, _mm_loadu_ps(x + s * 32 + kLayoutFrom[q]));
   std::memcpy(out + full * 32, x + full * 32, static_cast<size_t>(K - full * 32) * sizeof(float));
 }
 
@@ -381,10 +381,9 @@ CAST_AVX2 void avx2_layout_x(const float* x, float* out, int64_t K) {
 // are laid out, one pass instead of a widening copy of x and then the layout
 CAST_AVX2 void avx2_layout_x_bf16(const uint16_t* x, float* out, int64_t K) {
   const int64_t full = K / 32;
-  static constexpr int kFrom[8] = {0, 16, 4, 20, 8, 24, 12, 28};
   for (int64_t s = 0; s < full; ++s)
     for (int q = 0; q < 8; ++q) {
-      const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + s * 32 + kFrom[q]));
+      const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + s * 32 + kLayoutFrom[q]));
       _mm_storeu_ps(out + s * 32 + q * 4, _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16)));
     }
   for (int64_t k = full * 32; k < K; ++k) {
