@@ -137,6 +137,71 @@ def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch
     assert order == ["sparse"] * 8  # one model only (no twin): its dense warm-up and repeats, then its 2:4 ones
 
 
+def test_the_dense_fp32_baseline_is_timed_where_the_cpu_does_not_multiply_bf16_natively(monkeypatch, tmp_path):
+    """On a CPU without AVX512-BF16 / AMX torch's bf16 GEMM is emulated and fp32 is the dense path a user would run
+    for long prompts: auto times it there (paired with the others, the same weights upcast), on times it anywhere,
+    off never; the table gains its column and the ratio against the better dense path of each row."""
+    cpu, on, off = torch.device("cpu"), BenchConfig(dense_fp32="on"), BenchConfig(dense_fp32="off")
+    auto = BenchConfig()
+    for native, timed in ((False, True), (True, False), (None, False)):  # None: flags unreadable: not assumed
+        monkeypatch.setattr(bench.machine, "native_half_matmul", lambda half, native=native: native)
+        assert (bench.fp32_baseline(auto, cpu, torch.bfloat16) is not None) is timed
+        assert bench.fp32_baseline(on, cpu, torch.bfloat16) and bench.fp32_baseline(off, cpu, torch.bfloat16) is None
+    assert bench.fp32_baseline(on, cpu, torch.float32) is None  # the model is fp32 already
+    assert bench.fp32_baseline(auto, torch.device("meta"), torch.bfloat16) is None  # a GPU's is native
+    monkeypatch.setattr(bench.machine, "native_half_matmul", lambda half: False)
+    assert "does not multiply bf16 natively" in bench.fp32_baseline(auto, cpu, torch.bfloat16)
+
+    order, real, models = [], bench._generate, []
+
+    def recording(model, prompt, gen_len):
+        dtype = next(model.parameters()).dtype
+        order.append("sparse" if model is models[-1] else "fp32" if dtype == torch.float32 else "dense")
+        return real(model, prompt, gen_len)
+
+    monkeypatch.setattr(bench, "_generate", recording)
+    cfg = BenchConfig(batch_size=1, prompt_len=8, gen_len=2, warmup=0, repeats=2, linear_repeats=1)
+    models.append(sparse_model("llama").bfloat16())
+    report = run_bench(models[-1], name="tiny", cfg=cfg)
+    d, d32 = report.dense, report.dense_fp32
+    assert d32 is not None and d32.decode_tokens_per_s > 0 and d32.prefill_tokens_per_s > 0
+    assert d32.target_weight_bytes == 2 * d.target_weight_bytes  # the same layers, 4 bytes a weight
+    text = format_report(report)
+    assert "dense fp32" in text and "vs best dense" in text and "does not multiply bf16" in text
+    if report.sparse is not None:  # paired: the three paths a repeat, the order reversed on the next
+        assert order[-6:] == ["dense", "fp32", "sparse", "sparse", "fp32", "dense"]
+        best = max(d.decode_tokens_per_s, d32.decode_tokens_per_s)
+        line = next(x for x in text.splitlines() if x.lstrip().startswith("decode tokens/s"))
+        assert line.split()[-1] == f"{report.sparse.decode_tokens_per_s / best:.2f}x"
+    bench.plot_report(report, str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert json.loads(json.dumps(report.to_dict()))["dense_fp32"]["decode_tokens_per_s"] > 0
+
+    order.clear()
+    models.append(sparse_model("llama").bfloat16())
+    report = run_bench(models[-1], name="tiny", cfg=BenchConfig(**{**cfg.__dict__, "dense_fp32": "off"}))
+    assert report.dense_fp32 is None and "fp32" not in order and "dense fp32" not in format_report(report)
+
+    monkeypatch.setattr(bench.machine, "available_memory", lambda: 0)  # neither a twin nor an fp32 copy fits
+    models.append(sparse_model("llama").bfloat16())
+    report = run_bench(models[-1], name="tiny", cfg=cfg)
+    assert report.dense_fp32 is None and "does not fit" in report.dense_fp32_note
+    assert "dense fp32: not timed" in format_report(report)
+
+
+def test_the_timed_prefill_computes_the_head_for_the_last_position_only_as_generate_does():
+    """transformers' generate passes logits_to_keep=1 to the prompt's forward: the timed generation does too (the
+    head of every prompt position is a product no generating user pays); the check reads every position."""
+    model = sparse_model("llama")
+    shapes = []
+    model.register_forward_hook(lambda m, args, kwargs, out: shapes.append(tuple(out.logits.shape)), with_kwargs=True)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    prefill_s, decode_s = bench._generate(model, prompt, 2)
+    assert prefill_s > 0 and decode_s > 0
+    assert shapes == [(2, 1, model.config.vocab_size)] * 3  # the prompt's forward, then two decode steps
+    assert bench.prompt_logits(model, prompt).shape == (2, 8, model.config.vocab_size)
+
+
 def test_the_cpu_per_linear_table_times_dense_and_the_kernels_together(monkeypatch):
     """One interleaved measurement per (shape, token count) holds dense and every kernel (a paired comparison,
     as the dispatcher's); a kernel that failed there (inf) is never the table's fastest."""

@@ -1,12 +1,13 @@
 """What this machine has, read from the operating system: this process's resident memory and the machine's
-RAM, the CPU model. A core module (no torch), used by the plan (``cast-llm plan``: the capacity of a CPU run) and by the
-trainer (peak resident memory in its log and results)."""
+RAM, the CPU model and its feature flags. A core module (no torch), used by the plan (``cast-llm plan``: the
+capacity of a CPU run), by the trainer (peak resident memory in its log and results) and by ``bench-inference``
+(whether this CPU multiplies bf16 natively, i.e. which dense path is the honest baseline)."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["available_memory", "cpu_model", "process_rss", "machine_ram"]
+__all__ = ["available_memory", "cpu_flags", "cpu_model", "machine_ram", "native_half_matmul", "process_rss"]
 
 
 def process_rss() -> int:
@@ -46,3 +47,27 @@ def cpu_model() -> str:
         import platform
 
         return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's first ``flags`` line, or ``Features`` on Arm); empty where they
+    cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(x for x in f if x.split(":", 1)[0].strip() in ("flags", "Features"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+# the flags of the instructions that multiply bf16 / fp16 values natively (x86-64, then Arm); without them torch's
+# bf16 / fp16 GEMM on the CPU widens to fp32 in software and runs several times slower than its fp32 GEMM
+NATIVE_HALF_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16", "bf16"), "fp16": ("avx512_fp16", "amx_fp16", "asimdhp")}
+
+
+def native_half_matmul(dtype: str) -> bool | None:
+    """Whether this CPU multiplies ``dtype`` ("bf16" or "fp16") natively (None: its flags cannot be read)."""
+    flags = cpu_flags()
+    if not flags:
+        return None
+    return any(f in flags for f in NATIVE_HALF_FLAGS[dtype])

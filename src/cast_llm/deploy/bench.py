@@ -2,7 +2,8 @@
 
 Measures, for one model on one device:
 
-* **prefill** tokens/s: one forward of ``batch × prompt_len`` tokens that fills the KV cache;
+* **prefill** tokens/s: one forward of ``batch × prompt_len`` tokens that fills the KV cache, the head computed for
+  the last position only, as ``generate`` does (``logits_to_keep=1``);
 * **decode** tokens/s: ``gen_len`` greedy steps of one token per sequence through the KV cache
   (``batch × gen_len`` tokens), the regime where a 2:4 weight halves the bytes each step reads;
 * **per-linear** latency for every distinct target shape at the prefill and decode token counts, dense
@@ -14,7 +15,9 @@ The dense path runs first, then the targets are swapped in place to :class:`~cas
 (compressed once, cuSPARSELt / CUTLASS kernels), planned for exactly this run's token counts (prefill
 ``batch × prompt_len``, decode ``batch``) — each layer runs 2:4 where that measures faster on this GPU, dense
 elsewhere, and keeps only the forms it uses — and everything is measured again; the logits of the same
-prompt are compared as a correctness check. Timings are medians over ``repeats`` runs after ``warmup`` runs,
+prompt are compared as a correctness check (every position, from an untimed forward). On a CPU that does not
+multiply bf16 natively the dense model upcast to fp32 is timed too (``--dense-fp32``), paired with the others: there
+it is often the faster dense path a user would run. Timings are medians over ``repeats`` runs after ``warmup`` runs,
 with CUDA synchronisation; decoding here is the eager Hugging Face loop (``benchmarks/inference24.py`` also
 times the decode step inside a CUDA graph). Where 2:4 kernels cannot run (no CUDA, compute capability < 8.0)
 the sparse side is reported as skipped with the reason — never estimated.
@@ -74,6 +77,10 @@ class BenchReport:
     config: dict[str, Any]
     dense: PathResult | None  # None only until a paired timing fills it (run_bench)
     sparse: PathResult | None = None
+    # the same dense model upcast to fp32 (--dense-fp32): on a CPU without native bf16 / fp16 arithmetic, the dense
+    # path a user would otherwise run for many tokens; dense_fp32_note says why it was timed, or why not
+    dense_fp32: PathResult | None = None
+    dense_fp32_note: str | None = None
     sparse_skipped: str | None = None
     per_linear: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -110,13 +117,21 @@ def timed(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: 
     return statistics.median(times)
 
 
+def _keep_last(model) -> dict:
+    """``{"logits_to_keep": 1}`` where the model's forward takes it: what ``transformers``' ``generate`` passes to
+    the prompt's forward (the head on the last position only; notes §40), else ``{}``."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 @torch.inference_mode()
-def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float, torch.Tensor]:
-    """(prefill seconds, decode seconds, prefill logits) of one greedy generation with the KV cache."""
+def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one greedy generation with the KV cache, as ``generate`` runs it."""
     device = prompt.device
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True)
+    out = model(input_ids=prompt, use_cache=True, **_keep_last(model))
     _sync(device)
     t1 = time.perf_counter()
     cache, logits = out.past_key_values, out.logits
@@ -126,7 +141,13 @@ def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float, 
         cache = out.past_key_values
         token = out.logits[:, -1:].argmax(-1)
     _sync(device)
-    return t1 - t0, time.perf_counter() - t1, logits
+    return t1 - t0, time.perf_counter() - t1
+
+
+@torch.inference_mode()
+def prompt_logits(model, prompt: torch.Tensor) -> torch.Tensor:
+    """The logits of every prompt position (untimed): what the correctness check compares."""
+    return model(input_ids=prompt).logits
 
 
 def _target_bytes(model, fqns) -> int:
@@ -143,42 +164,57 @@ def _target_bytes(model, fqns) -> int:
     return total
 
 
-def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> tuple[PathResult, torch.Tensor]:
+def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> PathResult:
     device = prompt.device
     for _ in range(cfg.warmup):
         _generate(model, prompt, min(cfg.gen_len, 4))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [_generate(model, prompt, cfg.gen_len) for _ in range(cfg.repeats)]
-    return _path_result(model, prompt, cfg, fqns, runs), runs[0][2]
+    return _path_result(model, prompt, cfg, fqns, runs)
 
 
-def measure_paired(dense_model, sparse_model, prompt: torch.Tensor, cfg: BenchConfig,
-                   fqns) -> tuple[PathResult, PathResult, torch.Tensor]:
-    """Both paths timed **paired**: each repeat generates once with the dense twin and once with the 2:4 model, so
-    a slow spell of the host falls on both (a CPU's memory bandwidth drifts by ±30 % within seconds), in the order
-    dense, 2:4 on even repeats and 2:4, dense on odd ones, because on the CPU the first generation of a pair
-    measured 8-10 % faster than the second whichever model it was (docs/results/cpu24-notes.md §11).
-    (dense result, 2:4 result, the 2:4 prompt logits)."""
+def measure_paired(dense_model, sparse_model, prompt: torch.Tensor, cfg: BenchConfig, fqns,
+                   fp32_model=None) -> tuple[PathResult, PathResult, PathResult | None]:
+    """The paths timed **paired**: each repeat generates once with the dense twin, once with its fp32 copy (where
+    given) and once with the 2:4 model, so a slow spell of the host falls on all of them (a CPU's memory bandwidth
+    drifts by ±30 % within seconds), in the order dense, (fp32,) 2:4 on even repeats and the reverse on odd ones,
+    because on the CPU the first generation of a pair measured 8-10 % faster than the second whichever model it
+    was (docs/results/cpu24-notes.md §11).
+    (dense result, 2:4 result, fp32 dense result or None)."""
+    models = {"dense": dense_model, "dense_fp32": fp32_model, "sparse": sparse_model}
+    models = {k: m for k, m in models.items() if m is not None}
     for _ in range(cfg.warmup):
-        _generate(dense_model, prompt, min(cfg.gen_len, 4))
-        _generate(sparse_model, prompt, min(cfg.gen_len, 4))
-    runs = {"dense": [], "sparse": []}
-    models = {"dense": dense_model, "sparse": sparse_model}
+        for m in models.values():
+            _generate(m, prompt, min(cfg.gen_len, 4))
+    runs = {k: [] for k in models}
     for r in range(cfg.repeats):
-        for path in (("dense", "sparse") if r % 2 == 0 else ("sparse", "dense")):
+        for path in (list(models) if r % 2 == 0 else list(models)[::-1]):
             runs[path].append(_generate(models[path], prompt, cfg.gen_len))
-    dense_runs, sparse_runs = runs["dense"], runs["sparse"]
-    return (_path_result(dense_model, prompt, cfg, fqns, dense_runs),
-            _path_result(sparse_model, prompt, cfg, fqns, sparse_runs), sparse_runs[0][2])
+    results = {k: _path_result(models[k], prompt, cfg, fqns, runs[k]) for k in models}
+    return results["dense"], results["sparse"], results.get("dense_fp32")
 
 
-def paired_fits(model, device: torch.device) -> str | None:
+def fp32_baseline(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the dense model is also timed upcast to fp32 (``--dense-fp32``), or None where it is not."""
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if cfg.dense_fp32 == "off" or half is None:
+        return None
+    if cfg.dense_fp32 == "on":
+        return "asked for (--dense-fp32 on)"
+    if device.type != "cpu" or machine.native_half_matmul(half) is not False:
+        return None
+    return (f"this CPU does not multiply {half} natively (no AVX512-{half.upper()} or AMX): torch's {half} GEMM "
+            f"is emulated there, and fp32 can be the faster dense path a user would run (--dense-fp32 off: not "
+            f"timed)")
+
+
+def paired_fits(model, device: torch.device, extra_bytes: int = 0) -> str | None:
     """None where a dense twin of ``model`` fits beside it and its 2:4 forms (a CPU with MemAvailable above 3× the
-    model's bytes), else why the timing stays sequential."""
+    model's bytes, plus ``extra_bytes``: an fp32 copy), else why the timing stays sequential."""
     if device.type != "cpu":
         return "on a GPU the two paths are timed one after the other (the allocator's peak is reported per path)"
-    need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    need = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + extra_bytes
     free = machine.available_memory()
     if free is None or free < need:
         have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
@@ -293,16 +329,27 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     if cfg.backend not in BACKENDS:
         raise CastError(f"unknown 2:4 backend {cfg.backend!r}; use {', '.join(BACKENDS)}")
     kernels, why = available_kernels(device, dtype, BACKENDS[cfg.backend] or default_kernels(device))
-    why_not_paired = paired_fits(model, device) if kernels else "no 2:4 kernel runs here"
-    twin = None
+    fp32_why = fp32_baseline(cfg, device, dtype)
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters()) if fp32_why else 0
+    why_not_paired = paired_fits(model, device, fp32_bytes) if kernels else "no 2:4 kernel runs here"
+    twin = twin32 = dense32 = None
     if why_not_paired is None:  # timed later, paired with the 2:4 model: here only the prompt's logits
         twin = copy.deepcopy(model)
-        dense, dense_logits = None, _generate(model, prompt, 0)[2]
+        twin32 = copy.deepcopy(model).float() if fp32_why else None
+        dense = None
     else:
-        dense, dense_logits = measure_path(model, prompt, cfg, fqns)
+        dense = measure_path(model, prompt, cfg, fqns)
+        free = machine.available_memory() if device.type == "cpu" else None
+        if fp32_why and device.type == "cpu" and (free is None or free < 1.5 * fp32_bytes):
+            fp32_why = "not timed: an fp32 copy of the model does not fit in the memory available"
+        elif fp32_why:  # timed before the 2:4 swap, one path after the other as the dense path was
+            copy32 = copy.deepcopy(model).float()
+            dense32 = measure_path(copy32, prompt, cfg, fqns)
+            del copy32
+    dense_logits = prompt_logits(model, prompt)
     floor_logits = noise_floor_logits(model, prompt, targets)
     report = BenchReport(model=name, device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
-                         config=asdict(cfg), dense=dense, notes=notes)
+                         config=asdict(cfg), dense=dense, notes=notes, dense_fp32=dense32, dense_fp32_note=fp32_why)
     report.per_linear = bench_linears(linear_shapes(targets), tokens, dtype=dtype, device=device, kernels=kernels,
                                       warmup=min(cfg.warmup, 3) + 1, repeats=cfg.linear_repeats)
     if not kernels:
@@ -327,13 +374,15 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if twin is not None:
-        report.dense, report.sparse, sparse_logits = measure_paired(twin, model, prompt, cfg, fqns)
-        del twin
-        report.timing = ("paired: each repeat generates once with the dense twin and once with the 2:4 model, the "
-                         "order alternating between repeats")
+        report.dense, report.sparse, report.dense_fp32 = measure_paired(twin, model, prompt, cfg, fqns, twin32)
+        del twin, twin32
+        report.timing = ("paired: each repeat generates once with the dense twin"
+                         + (", once with its fp32 copy" if report.dense_fp32 else "")
+                         + " and once with the 2:4 model, the order reversed on every other repeat")
     else:
-        report.sparse, sparse_logits = measure_path(model, prompt, cfg, fqns)
+        report.sparse = measure_path(model, prompt, cfg, fqns)
         report.timing = f"sequential: the dense path's repeats, then the 2:4 path's ({why_not_paired})"
+    sparse_logits = prompt_logits(model, prompt)
     diff = (sparse_logits.float() - dense_logits.float()).abs().max()
     report.max_abs_logit_diff = float(diff)
     report.logits_rel_err = float(diff / dense_logits.float().abs().max())
@@ -390,29 +439,41 @@ def format_report(r: BenchReport) -> str:
     c = r.config
     lines = [f"bench-inference {r.model} on {r.device}, {r.dtype}, batch {c['batch_size']}, prompt {c['prompt_len']}, "
              f"generate {c['gen_len']} (median of {c['repeats']})"]
-    s = r.sparse
+    s, d, d32 = r.sparse, r.dense, r.dense_fp32
 
-    def row(label, dense_v, sparse_v, fmt, higher_better=True):
+    def ratio(dense_v, sparse_v, higher_better):
+        if not (dense_v and sparse_v):
+            return float("nan")
+        return sparse_v / dense_v if higher_better else dense_v / sparse_v
+
+    def row(label, key, fmt, scale=1.0, higher_better=True):
+        dense_v, sparse_v = getattr(d, key) * scale, s and getattr(s, key) * scale
+        cells = f"  {label:<26} {fmt.format(dense_v):>14}"
+        if d32 is not None:
+            cells += f" {fmt.format(getattr(d32, key) * scale):>14}"
         if s is None:
-            return f"  {label:<26} {fmt.format(dense_v):>14} {'skipped':>14}"
-        ratio = (sparse_v / dense_v if higher_better else dense_v / sparse_v) if dense_v and sparse_v else float("nan")
-        return f"  {label:<26} {fmt.format(dense_v):>14} {fmt.format(sparse_v):>14} {ratio:>8.2f}x"
+            return cells + f" {'skipped':>14}"
+        cells += f" {fmt.format(sparse_v):>14} {ratio(dense_v, sparse_v, higher_better):>8.2f}x"
+        if d32 is not None:  # against the better of the two dense paths on this row
+            pick = max if higher_better else min
+            cells += f" {ratio(pick(dense_v, getattr(d32, key) * scale), sparse_v, higher_better):>12.2f}x"
+        return cells
 
-    lines.append(f"  {'':<26} {'dense':>14} {'2:4 sparse':>14} {'ratio':>9}")
-    d = r.dense
-    lines.append(row("prefill tokens/s", d.prefill_tokens_per_s, s and s.prefill_tokens_per_s, "{:,.0f}"))
-    lines.append(row("decode tokens/s", d.decode_tokens_per_s, s and s.decode_tokens_per_s, "{:,.1f}"))
+    head = f"  {'':<26} {'dense ' + r.dtype:>14}" + (f" {'dense fp32':>14}" if d32 is not None else "")
+    lines.append(head + f" {'2:4 sparse':>14} {'ratio':>9}" + (f" {'vs best dense':>13}" if d32 is not None else ""))
+    lines.append(row("prefill tokens/s", "prefill_tokens_per_s", "{:,.0f}"))
+    lines.append(row("decode tokens/s", "decode_tokens_per_s", "{:,.1f}"))
     mib = 1 / 2**20
-    lines.append(row("target weights (MiB)", d.target_weight_bytes * mib, s and s.target_weight_bytes * mib,
-                     "{:,.1f}", higher_better=False))
-    lines.append(row("all weights (MiB)", d.all_weight_bytes * mib, s and s.all_weight_bytes * mib, "{:,.1f}",
-                     higher_better=False))
+    lines.append(row("target weights (MiB)", "target_weight_bytes", "{:,.1f}", mib, higher_better=False))
+    lines.append(row("all weights (MiB)", "all_weight_bytes", "{:,.1f}", mib, higher_better=False))
     if d.cuda_peak_bytes is not None:
-        lines.append(row("CUDA peak (MiB)", d.cuda_peak_bytes * mib, s and s.cuda_peak_bytes * mib, "{:,.1f}",
-                         higher_better=False))
+        lines.append(row("CUDA peak (MiB)", "cuda_peak_bytes", "{:,.1f}", mib, higher_better=False))
     if s is not None:
-        lines.append("  ratio: 2:4 / dense for tokens/s, dense / 2:4 for memory: above 1x the 2:4 model is faster or "
-                     "smaller")
+        lines.append(f"  ratio: 2:4 / dense {r.dtype} for tokens/s, dense / 2:4 for memory: above 1x the 2:4 model is "
+                     "faster or smaller" + ("; vs best dense: the same against the better of dense "
+                                            f"{r.dtype} and dense fp32 on each row" if d32 is not None else ""))
+    if r.dense_fp32_note:
+        lines.append(f"  dense fp32: {r.dense_fp32_note}")
     if r.sparse_skipped:
         lines.append(f"  sparse path skipped: {r.sparse_skipped}")
     if r.timing:
@@ -450,14 +511,18 @@ def plot_report(r: BenchReport, path: str) -> None:
     fig = Figure(figsize=(11, 4))
     FigureCanvasAgg(fig)
     a, b = fig.subplots(1, 2)
-    s = r.sparse
+    s, d32 = r.sparse, r.dense_fp32
+    bars = [("dense " + r.dtype, r.dense, "tab:gray")] + ([("dense fp32", d32, "silver")] if d32 else [])
+    bars.append(("2:4", s, "tab:blue"))
+    width = 0.8 / len(bars)
     for i, (_label, key) in enumerate((("prefill", "prefill_tokens_per_s"), ("decode", "decode_tokens_per_s"))):
         d_v = getattr(r.dense, key)
-        s_v = getattr(s, key) if s else 0.0
-        a.bar([i - 0.2], [d_v], 0.4, color="tab:gray", label="dense" if i == 0 else None)
-        a.bar([i + 0.2], [s_v], 0.4, color="tab:blue", label="2:4" if i == 0 else None)
-        if s and d_v:
-            a.annotate(f"{s_v / d_v:.2f}x", (i + 0.2, s_v), ha="center", va="bottom", fontsize=8)
+        for j, (label, result, color) in enumerate(bars):
+            x = i - 0.4 + width * (j + 0.5)
+            v = getattr(result, key) if result else 0.0
+            a.bar([x], [v], width, color=color, label=label if i == 0 else None)
+            if result is s and s and d_v:  # the ratio to the dense path in the model's own dtype, as in the table
+                a.annotate(f"{v / d_v:.2f}x", (x, v), ha="center", va="bottom", fontsize=8)
     a.set_xticks([0, 1], ["prefill", "decode"])
     a.set_yscale("log")
     a.set_ylabel("tokens/s")

@@ -81,6 +81,10 @@ class BenchConfig:
                                     "measures faster (--no-dense-copy: compressed weights only, the least memory; "
                                     "on the CPU large token counts then rebuild the dense weight into a scratch "
                                     "buffer)", section=MODEL)
+    dense_fp32: str = option("auto", "also time the dense model upcast to fp32: on a CPU that does not multiply "
+                             "bf16 / fp16 natively (no AVX512-BF16 or AMX) torch's half-precision GEMM is emulated and "
+                             "fp32 is often the faster dense path a user would run. auto (there, for a bf16 or fp16 "
+                             "model), on, off", choices=("auto", "on", "off"), section=MODEL)
 
 
 @dataclass
