@@ -108,6 +108,21 @@ def _warm_cli_server():
     server.close()
 
 
+@pytest.fixture(scope="session")
+def warm_torchrun():
+    """``warm_torchrun.run(argv, nproc)``: torchrun's launch of NPROC ranks on this machine, each rank forked from
+    a warm server per rank and pytest worker that has imported the training stack (tests/warm_interpreter.py's
+    WarmRanks): for the tests that compare what several ranks compute. The tests that signal the launcher or
+    start `accelerate launch` run the real launcher."""
+    from warm_interpreter import WarmRanks
+
+    ranks = WarmRanks(["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+                       "transformers", "transformers.models.llama.modeling_llama", "accelerate", "cast_llm.cli",
+                       "cast_llm.cli.train", "cast_llm.train.trainer"], path=[os.path.dirname(os.path.abspath(__file__))])
+    yield ranks
+    ranks.close()
+
+
 @pytest.fixture
 def warm_cli(_warm_cli_server):
     """The command line in a process of its own, as ``python -c "from cast_llm.cli import main; ..."`` runs it

@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import types
 
 import pytest
 import tiny
 import torch
-from run_helpers import free_port
 from safetensors.torch import load_file
 
 from cast_llm.errors import CastError
@@ -55,13 +52,12 @@ def workdir(tmp_path_factory):
     return d
 
 
-def _torchrun(workdir, out, nproc: int, *extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "cast_llm.cli", "train", "--model", str(workdir / "llama"), "--data",
-           str(workdir / "corpus.jsonl"), "--wikitext-file", str(workdir / "eval.txt"), *ARGS,
-           "--output-dir", str(out), *extra]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+def _torchrun(launch, workdir, out, nproc: int, *extra):
+    """``torchrun --nproc_per_node NPROC -m cast_llm.cli train ...``, its ranks forked warm (conftest's
+    warm_torchrun)."""
+    r = launch.run(["-m", "cast_llm.cli", "train", "--model", str(workdir / "llama"), "--data",
+                    str(workdir / "corpus.jsonl"), "--wikitext-file", str(workdir / "eval.txt"), *ARGS,
+                    "--output-dir", str(out), *extra], nproc)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -71,7 +67,7 @@ def _metrics(out):
 
 
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_policy_at_world_2_matches_world_1_and_resumes_exactly(workdir, tmp_path):
+def test_policy_at_world_2_matches_world_1_and_resumes_exactly(workdir, tmp_path, warm_torchrun):
     """The same 4 steps (global batch 2: one process × 2 micro-batches, or two × 1) under the policy at world 1
     and 2 end bitwise equal — losses, mask statistics, final weights and masks, the masks having moved (most
     entries flip under this strong decay): bf16 gradients of the same micro-batches, summed in fp32 either
@@ -79,9 +75,9 @@ def test_policy_at_world_2_matches_world_1_and_resumes_exactly(workdir, tmp_path
     config.yaml and results.json say "policy". A world-2 run resumed from its step-2 checkpoint ends
     bitwise equal to the uninterrupted one."""
     one, two = tmp_path / "w1", tmp_path / "w2"
-    log = _torchrun(workdir, one, 1, "--batch-size", "1", "--grad-accum", "2")
+    log = _torchrun(warm_torchrun, workdir, one, 1, "--batch-size", "1", "--grad-accum", "2")
     assert "FSDP2 precision: policy" in log
-    _torchrun(workdir, two, 2, "--batch-size", "1", "--save-every", "2", "--keep-checkpoints-after",
+    _torchrun(warm_torchrun, workdir, two, 2, "--batch-size", "1", "--save-every", "2", "--keep-checkpoints-after",
               "--activation-checkpointing", "selective")
     for out in (one, two):
         assert json.loads((out / "results.json").read_text())["fsdp_precision"] == "policy"
@@ -102,7 +98,7 @@ def test_policy_at_world_2_matches_world_1_and_resumes_exactly(workdir, tmp_path
             shutil.rmtree(ck)
     for f in ("model.safetensors", "config.json", "results.json"):
         (cut / f).unlink()
-    log = _torchrun(workdir, cut, 2, "--batch-size", "1", "--save-every", "2", "--resume")
+    log = _torchrun(warm_torchrun, workdir, cut, 2, "--batch-size", "1", "--save-every", "2", "--resume")
     assert "at step 2" in log
     c = load_file(cut / "model.safetensors")
     for k in b:

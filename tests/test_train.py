@@ -320,11 +320,10 @@ FSDP_COMMON = ["--seq-len", "32", "--log-every", "2", "--val-sequences", "2", "-
                "--l1-decay", "1e-4", "--mask-interval", "2", "--no-baseline-eval", "--device", "cpu", "--no-report"]
 
 
-def _torchrun(args, nproc=2, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, **kw)
+def _torchrun(launch, args, nproc=2):
+    """``torchrun --nproc_per_node NPROC ARGS``, its ranks forked warm (conftest's warm_torchrun); the tests that
+    signal the launcher run the real one."""
+    return launch.run(args, nproc)
 
 
 def _data_args(workdir):
@@ -333,7 +332,7 @@ def _data_args(workdir):
 
 
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path):
+def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path, warm_torchrun):
     """AdamS on DTensor parameters sharded like FSDP2 (rows; Conv1D-style weights by columns), uneven shards
     and tied magnitudes included: every rank's mask == the full tensor's mask on its rows, at every step;
     gathered masks == full masks; a full-tensor set_mask keeps the local rows; the per-rank optimizer state
@@ -342,7 +341,7 @@ def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path):
     bf16 likewise; between micro-batches no rank holds more than its gradient shards, and the accumulated
     gradients equal one process's; rank 0's errors reach rank 1 as one line, a checkpoint failing on rank 0
     alone fails everywhere."""
-    r = _torchrun([str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)])
+    r = _torchrun(warm_torchrun, [str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK 0" in r.stdout and "OK 1" in r.stdout
 
@@ -355,13 +354,13 @@ FSDP_REF = ["--max-steps", "8", "--batch-size", "1", "--grad-accum", "2", "--fsd
 
 
 @pytest.fixture(scope="module")
-def fsdp_ref(workdir, tmp_path_factory):
+def fsdp_ref(workdir, tmp_path_factory, warm_torchrun):
     if os.environ.get("CAST_SKIP_DDP") == "1":
         pytest.skip("CAST_SKIP_DDP=1")
     d = tmp_path_factory.mktemp("fsdp-ref")
     tokens = d / "token-cache"  # of this run and its resumes alone: its builds are counted below
     out = d / "ref"
-    r = _torchrun(["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
+    r = _torchrun(warm_torchrun, ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
                    "--keep-checkpoints-after", "--data-cache", str(tokens), "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     return types.SimpleNamespace(out=out, tokens=tokens, stdout=r.stdout)
@@ -403,7 +402,7 @@ def test_fsdp2_two_cpu_processes_match_single_process_and_export_exact_24(workdi
         assert x["sparse_weight_ratio"] == pytest.approx(y["sparse_weight_ratio"], rel=1e-6)
 
 
-def test_fsdp2_resume_from_a_killed_runs_checkpoint_is_bitwise_identical(workdir, fsdp_ref, tmp_path):
+def test_fsdp2_resume_from_a_killed_runs_checkpoint_is_bitwise_identical(workdir, fsdp_ref, tmp_path, warm_torchrun):
     """A sharded run killed after its step-4 checkpoint and resumed with --resume ends bitwise equal to the
     uninterrupted one; the checkpoint holds one file per rank and is refused by a run with another process
     count or without --fsdp. The kill is the state a SIGKILL leaves (it runs no code of ours: what is on disk
@@ -429,7 +428,7 @@ def test_fsdp2_resume_from_a_killed_runs_checkpoint_is_bitwise_identical(workdir
         load_checkpoint(ck, fp, rank=0, world_size=1)
     with pytest.raises(CastError, match="same --fsdp setting"):
         load_checkpoint(ck, fp)
-    r = _torchrun(["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
+    r = _torchrun(warm_torchrun, ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
                    "--data-cache", str(fsdp_ref.tokens), "--output-dir", str(cut), "--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
@@ -559,7 +558,7 @@ def test_preset_llama_is_the_papers_global_batch_on_one_process(workdir, big_cor
 
 
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp_path):
+def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp_path, warm_torchrun):
     """The paper's run scaled down, on 2 gloo processes with FSDP2: --preset llama (a global batch of 256
     sequences), the SparseGPT warm start and the baseline evaluation on rank 0, SIGTERM after a checkpoint:
     every rank stops at the same step with a checkpoint whose first save printed its cost. The resume
@@ -593,7 +592,7 @@ def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp
         d.mkdir()
         (d / "model-rank00000.safetensors").write_bytes(b"partial")
     (ours / ".cast-llm-checkpoint").write_text("{}")
-    r = _torchrun(["-m", "cast_llm.cli", "train", "--output-dir", str(out), "--resume"])
+    r = _torchrun(warm_torchrun, ["-m", "cast_llm.cli", "train", "--output-dir", str(out), "--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "not computed again" in r.stdout and "one-shot start included" not in r.stdout
     assert "dense model (the original)" not in r.stdout  # the baseline is measured once per run

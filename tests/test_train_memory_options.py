@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import tiny
 import torch
-from run_helpers import free_port
 from safetensors.torch import load_file
 
 import cast_llm.train.trainer as trainer
@@ -133,18 +130,16 @@ def test_packed_masks_are_refused_outside_adams(workdir, tmp_path, capsys):
     assert "--packed-masks is AdamS's mask storage" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # ~30 s: two torchrun processes
+@pytest.mark.slow  # ~10 s: two ranks
 @pytest.mark.skipif(os.environ.get("CAST_SKIP_DDP") == "1", reason="CAST_SKIP_DDP=1")
-def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path):
+def test_fsdp2_with_the_memory_options_matches_one_process(workdir, tmp_path, warm_torchrun):
     """2 gloo processes, --fsdp with checkpointing, fused head and packed masks (the teacher sharded and its
     head all-gathered for the fused loss) == one process with micro-batch 2 and the same options."""
     opts = ["--activation-checkpointing", "--fused-head", "--packed-masks"]
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
     assert _train(workdir, single, *opts) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "cast_llm.cli", "train", *_args(workdir, batch=1), "--fsdp", *opts,
-           "--output-dir", str(sharded)]
-    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    r = warm_torchrun.run(["-m", "cast_llm.cli", "train", *_args(workdir, batch=1), "--fsdp", *opts,
+                           "--output-dir", str(sharded)], 2)  # torchrun's two ranks, forked warm
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FSDP2: student and teacher sharded" in r.stdout and "peak memory per process" in r.stdout
     a, b = _weights(single), _weights(sharded)

@@ -89,3 +89,29 @@ def test_a_started_child_is_used_as_a_popen_is(warm, tmp_path):
         warm.start("pass")
     warm.reap()  # what conftest's warm_cli does after each test
     assert long.poll() == -signal.SIGKILL and warm.run("print(2)").stdout == "2\n"
+
+
+def test_warm_ranks_get_torchruns_variables_and_a_failing_rank_stops_the_others(tmp_path):
+    """WarmRanks launches as torchrun does: each rank sees its RANK / LOCAL_RANK / WORLD_SIZE and one
+    MASTER_PORT, its argv as the script's; when one rank fails the others are stopped (no hang) and the launch
+    fails with that rank's status."""
+    from warm_interpreter import WarmRanks
+
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'],\n"
+                      "      os.environ['MASTER_PORT'], sys.argv[1:], flush=True)\n"
+                      "if sys.argv[1] == 'fail' and os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(60 if sys.argv[1] == 'fail' else 0)\n")
+    ranks = WarmRanks([])
+    try:
+        r = ranks.run([str(script), "ok"], 2)
+        lines = [x.split(" ", 4) for x in r.stdout.splitlines()]
+        assert r.returncode == 0 and [x[:3] for x in lines] == [["0", "0", "2"], ["1", "1", "2"]]
+        assert lines[0][3] == lines[1][3] and lines[0][4] == "['ok']"
+        t0 = time.monotonic()
+        r = ranks.run([str(script), "fail"], 2)
+        assert r.returncode == 3 and time.monotonic() - t0 < 30  # rank 0's sleep was cut short
+    finally:
+        ranks.close()
