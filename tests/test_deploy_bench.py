@@ -173,6 +173,9 @@ def test_the_dense_fp32_baseline_is_timed_where_the_cpu_does_not_multiply_bf16_n
         best = max(d.decode_tokens_per_s, d32.decode_tokens_per_s)
         line = next(x for x in text.splitlines() if x.lstrip().startswith("decode tokens/s"))
         assert line.split()[-1] == f"{report.sparse.decode_tokens_per_s / best:.2f}x"
+        r = report.to_dict()["ratios"]  # the JSON carries the table's ratio columns
+        assert r["decode_vs_best_dense"] == pytest.approx(report.sparse.decode_tokens_per_s / best)
+        assert r["prefill"] == pytest.approx(report.sparse.prefill_tokens_per_s / d.prefill_tokens_per_s)
     bench.plot_report(report, str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").stat().st_size > 0
     assert json.loads(json.dumps(report.to_dict()))["dense_fp32"]["decode_tokens_per_s"] > 0

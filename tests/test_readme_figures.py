@@ -38,7 +38,8 @@ def test_every_figure_of_how_good_is_it_is_a_committed_measurement():
     for f in (sorted(RESULTS.glob("compare-*.json")) + sorted(RESULTS.glob("mask-swap-*.json"))
               + [RESULTS / "cpu24-summary.json", RESULTS / "cpu24-linear-avx2.json",
                  RESULTS / "cpu24-linear-zen3-step32.json", RESULTS / "cpu24-prefill-zen3.json"]
-              + sorted((RESULTS / "cpu24-models").glob("*/*.json"))):  # the CPU speed paragraph (benchmarks/cpu24_report.py)
+              + sorted((RESULTS / "cpu24-models").glob("*/*.json"))  # the CPU speed paragraph (benchmarks/cpu24_report.py)
+              + sorted((RESULTS / "compare-rows").glob("*/*/tuning.json"))):  # tuning grids the queue committed
         _figures_of_json(json.loads(f.read_text()), known)
     for f in sorted((RESULTS / "gpu").glob("*.md")):
         known |= set(FIGURE.findall(f.read_text()))

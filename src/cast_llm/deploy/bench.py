@@ -95,7 +95,27 @@ class BenchReport:
     timing: str = ""  # how the two paths' generations were ordered (paired where a dense twin fits, see run_bench)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["ratios"] = ratios(d)
+        return d
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The table's ratio columns from a report's dict (:meth:`BenchReport.to_dict`): 2:4 / dense tokens/s for
+    prefill and decode, dense / 2:4 target-weight bytes, and where the fp32 dense path was timed the tokens/s
+    ratios against the better dense path ("vs best dense"). Empty where the 2:4 path did not run."""
+    d, s, d32 = report.get("dense"), report.get("sparse"), report.get("dense_fp32")
+    if not d or not s:
+        return {}
+    out = {}
+    for key, name in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
+        if d[key] and s[key]:
+            out[name] = s[key] / d[key]
+            if d32 and d32[key]:
+                out[f"{name}_vs_best_dense"] = s[key] / max(d[key], d32[key])
+    if s["target_weight_bytes"]:
+        out["target_weights"] = d["target_weight_bytes"] / s["target_weight_bytes"]
+    return out
 
 
 def _sync(device: torch.device) -> None:
