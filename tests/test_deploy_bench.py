@@ -173,6 +173,10 @@ def test_the_dense_fp32_baseline_is_timed_where_the_cpu_does_not_multiply_bf16_n
         best = max(d.decode_tokens_per_s, d32.decode_tokens_per_s)
         line = next(x for x in text.splitlines() if x.lstrip().startswith("decode tokens/s"))
         assert line.split()[-1] == f"{report.sparse.decode_tokens_per_s / best:.2f}x"
+        # per linear, the fp32 layer is timed in the same interleaved measurement as dense and the kernels
+        assert all(p["dense_fp32_us"] > 0 and p["speedup_vs_fp32"] == pytest.approx(p["dense_fp32_us"] / p["sparse_us"])
+                   for p in report.per_linear)
+        assert "us, 2:4" in text
         r = report.to_dict()["ratios"]  # the JSON carries the table's ratio columns
         assert r["decode_vs_best_dense"] == pytest.approx(report.sparse.decode_tokens_per_s / best)
         assert r["prefill"] == pytest.approx(report.sparse.prefill_tokens_per_s / d.prefill_tokens_per_s)
@@ -184,6 +188,7 @@ def test_the_dense_fp32_baseline_is_timed_where_the_cpu_does_not_multiply_bf16_n
     models.append(sparse_model("llama").bfloat16())
     report = run_bench(models[-1], name="tiny", cfg=BenchConfig(**{**cfg.__dict__, "dense_fp32": "off"}))
     assert report.dense_fp32 is None and "fp32" not in order and "dense fp32" not in format_report(report)
+    assert not any("dense_fp32_us" in p for p in report.per_linear)
 
     monkeypatch.setattr(bench.machine, "available_memory", lambda: 0)  # neither a twin nor an fp32 copy fits
     models.append(sparse_model("llama").bfloat16())

@@ -51,7 +51,7 @@ from cast_llm.deploy.sparse24 import (
     to_sparse24_,
 )
 from cast_llm.deploy.sparse24.kernels import default_kernels
-from cast_llm.deploy.sparse24.timing import gemm_fn, rel_err
+from cast_llm.deploy.sparse24.timing import DENSE_FP32, gemm_fn, rel_err
 from cast_llm.errors import CastError
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
@@ -275,8 +275,10 @@ def linear_shapes(targets) -> dict[tuple[int, int], list[str]]:
 
 @torch.inference_mode()
 def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[str, int], *, dtype: torch.dtype,
-                  device: torch.device, kernels, warmup: int = 3, repeats: int = 20) -> list[dict[str, Any]]:
-    """Latency per distinct shape and token count: dense ``F.linear`` and the fastest of ``kernels``."""
+                  device: torch.device, kernels, warmup: int = 3, repeats: int = 20,
+                  dense_fp32: bool = False) -> list[dict[str, Any]]:
+    """Latency per distinct shape and token count: dense ``F.linear`` and the fastest of ``kernels`` (and, with
+    ``dense_fp32`` on the CPU, the layer upcast to fp32 in the same interleaved measurement)."""
     from cast_llm.deploy.sparse24.timing import random_24_weight
 
     rows = []
@@ -291,7 +293,8 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 # of the table, saw 1.14x; docs/results/cpu24-notes.md §18)
                 from cast_llm.deploy.sparse24.timing import measure_gemms
 
-                secs = {k: sec for k, (sec, _) in measure_gemms(["dense", *kernels], out_f, in_f, dtype, tokens,
+                baselines = ["dense", DENSE_FP32] if dense_fp32 else ["dense"]
+                secs = {k: sec for k, (sec, _) in measure_gemms([*baselines, *kernels], out_f, in_f, dtype, tokens,
                                                                 "eager", device).items()}
             else:
                 x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
@@ -300,6 +303,8 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
             dense_bytes = w.numel() * w.element_size()
             row = {"layers": ",".join(names), "out": out_f, "in": in_f, "regime": regime, "tokens": tokens,
                    "dense_us": dense_s * 1e6, "dense_gbps": dense_bytes / dense_s / 1e9}
+            if math.isfinite(secs.get(DENSE_FP32, math.inf)):
+                row["dense_fp32_us"] = secs[DENSE_FP32] * 1e6
             best = None
             for k in kernels:
                 s = secs[k]
@@ -312,6 +317,8 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 # the weight bytes each form reads per call, and the speed-up those bytes allow (dense / held)
                 row.update(sparse_us=best[1] * 1e6, speedup=dense_s / best[1], kernel=best[0],
                            sparse_gbps=held / best[1] / 1e9, byte_limit=dense_bytes / held)
+                if "dense_fp32_us" in row:
+                    row["speedup_vs_fp32"] = secs[DENSE_FP32] / best[1]
             rows.append(row)
     return rows
 
@@ -371,7 +378,8 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     report = BenchReport(model=name, device=_device_name(device), dtype=str(dtype).removeprefix("torch."),
                          config=asdict(cfg), dense=dense, notes=notes, dense_fp32=dense32, dense_fp32_note=fp32_why)
     report.per_linear = bench_linears(linear_shapes(targets), tokens, dtype=dtype, device=device, kernels=kernels,
-                                      warmup=min(cfg.warmup, 3) + 1, repeats=cfg.linear_repeats)
+                                      warmup=min(cfg.warmup, 3) + 1, repeats=cfg.linear_repeats,
+                                      dense_fp32=fp32_why is not None and not fp32_why.startswith("not timed"))
     if not kernels:
         report.sparse_skipped = "; ".join(f"{k}: {r}" for k, r in why.items())
         return report
@@ -509,11 +517,15 @@ def format_report(r: BenchReport) -> str:
     for case, kernels in r.plan.items():
         lines.append(f"  layers per kernel at {case} tokens: " + ", ".join(f"{k} {n}" for k, n in kernels.items()))
     lines.append("  per-linear latency (us) and weight GB/s: dense F.linear vs the fastest 2:4 kernel, the speed-up and "
-                 "the byte limit (dense bytes / 2:4 bytes)")
+                 "the byte limit (dense bytes / 2:4 bytes)"
+                 + ("; then the layer in fp32 (weight and input upcast) and 2:4's speed-up over it"
+                    if any("dense_fp32_us" in p for p in r.per_linear) else ""))
     for p in r.per_linear:
         sp = (f"{p['sparse_us']:>10.1f} {p.get('sparse_gbps', 0):>6.1f} GB/s {p['speedup']:>6.2f}x "
               f"(limit {p.get('byte_limit', float('nan')):.2f}x) {p['kernel']}" if "sparse_us" in p
               else f"{'skipped':>10}")
+        if "speedup_vs_fp32" in p:
+            sp += f"; dense fp32 {p['dense_fp32_us']:.1f} us, 2:4 {p['speedup_vs_fp32']:.2f}x it"
         lines.append(f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
                      f"{p['dense_us']:>10.1f} {p.get('dense_gbps', 0):>6.1f} GB/s {sp}")
     lines += [f"  note: {n}" for n in r.notes]

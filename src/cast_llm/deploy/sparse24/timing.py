@@ -27,6 +27,9 @@ from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, l3_bytes
 from cast_llm.sparsity.mask import nm_mask
 
 DENSE_CAREFUL = "dense-careful"  # = dispatch.DENSE_CAREFUL (dispatch imports this module: not imported from there)
+# the same layer as an fp32 model runs it (weight and activations upcast, torch's fp32 F.linear): a baseline that
+# bench-inference times where the CPU does not multiply bf16 natively, never a dispatch candidate
+DENSE_FP32 = "dense-fp32"
 
 __all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "measure_gemms", "random_24_weight", "time_call"]
 
@@ -126,6 +129,9 @@ def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
         return (lambda w: F.linear(x, w)), weight, None
     if kernel == DENSE_CAREFUL:
         return (lambda w: cpu.dense_mm(x, w)), weight, None
+    if kernel == DENSE_FP32:
+        x32 = x.float()
+        return (lambda w: F.linear(x32, w)), weight.float(), None
     k, (out_features, in_features) = KERNELS[kernel], weight.shape
     # what Sparse24Linear's forward runs: on a small layer the general path's extra µs can decide the choice
     return bound_call(k, x, in_features, out_features), cpu.state_on_huge_pages(k.compress(weight)), cpu.on_huge_pages
