@@ -148,10 +148,10 @@ def _keep_last(model) -> dict:
 @torch.inference_mode()
 def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float]:
     """(prefill seconds, decode seconds) of one greedy generation with the KV cache, as ``generate`` runs it."""
-    device = prompt.device
+    device, keep_last = prompt.device, _keep_last(model)
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True, **_keep_last(model))
+    out = model(input_ids=prompt, use_cache=True, **keep_last)
     _sync(device)
     t1 = time.perf_counter()
     cache, logits = out.past_key_values, out.logits
@@ -360,7 +360,7 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     fp32_bytes = 4 * sum(p.numel() for p in model.parameters()) if fp32_why else 0
     why_not_paired = paired_fits(model, device, fp32_bytes) if kernels else "no 2:4 kernel runs here"
     twin = twin32 = dense32 = None
-    if why_not_paired is None:  # timed later, paired with the 2:4 model: here only the prompt's logits
+    if why_not_paired is None:  # timed later, paired with the 2:4 model (and the fp32 copy)
         twin = copy.deepcopy(model)
         twin32 = copy.deepcopy(model).float() if fp32_why else None
         dense = None
