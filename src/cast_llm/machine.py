@@ -61,7 +61,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 # the flags of the instructions that multiply bf16 / fp16 values natively (x86-64, then Arm); without them torch's
-# bf16 / fp16 GEMM on the CPU widens to fp32 in software and runs several times slower than its fp32 GEMM
+# bf16 / fp16 GEMM on the CPU widens to fp32 in software (on a Zen 3: 3.95-6.19x slower than its fp32 GEMM at
+# 128-512 tokens, docs/results/cpu24-notes.md §35)
 NATIVE_HALF_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16", "bf16"), "fp16": ("avx512_fp16", "amx_fp16", "asimdhp")}
 
 
