@@ -28,10 +28,11 @@ export PYTHONDONTWRITEBYTECODE :=
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==2.13.0 ninja tqdm
+	$(PY) -m pip install -q --no-compile torch==2.13.0 ninja tqdm numpy
 	# the CPU 2:4 kernels (a C++ extension, ~30 s once; cached by source hash) compile on one core while pip installs
-	# the rest on the other (the build needs only torch, ninja and tqdm, and the source: PYTHONPATH=src), so that no
-	# later command pays for them; where they cannot build, the build prints one line and the 2:4 layers run dense.
+	# the rest on the other (the build needs torch, ninja and tqdm, numpy so that torch does not warn, and the source:
+	# PYTHONPATH=src), so that no later command pays for them; where they cannot build, the build prints one line and
+	# the 2:4 layers run dense.
 	# Measured on a 2-core Zen 3: the build 33 s, this pip install 54 s, each alone. Should the early build fail to
 	# start at all (a module it imports not there yet), it runs again once everything is installed.
 	PYTHONPATH=src $(PY) -m cast_llm.deploy.sparse24.build > $(VENV)/extension-build.log 2>&1 & build=$$!; \
