@@ -320,12 +320,6 @@ FSDP_COMMON = ["--seq-len", "32", "--log-every", "2", "--val-sequences", "2", "-
                "--l1-decay", "1e-4", "--mask-interval", "2", "--no-baseline-eval", "--device", "cpu", "--no-report"]
 
 
-def _torchrun(launch, args, nproc=2):
-    """``torchrun --nproc_per_node NPROC ARGS``, its ranks forked warm (conftest's warm_torchrun); the tests that
-    signal the launcher run the real one."""
-    return launch.run(args, nproc)
-
-
 def _data_args(workdir):
     return ["--model", str(workdir / "llama"), "--data", str(workdir / "corpus.jsonl"), "--wikitext-file",
             str(workdir / "eval.txt")]
@@ -341,7 +335,7 @@ def test_fsdp2_masks_of_row_shards_equal_full_tensor_masks(tmp_path, warm_torchr
     bf16 likewise; between micro-batches no rank holds more than its gradient shards, and the accumulated
     gradients equal one process's; rank 0's errors reach rank 1 as one line, a checkpoint failing on rank 0
     alone fails everywhere."""
-    r = _torchrun(warm_torchrun, [str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)])
+    r = warm_torchrun.run([str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK 0" in r.stdout and "OK 1" in r.stdout
 
@@ -360,8 +354,8 @@ def fsdp_ref(workdir, tmp_path_factory, warm_torchrun):
     d = tmp_path_factory.mktemp("fsdp-ref")
     tokens = d / "token-cache"  # of this run and its resumes alone: its builds are counted below
     out = d / "ref"
-    r = _torchrun(warm_torchrun, ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
-                   "--keep-checkpoints-after", "--data-cache", str(tokens), "--output-dir", str(out)])
+    r = warm_torchrun.run(["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
+                           "--keep-checkpoints-after", "--data-cache", str(tokens), "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     return types.SimpleNamespace(out=out, tokens=tokens, stdout=r.stdout)
 
@@ -428,8 +422,8 @@ def test_fsdp2_resume_from_a_killed_runs_checkpoint_is_bitwise_identical(workdir
         load_checkpoint(ck, fp, rank=0, world_size=1)
     with pytest.raises(CastError, match="same --fsdp setting"):
         load_checkpoint(ck, fp)
-    r = _torchrun(warm_torchrun, ["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
-                   "--data-cache", str(fsdp_ref.tokens), "--output-dir", str(cut), "--resume"])
+    r = warm_torchrun.run(["-m", "cast_llm.cli", "train", *_data_args(workdir), *FSDP_COMMON, *FSDP_REF,
+                           "--data-cache", str(fsdp_ref.tokens), "--output-dir", str(cut), "--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
     _assert_same_run(ref, cut)
@@ -592,7 +586,7 @@ def test_fsdp2_paper_scale_rehearsal_sigterm_and_resume(workdir, big_corpus, tmp
         d.mkdir()
         (d / "model-rank00000.safetensors").write_bytes(b"partial")
     (ours / ".cast-llm-checkpoint").write_text("{}")
-    r = _torchrun(warm_torchrun, ["-m", "cast_llm.cli", "train", "--output-dir", str(out), "--resume"])
+    r = warm_torchrun.run(["-m", "cast_llm.cli", "train", "--output-dir", str(out), "--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "not computed again" in r.stdout and "one-shot start included" not in r.stdout
     assert "dense model (the original)" not in r.stdout  # the baseline is measured once per run

@@ -182,12 +182,11 @@ class WarmRanks:
             timeout: float = 600) -> Result:
         """``argv``: ``["-m", "module", *args]`` or ``["script.py", *args]``, as torchrun takes them. Result: the
         first failing rank's status (else 0), the ranks' stdout and stderr one after another (rank 0 first)."""
-        import socket
         import time
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from run_helpers import free_port
+
+        port = free_port()
         if argv[0] == "-m":
             run = f"sys.argv = {[argv[1], *argv[2:]]!r}\nrunpy.run_module({argv[1]!r}, run_name='__main__', alter_sys=True)"
         else:

@@ -357,19 +357,20 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
         raise CastError(f"unknown 2:4 backend {cfg.backend!r}; use {', '.join(BACKENDS)}")
     kernels, why = available_kernels(device, dtype, BACKENDS[cfg.backend] or default_kernels(device))
     fp32_why = fp32_baseline(cfg, device, dtype)
-    fp32_bytes = 4 * sum(p.numel() for p in model.parameters()) if fp32_why else 0
+    fp32_timed = fp32_why is not None
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters()) if fp32_timed else 0
     why_not_paired = paired_fits(model, device, fp32_bytes) if kernels else "no 2:4 kernel runs here"
     twin = twin32 = dense32 = None
     if why_not_paired is None:  # timed later, paired with the 2:4 model (and the fp32 copy)
         twin = copy.deepcopy(model)
-        twin32 = copy.deepcopy(model).float() if fp32_why else None
+        twin32 = copy.deepcopy(model).float() if fp32_timed else None
         dense = None
     else:
         dense = measure_path(model, prompt, cfg, fqns)
         free = machine.available_memory() if device.type == "cpu" else None
-        if fp32_why and device.type == "cpu" and (free is None or free < 1.5 * fp32_bytes):
-            fp32_why = "not timed: an fp32 copy of the model does not fit in the memory available"
-        elif fp32_why:  # timed before the 2:4 swap, one path after the other as the dense path was
+        if fp32_timed and device.type == "cpu" and (free is None or free < 1.5 * fp32_bytes):
+            fp32_timed, fp32_why = False, "not timed: an fp32 copy of the model does not fit in the memory available"
+        elif fp32_timed:  # timed before the 2:4 swap, one path after the other as the dense path was
             copy32 = copy.deepcopy(model).float()
             dense32 = measure_path(copy32, prompt, cfg, fqns)
             del copy32
@@ -379,7 +380,7 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
                          config=asdict(cfg), dense=dense, notes=notes, dense_fp32=dense32, dense_fp32_note=fp32_why)
     report.per_linear = bench_linears(linear_shapes(targets), tokens, dtype=dtype, device=device, kernels=kernels,
                                       warmup=min(cfg.warmup, 3) + 1, repeats=cfg.linear_repeats,
-                                      dense_fp32=fp32_why is not None and not fp32_why.startswith("not timed"))
+                                      dense_fp32=fp32_timed)
     if not kernels:
         report.sparse_skipped = "; ".join(f"{k}: {r}" for k, r in why.items())
         return report
