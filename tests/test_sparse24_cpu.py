@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -646,6 +647,27 @@ def test_the_copies_timed_lie_where_the_layer_puts_its_tensors_huge_pages_for_2_
         _, held, place = timing._gemm_case("cpu-avx512-bf16", w, x)
         assert place is cpu24.on_huge_pages
         assert (held["values"].data_ptr() % cpu24.HUGE_PAGE == 0) == on
+
+
+def test_a_round_walks_the_copies_as_a_ring_and_costs_min_time_not_a_pass(monkeypatch):
+    """A large last-level cache means many copies: a round takes min_time of calls where the ring stopped, never a
+    pass over every copy (a 480 MiB sysfs L3 made the dispatcher's timing of a slow candidate take minutes)."""
+    from cast_llm.deploy.sparse24 import cycles
+
+    monkeypatch.setattr(cycles, "l3_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(cycles, "MAX_COPIES", 512)  # the product's cap (the suite's is 16)
+    held = torch.zeros(256)  # 1 KiB: 128 copies hold 2x the (pretend) cache
+    ids: dict[int, int] = {}
+    seen = []
+
+    def slow(w):
+        seen.append(ids.setdefault(w.data_ptr(), len(ids)))
+        time.sleep(0.001)
+
+    cycles.cycled_many([(slow, held)], repeats=4, min_time=0.005)
+    assert 4 * 1 + 4 <= len(seen) < 60, len(seen)  # 4 rounds of ~5 calls (at least one each), not 4 passes of 128
+    # one ring from the copy after the warm-up's two: every call a copy not called since (fewer calls than copies)
+    assert seen[2:] == list(range(2, len(seen)))
 
 
 def test_the_candidates_of_one_key_are_timed_interleaved_and_a_failing_one_is_inf():

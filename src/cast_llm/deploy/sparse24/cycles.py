@@ -60,29 +60,38 @@ def cycled(fn: Callable[[object], object], held, *, place: Callable[[torch.Tenso
 
 def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time: float | None = None) -> list[float]:
     """:func:`cycled` for several ``(fn, held)`` candidates at once, **interleaved**: each of the ``repeats``
-    runs one round (``min_time`` of calls over the copies) of every candidate in turn, so a slow spell of the
+    runs one round (``min_time`` of calls, at least one) of every candidate in turn, so a slow spell of the
     memory system (a CPU's bandwidth moves by ±30 % over tenths of a second, docs/results/cpu24-notes.md §11)
     falls on all of them alike and their comparison is paired. A case is ``(fn, held)`` or ``(fn, held, place)``:
     ``place`` lays out each copy's tensors as the running layer's are (:func:`_clone`). Median seconds per call of
-    each, in order (``repeats`` / ``min_time``: :data:`REPEATS` / :data:`MIN_TIME` where None)."""
+    each, in order (``repeats`` / ``min_time``: :data:`REPEATS` / :data:`MIN_TIME` where None).
+
+    Each candidate walks its copies as a ring, a round taking up where the last one stopped, so a copy is called
+    again only after every other copy of it was (cold, as in a model's forward) while a round costs ``min_time``,
+    not a pass over every copy: on a CPU whose sysfs reports a large last-level cache (480 MiB on a 2-vCPU Xeon VM)
+    a pass over the copies of a slow candidate at 512 tokens took minutes (cpu24-notes.md §43)."""
     repeats = REPEATS if repeats is None else repeats
     min_time = MIN_TIME if min_time is None else min_time
     plans = []
     for fn, held, *place in cases:
         count = min(MAX_COPIES, max(2, -(-2 * l3_bytes() // max(nbytes(held), 1))))
         copies = [held] + [_clone(held, *place) for _ in range(count - 1)]
-        for c in copies[:2]:
+        for c in copies[:2]:  # first calls: code paths, the output's pages
             fn(c)
-        t0 = time.perf_counter()
-        for c in copies:
-            fn(c)
-        plans.append((fn, copies, max(1, int(min_time / max(time.perf_counter() - t0, 1e-9)))))
+        # calls a round holds: timed on the ring's first stretch (at least 2 calls, at most one pass)
+        at, calls, t0 = 2 % count, 0, time.perf_counter()
+        while calls < count and (calls < 2 or time.perf_counter() - t0 < min_time):
+            fn(copies[at])
+            at, calls = (at + 1) % count, calls + 1
+        per_call = (time.perf_counter() - t0) / calls
+        plans.append([fn, copies, max(1, int(min_time / max(per_call, 1e-9))), at])
     times: list[list[float]] = [[] for _ in plans]
     for _ in range(repeats):
-        for i, (fn, copies, rounds) in enumerate(plans):
+        for i, plan in enumerate(plans):
+            fn, copies, calls, at = plan
             t0 = time.perf_counter()
-            for _ in range(rounds):
-                for c in copies:
-                    fn(c)
-            times[i].append((time.perf_counter() - t0) / (rounds * len(copies)))
+            for j in range(calls):
+                fn(copies[(at + j) % len(copies)])
+            times[i].append((time.perf_counter() - t0) / calls)
+            plan[3] = (at + calls) % len(copies)
     return [statistics.median(t) for t in times]
