@@ -295,9 +295,11 @@ def resolve(cls, *layers: tuple[str, dict[str, Any]]):
             values[name] = coerce(cls, name, value, source)
     cfg = cls(**values)
     check_ranges(cfg)
-    post = getattr(cfg, "validate", None)
-    if callable(post):
-        post()
+    # a config class may define the hook validate() (the checks across fields); resolve takes any dataclass, and
+    # the options of a command that has no such checks define none
+    validate = getattr(cls, "validate", None)
+    if validate is not None:
+        validate(cfg)
     return cfg
 
 
