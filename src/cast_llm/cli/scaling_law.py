@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import resolve_options, summary
-from cast_llm.config import JsonSettings, PlotSettings, add_arguments, cli_layer, option
+from cast_llm.config import JsonSettings, OutputDirSettings, PlotSettings, add_arguments, cli_layer, option
 from cast_llm.errors import CastError
 
 METRICS = ("wikitext2", "heldout")  # = cast_llm.scaling.METRICS, kept here so --help stays fast
@@ -44,11 +44,13 @@ class FitOptions(JsonSettings, PlotSettings):
 
 
 @dataclass
-class SweepOptions(FitOptions):
+class SweepOptions(OutputDirSettings, FitOptions):
+    """The fit's options, the budgets and the sweep's folder (no --overwrite: each run folder in it is resumed or
+    started afresh by the run itself)."""
+
+    OPTION_TEXT = {"output_dir": "folder of the sweep: one run folder per budget, points.csv, the fit"}
+
     tokens: str | None = option(None, "comma-separated token budgets, e.g. 1M,2M,4M (at least 3)")
-    output_dir: str | None = option(
-        None, "folder of the sweep: one run folder per budget, points.csv, the fit"
-    )
     dry_run: bool = option(False, "print the training commands without running them")
 
 
