@@ -55,7 +55,7 @@ def child(variant: str, vocab: int, hidden: int, tokens: int, chunk: int, module
     """Run one variant in this (fresh) process and return its peak growth in bytes."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    if module_path:  # an earlier revision of cast_llm/head_loss.py, loaded under its own name
+    if module_path:  # an earlier revision of cast_llm/distill/head.py, loaded under its own name
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("head_loss_before", module_path)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=256, help="--kd-chunk-size")
-    ap.add_argument("--before", default=None, help="also measure cast_llm/head_loss.py as of this git revision")
+    ap.add_argument("--before", default=None, help="also measure cast_llm/distill/head.py as of this git revision")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = [run_child("logits", args), run_child("fused", args)]

@@ -21,28 +21,33 @@ EXCLUDED_MODULES: tuple[str, ...] = ()
 
 # Field names still declared in more than one config dataclass, each with the classes that declare it. The list
 # may only shrink: a new double declaration fails below, and so does an entry here that no longer exists (take it
-# out). Each is a setting of the same name whose default, choices or meaning differ between the commands (a
-# --method of train, prune and quantize are three different lists); every command now takes the groups for the
-# settings it shares (generate's and eval zeroshot's --model, bench-inference's and scaling-law's --plot).
+# out). Each is a setting of the same name that a shared option group could not honestly hold: its meaning, type
+# or list of values differs between the commands, or a group would need overrides in two classes that do not
+# derive from each other (which this test counts as two declarations). Shared: --device (DeviceSettings; train and
+# finetune narrow its values), --output-dir (OutputDirSettings; zeroshot's defaults to "."), --model
+# (ModelSettings; finetune's has no default), --lr and train/finetune's --batch-size (RunConfig; one command each
+# overrides it).
 KNOWN = {
-    # the same name, another setting: a different list of methods, a KD vs a sampling temperature, a different
-    # default (eval_seq_len: --seq-len for train and prune, 512 for quantize; lr: by --mode for finetune)
+    # three lists of methods: the training methods, the one-shot pruners, the quantizers
     "method": {"TrainConfig", "PruneConfig", "QuantizeConfig"},
+    # the perplexity window: None (= --seq-len) with a lower bound of 2 and a resume rule for train, None without a
+    # bound for prune, 512 for quantize: one base would need two overrides, or prune would refuse values it takes
     "eval_seq_len": {"TrainConfig", "PruneConfig", "QuantizeConfig"},
+    # a KD softmax temperature (train) and a sampling temperature (generate)
     "temperature": {"GenerateConfig", "CastSettings"},
-    "lr": {"TrainConfig", "FinetuneConfig"},
-    "batch_size": {"RunConfig", "TrainConfig", "FinetuneConfig", "BenchConfig", "ZeroShotOptions"},
+    # the training loop's micro-batch (RunConfig, train's override adds 0 = the plan's), a benchmark's batch of
+    # prompts (1), and lm-eval's items per forward, a string that may be 'auto'
+    "batch_size": {"RunConfig", "TrainConfig", "BenchConfig", "ZeroShotOptions"},
+    # one token budget (a count) against a comma-separated list of budgets
     "tokens": {"DataSettings", "SweepOptions"},
+    # a text source with the embedded default, against finetune's required records (JSONL / CSV, labels)
     "data": {"CalibrationSettings", "FinetuneConfig"},
+    # documents of the hashed split (at most 0.5) against records held out when --eval-data is not given (0.9)
     "val_fraction": {"DataSettings", "FinetuneConfig"},
-    "device": {"RunConfig", "BlockCalibrationSettings", "BenchInferenceConfig", "ZeroShotOptions"},
+    # five lists: export's written dtype (auto = as stored), quantize's and bench's fp16 / bf16 / fp32 for the
+    # stored tensors and for the kernels, generate's auto = bf16, zeroshot's torch names (float32, ...)
     "dtype": {"ExportConfig", "QuantizeConfig", "BenchInferenceConfig", "GenerateConfig", "ZeroShotOptions"},
-    # finetune's MODEL is positional and required (the others default to the embedded model); the sweep's folder
-    # holds one run folder per budget and resumes or restarts each itself (no --overwrite), zeroshot's defaults
-    # to "." and holds two report files; generate's token count is the answer's length, finetune's the cap of
-    # its exact-match check (64 against 32)
-    "model": {"ModelSettings", "FinetuneConfig"},
-    "output_dir": {"OutputSettings", "SweepOptions", "ZeroShotOptions"},
+    # generate's answer length (64) against the cap of finetune's exact-match check (32)
     "max_new_tokens": {"FinetuneConfig", "GenerateConfig"},
 }
 

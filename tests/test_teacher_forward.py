@@ -1,4 +1,4 @@
-"""The trainer's teacher forward (train/teacher.py): inference_mode without KV cache, and the CUDA-graph
+"""The trainer's teacher forward (distill/teacher.py): inference_mode without KV cache, and the CUDA-graph
 replay with its fallbacks — the graph logic driven on CPU with a fake capture, the real capture on CUDA."""
 
 from __future__ import annotations

@@ -295,9 +295,11 @@ def resolve(cls, *layers: tuple[str, dict[str, Any]]):
             values[name] = coerce(cls, name, value, source)
     cfg = cls(**values)
     check_ranges(cfg)
-    post = getattr(cfg, "validate", None)
-    if callable(post):
-        post()
+    # a config class may define the hook validate() (the checks across fields); resolve takes any dataclass, and
+    # the options of a command that has no such checks define none
+    validate = getattr(cls, "validate", None)
+    if validate is not None:
+        validate(cfg)
     return cfg
 
 
@@ -367,15 +369,28 @@ class PatternSettings(NMSettings):
 
 
 @dataclasses.dataclass
-class OutputSettings:
-    """The folder a command writes, and whether it may replace an earlier output there."""
+class OutputDirSettings:
+    """``--output-dir``: the folder a command writes (the scaling-law sweep and eval zeroshot take it alone)."""
 
     output_dir: str | None = option(None, "run folder: checkpoints, logs, and the final model (required)",
                                     resume="free")
+
+
+@dataclasses.dataclass
+class OutputSettings(OutputDirSettings):
+    """The folder a command writes, and whether it may replace an earlier output there."""
+
     overwrite: bool = option(False, "replace an earlier run in --output-dir (only files that run wrote are "
                                     "removed, and only once the new run has finished: until then they wait in "
                                     ".cast-llm-previous/; never the model's own folder or a folder of model "
                                     "weights)", resume="free")
+
+
+@dataclasses.dataclass
+class DeviceSettings:
+    """``--device``: where a command runs its model (train and finetune take only auto, cpu or cuda: RunConfig)."""
+
+    device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N")
 
 
 @dataclasses.dataclass

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from cast_llm.errors import CastError
+
 __all__ = ["RunDir", "FILE_MODE", "cache_dir", "sha256_file", "fsync_path", "atomic_write", "atomic_write_bytes",
            "atomic_write_text", "atomic_write_json", "atomic_dir", "publish_dir", "staging_dir", "move_into",
            "append_jsonl", "read_jsonl", "truncate_jsonl", "read_json", "read_json_object", "umask_mode",
@@ -137,8 +139,6 @@ def read_json_object(path: str | Path, what: str, *, fix: str = "") -> dict[str,
     ``what`` it should be (``"the model's config"``) and what is wrong: missing, not a regular file, larger
     than :data:`MAX_JSON_BYTES`, not UTF-8, not JSON, or JSON that is not an object. ``fix`` is appended
     (``"; pass another --model"``)."""
-    from cast_llm.errors import CastError
-
     p = Path(path)
     fix = f"; {fix}" if fix else ""
     try:
@@ -333,8 +333,6 @@ def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            from cast_llm.errors import CastError
-
             raise CastError(f"{path} is a link: cast-llm never writes through a link planted in its folder; "
                             "remove it") from None
         raise

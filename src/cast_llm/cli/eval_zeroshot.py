@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import JsonSettings, KernelSettings, ModelSettings, SeedSettings, option
+from cast_llm.config import (
+    DeviceSettings,
+    JsonSettings,
+    KernelSettings,
+    ModelSettings,
+    OutputDirSettings,
+    SeedSettings,
+    option,
+)
 from cast_llm.errors import CastError
 
 # kept here (not imported from cast_llm.eval.zeroshot) so that `cast-llm --help` does not import lm-eval
@@ -42,12 +50,13 @@ MODEL, TASKS, OUTPUT = "model", "tasks", "output"
 
 
 @dataclass
-class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings, ModelSettings):
+class ZeroShotOptions(OutputDirSettings, DeviceSettings, JsonSettings, SeedSettings, KernelSettings, ModelSettings):
     OPTION_TEXT = {"model": "the model to score: a local folder, a .gguf file, a hub id or an alias "
                             "(smollm2-135m: the embedded model)",
+                   "device": "cpu, cuda, cuda:1, ... or auto (cuda when available)",
                    "seed": "seed of python/numpy/torch and of the few-shot sampler",
                    "json": "print the result as JSON instead of a table"}
-    OPTION_SECTIONS = {"model": MODEL, "kernels": MODEL, "seed": TASKS, "json": OUTPUT}
+    OPTION_SECTIONS = {"model": MODEL, "kernels": MODEL, "device": MODEL, "seed": TASKS, "json": OUTPUT}
 
     tasks: str = option(
         DEFAULT_TASKS, "comma-separated lm-eval task names (default: the paper's zero-shot suite)", section=TASKS
@@ -60,10 +69,10 @@ class ZeroShotOptions(JsonSettings, SeedSettings, KernelSettings, ModelSettings)
         parse=_parse_limit, section=TASKS,
     )
     batch_size: str = option("8", "items per forward pass, or 'auto'", parse=_parse_batch_size, section=TASKS)
-    device: str = option("auto", "cpu, cuda, cuda:1, ... or auto (cuda when available)", section=MODEL)
     dtype: str = option("float32", "dtype the model is loaded in", choices=DTYPES, section=MODEL)
     max_length: int | None = option(None, "longest context in tokens (default: the model's maximum)", section=MODEL)
     include_path: str | None = option(None, "a folder of extra lm-eval task YAML files (local tasks)", section=TASKS)
+    # the current folder by default (the command writes two report files, no run folder)
     output_dir: str = option(".", "folder where zeroshot.json and zeroshot.md are written", section=OUTPUT)
     verbose: bool = option(False, "show lm-eval's own log", section=OUTPUT)
 

@@ -12,6 +12,7 @@ a flag typed that does not change the plan is refused. Without a preset or confi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from cast_llm.cli.options import add_config_command, resolve_options
@@ -61,6 +62,10 @@ def make_plan(args: argparse.Namespace):
     run, options = build_config(args)
     plan = plan_run(run, options)
     typed = {**cli_layer(args, TrainConfig), **cli_layer(args, PlanOptions)}
+    own = {f.name for f in dataclasses.fields(PlanOptions)}  # the plan's own settings; every other flag is the run's
+
+    def setting(run_: TrainConfig, options_: PlanOptions, name: str):
+        return getattr(options_ if name in own else run_, name)
     text = _text(plan)
 
     def unchanged(names: list[str]) -> bool | None:
@@ -71,8 +76,7 @@ def make_plan(args: argparse.Namespace):
             run2, options2 = build_config(without)
         except CastError:  # the run needs them (its only budget; two that go together)
             return None
-        if all(getattr(run2, n, None) == getattr(run, n, None) and getattr(options2, n, None) == getattr(options, n, None)
-               for n in names):
+        if all(setting(run2, options2, n) == setting(run, options, n) for n in names):
             return None  # the flags restate the values the run has without them
         same_shape = (run2.model, run2.n, run2.m) == (run.model, run.n, run.m)
         try:

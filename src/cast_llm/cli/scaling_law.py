@@ -3,7 +3,7 @@
 ``scaling-law fit INPUT...`` reads points from CSV files and/or finished training run folders and fits
 ``ln ppl = A + B / D^β``. ``scaling-law sweep`` trains one run per token budget (``cast-llm train`` in a
 subprocess, one after the other), skips budgets already finished, writes ``points.csv`` and fits. The work
-is done by :mod:`cast_llm.scaling_law`; this module holds the options and prints.
+is done by :mod:`cast_llm.scaling`; this module holds the options and prints.
 
 CSV files: a header with a ``ppl`` (or ``perplexity``) column and either ``tokens`` - raw token counts,
 suffixes allowed (``20000000``, ``20M``, ``1.5B``) - or ``tokens_billions`` (``0.02``). Other columns are
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cast_llm.cli.options import resolve_options, summary
-from cast_llm.config import JsonSettings, PlotSettings, add_arguments, cli_layer, option
+from cast_llm.config import JsonSettings, OutputDirSettings, PlotSettings, add_arguments, cli_layer, option
 from cast_llm.errors import CastError
 
-METRICS = ("wikitext2", "heldout")  # = cast_llm.scaling_law.METRICS, kept here so --help stays fast
-CHINCHILLA_BETA = 0.2849  # = cast_llm.scaling_law.CHINCHILLA_BETA
+METRICS = ("wikitext2", "heldout")  # = cast_llm.scaling.METRICS, kept here so --help stays fast
+CHINCHILLA_BETA = 0.2849  # = cast_llm.scaling.CHINCHILLA_BETA
 
 
 @dataclass
@@ -44,11 +44,13 @@ class FitOptions(JsonSettings, PlotSettings):
 
 
 @dataclass
-class SweepOptions(FitOptions):
+class SweepOptions(OutputDirSettings, FitOptions):
+    """The fit's options, the budgets and the sweep's folder (no --overwrite: each run folder in it is resumed or
+    started afresh by the run itself)."""
+
+    OPTION_TEXT = {"output_dir": "folder of the sweep: one run folder per budget, points.csv, the fit"}
+
     tokens: str | None = option(None, "comma-separated token budgets, e.g. 1M,2M,4M (at least 3)")
-    output_dir: str | None = option(
-        None, "folder of the sweep: one run folder per budget, points.csv, the fit"
-    )
     dry_run: bool = option(False, "print the training commands without running them")
 
 

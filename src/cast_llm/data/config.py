@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import ModelSettings, ProgressSettings, check_ranges, option, parse_count
+from cast_llm.config import DeviceSettings, ModelSettings, ProgressSettings, check_ranges, option, parse_count
 from cast_llm.errors import CastError
 
 
@@ -34,11 +34,12 @@ class CalibrationSettings(WindowSettings):
 
 
 @dataclass
-class BlockCalibrationSettings(CalibrationSettings):
-    """A calibration that runs through the decoder block by block (one-shot pruning, AWQ)."""
+class BlockCalibrationSettings(DeviceSettings, CalibrationSettings):
+    """A calibration that runs through the decoder block by block (one-shot pruning, AWQ), on ``--device``."""
+
+    OPTION_TEXT = {"device": "where the blocks run: auto (cuda if available), cpu, cuda, cuda:N"}
 
     calib_batch_size: int = option(1, "calibration sequences per forward through a block", min=1)
-    device: str = option("auto", "where the blocks run: auto (cuda if available), cpu, cuda, cuda:N")
 
 
 @dataclass

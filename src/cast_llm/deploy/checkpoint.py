@@ -26,7 +26,19 @@ import torch
 from cast_llm import __version__
 from cast_llm.deploy.export import EXPORT_MARKER
 from cast_llm.errors import CastError
-from cast_llm.io import fsync_path, move_into, staging_dir
+from cast_llm.io import (
+    RunDir,
+    fsync_path,
+    is_plain_name,
+    move_into,
+    overlap,
+    pretrained_kwargs,
+    read_json_object,
+    remove_entry,
+    resolved,
+    staging_dir,
+    umask_mode,
+)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -60,8 +72,6 @@ class OutputDir:
 
     def __init__(self, path: str | Path, overwrite: bool, *, inputs: dict[str, str | None] | None = None,
                  flag: str = "--output-dir"):
-        from cast_llm.io import overlap
-
         self.path, self.overwrite, self.flag = Path(path), overwrite, flag
         for name, given in (inputs or {}).items():
             if not given or not Path(given).expanduser().exists():
@@ -81,16 +91,12 @@ class OutputDir:
                             f"or choose another {flag}")
 
     def _entries(self) -> list[str]:
-        from cast_llm.io import RunDir
-
         if not self.path.is_dir():
             return []
         return sorted(p.name for p in self.path.iterdir() if p.name != RunDir.LOCK)
 
     def _listed(self) -> list[str] | None:
         """The names the folder's own marker lists as written by cast-llm (None: no marker, not ours)."""
-        from cast_llm.io import is_plain_name, read_json_object
-
         marker = self.path / EXPORT_MARKER
         if not _lexists(marker):
             return None
@@ -111,15 +117,11 @@ class OutputDir:
     def staged(self) -> Iterator[Path]:
         """A new empty folder beside the output to write the whole result into; published when the block
         ends without an error, discarded otherwise."""
-        from cast_llm.io import resolved
-
         with staging_dir(resolved(self.path), prefix=".stage-") as tmp:  # (beside it: `.` stages in its parent)
             yield tmp
             self.publish(tmp)
 
     def publish(self, tmp: Path) -> None:
-        from cast_llm.io import remove_entry, resolved, umask_mode
-
         marker = tmp / EXPORT_MARKER
         if not marker.is_file():
             raise RuntimeError(f"staged output has no {EXPORT_MARKER}: not moving it into place")
@@ -188,8 +190,6 @@ def read_format_index(folder: str | Path, index_file: str, fmt: str, version: in
     needed = (index_file, *required)
     if not all((p / f).is_file() for f in needed):
         raise CastError(f"{p} is not a {kind} checkpoint (no {' / '.join(needed)}); {hint}")
-    from cast_llm.io import read_json_object
-
     index = read_json_object(p / index_file, f"the index of a {kind} checkpoint", fix=hint)
     if index.get("format") != fmt or index.get("version", 0) > version:
         raise CastError(f"{p}: unsupported {kind} format {index.get('format')} v{index.get('version')} "
@@ -242,8 +242,6 @@ def model_from_state_dict(folder: str | Path, state_dict: dict[str, torch.Tensor
     """A causal LM built from ``folder/config.json`` holding exactly ``state_dict`` (cast to ``dtype``)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from cast_llm.io import pretrained_kwargs
 
     config = AutoConfig.from_pretrained(folder, **pretrained_kwargs())
     for key in ("sparsity", "quantization_config"):  # our metadata; a quantization_config would trigger a quantizer

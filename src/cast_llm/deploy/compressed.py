@@ -46,7 +46,11 @@ from cast_llm.deploy.model_card import writer_card
 from cast_llm.deploy.nm_codec import NMSparseWeight
 from cast_llm.deploy.semi_structured import require_semi_structured
 from cast_llm.deploy.sparse24 import Dispatcher, Sparse24Linear, to_sparse24_
+from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24.kernels import CPU_KERNELS, available_kernels
 from cast_llm.errors import CastError
+from cast_llm.io import pretrained_kwargs
+from cast_llm.layers import set_submodule
 from cast_llm.targets import find_targets
 
 FORMAT = "cast-llm-compressed-nm"
@@ -182,11 +186,6 @@ def _load_sparse24(path: Path, index: dict[str, Any], dtype: torch.dtype, dispat
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from cast_llm.deploy.sparse24 import cpu as cpu24
-    from cast_llm.deploy.sparse24.kernels import CPU_KERNELS, available_kernels
-    from cast_llm.io import pretrained_kwargs  # (from the core layer: deploy sits below models)
-    from cast_llm.layers import set_submodule
 
     if index["n"] != 2 or index["m"] != 4:
         raise CastError(f"{path}: a {index['n']}:{index['m']} checkpoint; the 2:4 layers load 2:4 ones only "

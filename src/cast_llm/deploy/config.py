@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cast_llm.config import (
+    DeviceSettings,
     JsonSettings,
     KernelSettings,
     ModelSettings,
@@ -88,7 +89,8 @@ class BenchConfig:
 
 
 @dataclass
-class BenchInferenceConfig(JsonSettings, PlotSettings, SeedSettings, KernelSettings, BenchConfig, ModelSettings):
+class BenchInferenceConfig(DeviceSettings, JsonSettings, PlotSettings, SeedSettings, KernelSettings, BenchConfig,
+                           ModelSettings):
     """``cast-llm bench-inference``: :class:`BenchConfig` on a model loaded (or built at random) here, at one or
     several batch sizes, reported as tables, JSON and a plot."""
 
@@ -96,7 +98,6 @@ class BenchInferenceConfig(JsonSettings, PlotSettings, SeedSettings, KernelSetti
                                   "--batch-size): the tables one after another, --json a list", section=WORKLOAD)
     dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
                         choices=("fp16", "bf16", "fp32"), section=MODEL)
-    device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", section=MODEL)
     json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
 
     OPTION_TEXT = {
@@ -105,7 +106,7 @@ class BenchInferenceConfig(JsonSettings, PlotSettings, SeedSettings, KernelSetti
         "json": "print the report as one JSON object instead of a table",
         "plot": "also draw the report (tokens/s dense vs 2:4, per-linear speed-ups) into this PNG file",
     }
-    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL, "json": OUTPUT, "plot": OUTPUT}
+    OPTION_SECTIONS = {"seed": TIMING, "kernels": MODEL, "device": MODEL, "json": OUTPUT, "plot": OUTPUT}
 
     def validate(self) -> None:
         if not self.model:

@@ -236,7 +236,7 @@ def _chunked(student, teacher, labels, valid, inv_n, eta, temperature, chunk_siz
 
 
 def _triton_kd(*args, **kwargs):
-    from cast_llm.distill import triton_kd  # lazy: Triton's import takes ~1 s
+    from cast_llm.distill import triton_kd  # in-function: imports Triton (optional, ~1 s)
 
 
     return triton_kd.fused_kd(*args, **kwargs)

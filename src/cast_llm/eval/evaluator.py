@@ -10,7 +10,22 @@ import torch
 from cast_llm.errors import CastError
 from cast_llm.eval.ppl import PplResult, packed_perplexity, perplexity, tokenize_text, wikitext2_source
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "wikitext_windows"]
+
+MIN_WINDOWS = 4  # the fewest WikiText-2 windows an evaluation scaled to the run scores
+
+
+def wikitext_windows(requested: int | None, total: int, train_tokens: int, window: int) -> int:
+    """The WikiText-2 windows each evaluation of a run scores, of the ``total`` windows of ``window`` tokens the
+    text holds: ``requested`` (``--wikitext-windows``; 0 = all, the full protocol), or by default scaled to the
+    run, ``train_tokens / (3 · window)`` windows and at least :data:`MIN_WINDOWS`, so that the three evaluations
+    of a run (dense, one-shot, final) score fewer tokens than the run trains on. The one rule of the
+    :class:`Evaluator` and of the plan's estimate (:func:`cast_llm.plan.run.evaluation_windows`)."""
+    if requested == 0:
+        return total
+    if requested is not None:
+        return min(requested, total)
+    return min(total, max(MIN_WINDOWS, train_tokens // (3 * window)))
 
 
 class Evaluator:
@@ -20,12 +35,8 @@ class Evaluator:
 
     *Test* (the held-out figure every table reports) and *validation* (what tuning chooses on, and the
     in-training ``--eval-every`` figure) are the fixed splits of ``--data`` (:mod:`cast_llm.data.split`).
-    WikiText-2 windows: ``--wikitext-windows`` (0 = all, the full protocol), or by default scaled to the run:
-    ``train_tokens / (3 · window)`` windows, at least 4, so that the three evaluations of a run (dense,
-    one-shot, final) score fewer tokens than the run trains on.
+    WikiText-2 windows: as :func:`wikitext_windows` chooses them (``--wikitext-windows``, or scaled to the run).
     """
-
-    MIN_WINDOWS = 4
 
     def __init__(self, cfg, tokenizer, test: torch.Tensor, model_max: int | None, *,
                  val: torch.Tensor | None = None, train_tokens: int | None = None, say=None):
@@ -46,13 +57,7 @@ class Evaluator:
         if path is not None:
             self.wiki_ids = tokenize_text(source.read_text(), tokenizer)
             total = max(0, (self.wiki_ids.numel()) // self.eval_len)
-            if cfg.wikitext_windows == 0:
-                self.windows = total
-            elif cfg.wikitext_windows is not None:
-                self.windows = min(cfg.wikitext_windows, total)
-            else:
-                auto = (train_tokens or 0) // (3 * self.eval_len)
-                self.windows = min(total, max(self.MIN_WINDOWS, auto))
+            self.windows = wikitext_windows(cfg.wikitext_windows, total, train_tokens or 0, self.eval_len)
             self.windows_total = total
 
     def describe(self) -> str:

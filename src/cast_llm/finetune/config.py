@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import option
+from cast_llm.config import ModelSettings, option
 from cast_llm.errors import CastError
 from cast_llm.train.config import BUDGET, CKPT, EVAL, OPTIM, RUN, RunConfig
 
@@ -27,9 +27,10 @@ DEFAULT_LR = {"lora": 2e-4, "sparse": 2e-5, "dense": 2e-5}
 
 
 @dataclass
-class FinetuneConfig(RunConfig):
+class FinetuneConfig(RunConfig, ModelSettings):
     """``cast-llm finetune``: the shared run settings (:class:`~cast_llm.train.config.RunConfig`) plus these."""
 
+    # ModelSettings' --model without a default: the positional MODEL (or a --config file) must name one
     model: str | None = option(None, "the model to fine-tune (positional MODEL): an HF folder (e.g. the output of "
                                      "cast-llm train / prune), a hub id, a .gguf file or the alias smollm2-135m",
                                section=RUN, resume="must_match")
@@ -44,12 +45,11 @@ class FinetuneConfig(RunConfig):
                               section=RUN, resume="must_match")
     eval_data: str | None = option(None, "held-out data in the same format (default: --val-fraction of --data)",
                                    section=RUN, resume="must_match")
-    batch_size: int = option(8, "examples per micro-batch per process", min=1, section=BUDGET,
-                             resume="must_match")
     seq_len: int = option(256, "longest example in tokens (longer ones are truncated; plain text is packed to it)",
                           min=2, section=BUDGET, resume="must_match")
     max_examples: int | None = option(None, "use only the first this many training records (quick runs)", min=1,
                                       section=BUDGET, resume="must_match")
+    # RunConfig's --lr, its default by --mode
     lr: float | None = option(None, "peak learning rate (default by --mode: "
                                     + ", ".join(f"{mode} {lr:g}" for mode, lr in DEFAULT_LR.items()) + ")",
                               min=0, min_exclusive=True, section=OPTIM, resume="must_match")

@@ -27,31 +27,37 @@ from pathlib import Path
 
 import torch
 
+from cast_llm.deploy.compressed import DTYPES, is_compressed_checkpoint, load_compressed, read_index
+from cast_llm.deploy.sparse24 import (
+    Dispatcher,
+    plan_sparse24_,
+    sparse24_layers,
+    sparse24_memory,
+    to_sparse24_,
+)
+from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
 from cast_llm.errors import CastError
+from cast_llm.io import cache_dir
+from cast_llm.machine import process_rss
+from cast_llm.models import load_model, load_tokenizer
+from cast_llm.targets import find_targets
+from cast_llm.train.threads import setup_threads
 
 __all__ = ["Generation", "dispatch_cache_path", "generate", "load_for_inference", "payoff", "plan"]
 
 
 def dispatch_cache_path() -> Path:
-    from cast_llm.io import cache_dir
-
     root = os.environ.get("CAST_LLM_CACHE_DIR")  # else cast-llm's cache folder ($CAST_LLM_CACHE, as the tests set)
     return (Path(root) if root else cache_dir()) / "sparse24-dispatch-cpu.json"
 
 
 def _dispatcher(cache: bool):
-    from cast_llm.deploy.sparse24 import Dispatcher
-
     return Dispatcher(device="cpu", cache_path=dispatch_cache_path() if cache else None)
 
 
 def load_for_inference(model: str, *, sparse24: bool = True, dtype: torch.dtype | None = None, cache: bool = True):
     """(model, tokenizer, how) — ``how`` says in words what runs (e.g. "2:4 layers: 210 of 210 targets")."""
-    from cast_llm.deploy.compressed import DTYPES, is_compressed_checkpoint, load_compressed, read_index
-    from cast_llm.deploy.sparse24 import sparse24_layers, to_sparse24_
-    from cast_llm.models import load_model, load_tokenizer
-    from cast_llm.targets import find_targets
-
     path = Path(model)
     if is_compressed_checkpoint(path):
         stored = DTYPES.get(read_index(path)["dtype"], torch.float32)
@@ -65,8 +71,6 @@ def load_for_inference(model: str, *, sparse24: bool = True, dtype: torch.dtype 
     tokenizer = load_tokenizer(model)
     head = None
     if sparse24:
-        from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
-
         head = use_careful_head_(m)
     layers = len(sparse24_layers(m))
     if not sparse24:
@@ -83,8 +87,6 @@ def load_for_inference(model: str, *, sparse24: bool = True, dtype: torch.dtype 
 
 def plan(model, prompt_tokens: int, batch: int = 1) -> dict[str, dict[str, str]]:
     """Measure (or read from the cache) each 2:4 layer's kernel for this generation's token counts."""
-    from cast_llm.deploy.sparse24 import plan_sparse24_, sparse24_layers
-
     if not sparse24_layers(model):
         return {}
     return plan_sparse24_(model, sorted({batch, batch * prompt_tokens}), modes=("eager",))
@@ -147,8 +149,6 @@ def _rss() -> int:
     import ctypes
     import gc
 
-    from cast_llm.machine import process_rss
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -164,11 +164,6 @@ def _measure(model_dir: str, path: str, tokens: int, prompt_tokens: int) -> dict
     from types import SimpleNamespace
 
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from cast_llm.deploy.sparse24 import cpu as cpu24
-    from cast_llm.deploy.sparse24 import sparse24_memory
-    from cast_llm.models import load_tokenizer
-    from cast_llm.train.threads import setup_threads
 
     setup_threads(SimpleNamespace(threads=0))  # the free cores (OMP_NUM_THREADS wins): as `cast-llm generate`
 

@@ -45,7 +45,7 @@ def prune_job(cfg: PruneConfig, *, say: Callable[[str], None] = print) -> Path:
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model)  # fp32 on the CPU; blocks visit `device` one at a time
     targets = find_targets(model, n=cfg.n, m=cfg.m, skip_incompatible=cfg.skip_incompatible)
-    for t in getattr(targets, "skipped", []):
+    for t in targets.skipped:
         say(f"leaving {t.fqn} dense: {t.in_features} input features is not a multiple of m={cfg.m}")
 
     calib = None

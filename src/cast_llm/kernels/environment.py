@@ -25,7 +25,9 @@ def _triton() -> dict:
     version = _version("triton")
     if version is None:
         return {"version": None, "importable": False, "why": "not installed (pip install triton)"}
-    from cast_llm.triton_support import IMPORT_ERROR  # the one import guard (a broken install fails there)
+    # in-function: imports Triton (~1 s), only when it is installed; triton_support is the one import
+    # guard (a broken install fails there)
+    from cast_llm.triton_support import IMPORT_ERROR
 
     if IMPORT_ERROR is not None:
         return {"version": version, "importable": False, "why": IMPORT_ERROR}

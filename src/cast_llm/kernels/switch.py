@@ -112,7 +112,7 @@ def triton_runs_on(device: torch.device) -> str | None:
     """Where a Triton candidate runs: CUDA, or CPU tensors under the interpreter (None), else why not."""
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return f"a Triton kernel runs on CUDA (on {device.type} only under TRITON_INTERPRET=1)"
-    from cast_llm.triton_support import IMPORT_ERROR  # imports Triton (~1 s): only where it may run
+    from cast_llm.triton_support import IMPORT_ERROR  # in-function: imports Triton (~1 s): where it may run
 
     return IMPORT_ERROR
 

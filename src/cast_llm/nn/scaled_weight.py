@@ -43,7 +43,7 @@ def _kernel():
     """:mod:`cast_llm.nn.triton_scaled_weight`, or None when it cannot be imported (then torch ops do the math)."""
     if not _KERNEL:
         try:
-            from cast_llm.nn import triton_scaled_weight  # lazy: it imports Triton (optional, ~1 s)
+            from cast_llm.nn import triton_scaled_weight  # in-function: imports Triton (optional, ~1 s)
         except Exception:  # pragma: no cover - a broken Triton install must not break the torch path
             triton_scaled_weight = None
         _KERNEL.append(triton_scaled_weight)

@@ -552,7 +552,7 @@ def _check_hparams(h: dict[str, Any], where: str) -> None:
     if h["foreach"] is False and h.get("fused"):
         raise ValueError(f"{where}: foreach=False (the reference path) and fused=True exclude each other")
     if h.get("fused"):
-        from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, heavy)
+        from cast_llm.optim import triton_adams  # in-function: imports Triton (optional, ~1 s)
 
         reason = triton_adams.unavailable_reason()
         if reason is not None:

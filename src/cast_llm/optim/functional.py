@@ -438,7 +438,8 @@ def _fused_dense(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, beta1, be
 
 # ------------------------------------------------------------------------------------------- checked paths
 def _triton_update(*args, **kwargs):
-    from cast_llm.optim import triton_adams  # lazy: Triton; looked up at every call (tests wrap it)
+    # in-function: imports Triton (optional, ~1 s); looked up at every call (tests wrap it)
+    from cast_llm.optim import triton_adams
 
     return triton_adams.fused_adams_(*args, **kwargs)
 
@@ -448,7 +449,7 @@ def _compiled_update(*args, **kwargs):
 
 
 def _triton_masks(*args, **kwargs):
-    from cast_llm.optim import triton_adams  # lazy: it imports Triton (optional, ~1 s)
+    from cast_llm.optim import triton_adams  # in-function: imports Triton (optional, ~1 s)
 
     return triton_adams.fused_nm_masks(*args, **kwargs)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cast_llm.data import steps_for_tokens
 from cast_llm.errors import CastError
-from cast_llm.eval.evaluator import Evaluator
+from cast_llm.eval.evaluator import wikitext_windows
 from cast_llm.eval.ppl import wikitext2_source
 from cast_llm.machine import machine_ram, process_rss
 from cast_llm.optim.schedule import TRAIN_WARMUP, schedule_lrs
@@ -97,20 +97,17 @@ def _characters(path: str, size: int, mtime_ns: int) -> int:
 
 
 def evaluation_windows(run, train_tokens: int) -> int:
-    """WikiText-2 windows each evaluation scores, chosen as :class:`cast_llm.eval.evaluator.Evaluator` chooses
-    them (``--wikitext-windows``, or scaled to the run's ``train_tokens``), capped by the windows the text
-    holds — which the plan estimates from the text's length (:data:`CHARS_PER_TOKEN`; no tokenizer)."""
+    """WikiText-2 windows each evaluation scores, by the evaluator's own rule
+    (:func:`cast_llm.eval.evaluator.wikitext_windows`: ``--wikitext-windows``, or scaled to the run's
+    ``train_tokens``), of the windows the text holds — which the plan estimates from the text's length
+    (:data:`CHARS_PER_TOKEN`; no tokenizer)."""
     eval_len = run.eval_seq_len or run.seq_len
     source = wikitext2_source(run.wikitext_file)
     if source.path is None:
         return 0
     stat = source.path.stat()
     total = int(_characters(str(source.path), stat.st_size, stat.st_mtime_ns) / CHARS_PER_TOKEN) // eval_len
-    if run.wikitext_windows == 0:
-        return total
-    if run.wikitext_windows is not None:
-        return min(run.wikitext_windows, total)
-    return min(total, max(Evaluator.MIN_WINDOWS, train_tokens // (3 * eval_len)))
+    return wikitext_windows(run.wikitext_windows, total, train_tokens, eval_len)
 
 
 def startup_work(run, *, native_bytes: int, train_tokens: int, batch_size: int | None = None,

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from cast_llm.errors import CastError
+from cast_llm.io import pretrained_kwargs, read_json_object
 
 __all__ = ["ModelShape", "EMBEDDED", "model_config", "model_shape", "shape_of"]
 
@@ -91,15 +92,12 @@ def model_config(name: str):
 
     p = Path(name).expanduser()
     if p.is_file() and p.suffix == ".json":
-        from cast_llm.io import read_json_object
-
         cfg = read_json_object(p, "a model config", fix="pass a Hugging Face config.json")
         return _from_dict(cfg, str(p)), f"file {p}"
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise CastError(f"{p} holds no config.json: pass a Hugging Face model folder, a config.json or a hub id")
-        from cast_llm.io import pretrained_kwargs
-        from cast_llm.models.loading import check_model_folder
+        from cast_llm.models.loading import check_model_folder  # in-function: keeps --help fast (torch)
 
         check_model_folder(p)  # custom code (auto_map), unknown quantization formats: refused before transformers
         return AutoConfig.from_pretrained(str(p), **pretrained_kwargs()), f"folder {p}"
@@ -111,12 +109,10 @@ def model_config(name: str):
     if "/" not in name:
         raise CastError(f"unknown model '{name}': give a model folder, a config.json, a hub id ORG/NAME, or one of "
                         f"the embedded configs ({', '.join(EMBEDDED)})")
-    from cast_llm.models import hub_offline_reason
+    from cast_llm.models import hub_offline_reason  # in-function: keeps --help fast (torch)
 
     offline = hub_offline_reason(timeout=2.0)
     try:
-        from cast_llm.io import pretrained_kwargs
-
         cfg = AutoConfig.from_pretrained(name, **pretrained_kwargs(local_files_only=bool(offline)))
         return cfg, ("hub cache" if offline else "hub") + f" {name}"
     except Exception as e:  # not cached / gated / no network: the embedded copy when we have one
@@ -163,6 +159,7 @@ def shape_of(model, *, name: str = "", source: str = "", n: int = 2, m: int = 4)
     it loaded."""
     from torch import nn
 
+    # in-function: keeps --help fast (torch)
     from cast_llm.layers import is_linear_like
     from cast_llm.targets import find_block_list, find_targets
 

@@ -1,4 +1,5 @@
-"""``PruneConfig``: the settings of a one-shot pruning job (:func:`cast_llm.prune.job.prune_job`, ``cast-llm prune``).
+"""``PruneConfig``: the settings of a one-shot pruning job (:func:`cast_llm.jobs.prune.prune_job`,
+``cast-llm prune``).
 
 Torch-free, so that ``cast-llm --help`` builds the command's flags from it without loading the library.
 """

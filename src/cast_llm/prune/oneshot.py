@@ -22,7 +22,7 @@ from cast_llm.prune.blockwise import LayerInputs, prune_blockwise
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.prune.sparsegpt import accumulate_hessian, finalize_hessian, sparsegpt_prune_
 from cast_llm.prune.wanda import accumulate_col_sq_norm, wanda_prune_
-from cast_llm.targets import find_targets
+from cast_llm.targets import TargetList, find_targets
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def prune_model(
     batch_size: int = 1,
     device: str | torch.device | None = None,
     skip_incompatible: bool = False,
-    targets: list | None = None,
+    targets: TargetList | list | None = None,
     keep_masks: bool = True,
     progress: bool = False,
     compute_dtype: torch.dtype = torch.float32,
@@ -118,6 +118,8 @@ def prune_model(
         raise CastError(f"--damp must be ≥ 0, got {damp}")
     if targets is None:
         targets = find_targets(model, n=n, m=m, skip_incompatible=skip_incompatible)
+    elif not isinstance(targets, TargetList):  # a caller's own list: nothing it left out is known
+        targets = TargetList(targets)
     if not targets:
         raise CastError("the model has no linear layers inside its decoder blocks to prune")
     if method != "magnitude":
@@ -126,7 +128,7 @@ def prune_model(
         calib_ids = torch.as_tensor(calib_ids)
         if calib_ids.ndim != 2 or calib_ids.shape[0] == 0 or calib_ids.shape[1] == 0:
             raise CastError(f"calibration ids must be (samples, seq_len), got shape {tuple(calib_ids.shape)}")
-    skipped = [t.fqn for t in getattr(targets, "skipped", [])]
+    skipped = [t.fqn for t in targets.skipped]
     t0 = time.perf_counter()
     masks: dict[str, torch.Tensor] = {}
     reports: list[LayerReport] = []

@@ -30,7 +30,7 @@ import torch
 
 from cast_llm.config import resume_keys
 from cast_llm.errors import CastError
-from cast_llm.io import RunDir, atomic_dir, fsync_path, publish_dir, sha256_file
+from cast_llm.io import RunDir, atomic_dir, fsync_path, is_plain_name, publish_dir, sha256_file
 from cast_llm.train.state_io import StateFormatError, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "UnsafeCheckpointError", "fingerprint", "rng_state", "set_rng_state",
@@ -255,8 +255,6 @@ def _check_meta(path: Path, meta: Any) -> None:
     """A one-line CastError unless ``meta.json`` has the shape :func:`save_checkpoint` writes: an object with an
     integer ``step``, a ``fingerprint`` object, ``files`` mapping plain file names of the folder to digests,
     and ``sharded`` null or ``{"world_size": int}`` (a hand-made one is refused before anything is read)."""
-    from cast_llm.io import is_plain_name
-
     why = None
     if not isinstance(meta, dict):
         why = f"it holds a JSON {type(meta).__name__}, not an object"

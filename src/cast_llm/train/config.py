@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from cast_llm.config import (
     FSDP_PRECISIONS,
     RECOMPUTE_MODES,
+    DeviceSettings,
     KernelSettings,
     OutputSettings,
     PatternSettings,
@@ -78,8 +79,8 @@ def _resume(v) -> str | None:
 
 
 @dataclass
-class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings, KernelSettings, WindowSettings,
-                ThreadSettings):
+class RunConfig(DeviceSettings, PatternSettings, OutputSettings, SeedSettings, ProgressSettings, KernelSettings,
+                WindowSettings, ThreadSettings):
     """What every job of the one training loop shares."""
 
     OPTION_SECTIONS = {"n": BUDGET, "m": BUDGET, "skip_incompatible": BUDGET, "seq_len": BUDGET, "output_dir": RUN,
@@ -92,13 +93,14 @@ class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings,
                                       "starts it afresh)",
                                 choices=RESUME, parse=_resume, nargs="?", const="latest", section=RUN,
                                 resume="free")
+    # DeviceSettings' --device, narrowed to what a launch of the training loop takes
     device: str = option("auto", "auto (CUDA when visible), cpu or cuda; accelerate launch sets it per process",
                          choices=("auto", "cpu", "cuda"), section=RUN, resume="free")
     precision: str = option("auto", "auto (fp32 on CPU, bf16 autocast on GPU), fp32, bf16",
                             choices=("auto", "fp32", "bf16"), section=RUN, resume="free")
     max_steps: int | None = option(None, "optimizer steps", min=1, section=BUDGET, resume="must_match")
-    batch_size: int = option(4, "sequences (examples) per micro-batch per process", min=1, section=BUDGET,
-                             resume="must_match")
+    # finetune's; train's own adds 0 = the memory plan's choice (TrainConfig)
+    batch_size: int = option(8, "examples per micro-batch per process", min=1, section=BUDGET, resume="must_match")
     grad_accum: int = option(1, "micro-batches accumulated per optimizer step", min=1, section=BUDGET,
                              resume="must_match")
     weight_decay: float = option(0.0, "decoupled weight decay on matrices (not on norms, biases, scales)", min=0,
@@ -114,6 +116,9 @@ class RunConfig(PatternSettings, OutputSettings, SeedSettings, ProgressSettings,
                                  resume="must_match")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)", min=0, section=OPTIM,
                               resume="must_match")
+    # train's; finetune's own defaults by its --mode (FinetuneConfig)
+    lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
+                       section=OPTIM, resume="must_match")
     log_every: int = option(10, "steps between metrics.jsonl / TensorBoard records", min=1, section=CKPT,
                             resume="free")
     eval_every: int = option(0, "steps between validation evaluations (0 = only at the start and end)", min=0,
@@ -181,8 +186,6 @@ class TrainConfig(RunConfig, CastSettings, DataSettings):
     global_batch: int | None = option(None, "sequences per optimizer step over all processes (the paper's batch): "
                                             "--grad-accum becomes global / (--batch-size × processes), on any "
                                             "number of processes", min=1, section=BUDGET, resume="free")
-    lr: float = option(2e-5, "peak learning rate (paper: 1e-4 GPT-2 124M, 2e-5 LLaMA)", min=0, min_exclusive=True,
-                       section=OPTIM, resume="must_match")
     beta1: float = option(0.9, "Adam β1 (the paper gives none: Adam's usual value)", min=0, max=0.999999,
                           section=OPTIM, resume="must_match")
     beta2: float = option(0.999, "Adam β2 (the paper gives none: Adam's usual value)", min=0, max=0.999999,

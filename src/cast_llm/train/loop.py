@@ -42,6 +42,7 @@ import torch
 from cast_llm import kernels
 from cast_llm.analysis.base import StepContext
 from cast_llm.config import dump_yaml
+from cast_llm.deploy.model_card import refresh_run_card
 from cast_llm.errors import CastError
 from cast_llm.io import RunDir
 from cast_llm.optim.schedule import TRAIN_WARMUP, build_scheduler
@@ -529,8 +530,6 @@ def _finish(job: Job, ctx: LoopContext, t: Training, log: MetricsLog, ckpt: Chec
     results["phases"] = ctx.phases.gathered(distribution)
     if ctx.is_main:
         write_results(out, results)
-        from cast_llm.deploy.model_card import refresh_run_card
-
         refresh_run_card(out, results)  # the model card again, with what the run measured after writing it
     with distribution.waiting_for_main("removing the run's checkpoints"):
         if ctx.is_main:

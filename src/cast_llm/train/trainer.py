@@ -267,7 +267,7 @@ class PretrainJob(Job):
         t_logits = None
         if teacher is not None:
             if self.teacher_forward is None or self.teacher_forward.teacher is not teacher:
-                # inference_mode, no KV cache, on CUDA one graph replay (train/teacher.py)
+                # inference_mode, no KV cache, on CUDA one graph replay (distill/teacher.py)
                 self.teacher_forward = TeacherForward(teacher, cuda_graph=self.cfg.teacher_cuda_graph,
                                                       sharded=self.cfg.fsdp, say=self.say)
             t_logits = self.teacher_forward(batch)
