@@ -1004,9 +1004,11 @@ def test_cpu24_benchmark_tiny_writes_its_json(monkeypatch, tmp_path, capsys):
     for r in doc["results"]:
         assert {"out", "in", "rows", "bytes", "ms", "gbps", "max_rel_err", "x_torch", "x_careful", "w8_x_torch",
                 "careful_x_torch", "shape", "threads"} <= set(r)
-        extra = {label for p, label in bench.EXTRA.items() if p in PATHS}  # amx, rows: where this CPU runs them
-        extra_w8 = {bench.EXTRA[p].replace("2:4", "2:4+W8") for p in bench.EXTRA if p in PATHS
-                    and p not in cpu24.NO_W8_PATHS}
+        # amx, rows, hwpf, tok: where this CPU runs them beside its widest path (the AVX2 ones only where that is AVX2)
+        paths = bench.extra_paths(doc["path"])
+        assert all(p in PATHS for p in paths) and ("avx2-tokens" in paths) == (doc["path"] == "avx2")
+        extra = {bench.EXTRA[p] for p in paths}
+        extra_w8 = {bench.EXTRA[p].replace("2:4", "2:4+W8") for p in paths if p not in cpu24.NO_W8_PATHS}
         assert set(r["ms"]) == {"torch", "torch hp", "careful", "2:4", "2:4+W8", *extra, *extra_w8}
         assert r["best_x_torch_hp"] == pytest.approx(r["ms"]["torch hp"] / r["ms"][r["best"]])
         assert all(v > 0 for v in r["ms"].values())
