@@ -649,6 +649,21 @@ def test_the_copies_timed_lie_where_the_layer_puts_its_tensors_huge_pages_for_2_
         assert (held["values"].data_ptr() % cpu24.HUGE_PAGE == 0) == on
 
 
+def test_the_last_level_cache_size_can_be_given_and_a_bad_one_is_refused_in_one_line(monkeypatch):
+    from cast_llm.deploy.sparse24 import cycles
+    from cast_llm.errors import CastError
+
+    for given, size in (("64M", 64 << 20), ("1g", 1 << 30), ("524288", 524288), ("512K", 512 << 10)):
+        monkeypatch.setenv("CAST_LLM_L3_BYTES", given)
+        assert cycles.l3_bytes() == size
+    for bad in ("big", "0", "12X", "M"):
+        monkeypatch.setenv("CAST_LLM_L3_BYTES", bad)
+        with pytest.raises(CastError, match="CAST_LLM_L3_BYTES=.*unset it to read sysfs"):
+            cycles.l3_bytes()
+    monkeypatch.delenv("CAST_LLM_L3_BYTES")
+    assert cycles.l3_bytes() >= 1 << 20  # sysfs (or the 32 MiB default)
+
+
 def test_a_round_walks_the_copies_as_a_ring_and_costs_min_time_not_a_pass(monkeypatch):
     """A large last-level cache means many copies: a round takes min_time of calls where the ring stopped, never a
     pass over every copy (a 480 MiB sysfs L3 made the dispatcher's timing of a slow candidate take minutes)."""

@@ -6,11 +6,14 @@ would flatter the smaller compressed form most."""
 from __future__ import annotations
 
 import glob
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
+
+from cast_llm.errors import CastError
 
 __all__ = ["MAX_COPIES", "MIN_TIME", "REPEATS", "cycled", "cycled_many", "l3_bytes", "nbytes"]
 
@@ -21,7 +24,17 @@ REPEATS, MIN_TIME = 5, 0.02
 
 
 def l3_bytes() -> int:
-    """This CPU's last-level cache size (Linux sysfs; 32 MiB where it cannot be read)."""
+    """This CPU's last-level cache size, the cache a cold timing must overflow: ``CAST_LLM_L3_BYTES`` where set (bytes,
+    or with a K / M / G suffix: for a VM whose sysfs reports the whole socket's cache, 480 MiB on a 2-vCPU Xeon that
+    read at DRAM speed beyond ~64 MB, cpu24-notes.md §42), else Linux sysfs; 32 MiB where neither says."""
+    env = os.environ.get("CAST_LLM_L3_BYTES", "").strip()
+    if env:
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(env[-1:].upper(), 1)
+        digits = env[:-1] if mult > 1 else env
+        if not digits.isdigit() or int(digits) == 0:
+            raise CastError(f"CAST_LLM_L3_BYTES={env!r}: give the last-level cache as a size in bytes, or with K, M "
+                            f"or G (e.g. 64M), or unset it to read sysfs")
+        return int(digits) * mult
     sizes = []
     for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
