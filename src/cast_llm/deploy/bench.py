@@ -48,10 +48,12 @@ from cast_llm.deploy.sparse24 import (
     plan_sparse24_,
     sparse24_layers,
     sparse24_memory,
+    timing,
     to_sparse24_,
 )
-from cast_llm.deploy.sparse24.kernels import default_kernels
-from cast_llm.deploy.sparse24.timing import DENSE_FP32, gemm_fn, rel_err
+from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
+from cast_llm.deploy.sparse24.kernels import KERNELS, default_kernels
+from cast_llm.deploy.sparse24.timing import DENSE_FP32, gemm_fn, random_24_weight, rel_err
 from cast_llm.errors import CastError
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
@@ -279,7 +281,6 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                   dense_fp32: bool = False) -> list[dict[str, Any]]:
     """Latency per distinct shape and token count: dense ``F.linear`` and the fastest of ``kernels`` (and, with
     ``dense_fp32`` on the CPU, the layer upcast to fp32 in the same interleaved measurement)."""
-    from cast_llm.deploy.sparse24.timing import random_24_weight
 
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -291,10 +292,9 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 # (the dispatcher's own paired measurement): timed one after another, a slow spell of this CPU's
                 # memory falls on one column only (measured: a table at 0.75x where its dispatcher, and a rerun
                 # of the table, saw 1.14x; docs/results/cpu24-notes.md §18)
-                from cast_llm.deploy.sparse24.timing import measure_gemms
 
                 baselines = ["dense", DENSE_FP32] if dense_fp32 else ["dense"]
-                secs = {k: sec for k, (sec, _) in measure_gemms([*baselines, *kernels], out_f, in_f, dtype, tokens,
+                secs = {k: sec for k, (sec, _) in timing.measure_gemms([*baselines, *kernels], out_f, in_f, dtype, tokens,
                                                                 "eager", device).items()}
             else:
                 x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
@@ -311,7 +311,6 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 if math.isfinite(s) and (best is None or s < best[1]):  # inf: the kernel failed or was wrong
                     best = (k, s)
             if best is not None:
-                from cast_llm.deploy.sparse24.kernels import KERNELS
 
                 held = sum(t.numel() * t.element_size() for t in KERNELS[best[0]].compress(w).values())
                 # the weight bytes each form reads per call, and the speed-up those bytes allow (dense / held)
@@ -395,7 +394,6 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     notes.append(f"{len(swapped)} target(s) swapped to 2:4 layers; {len(sparse24_layers(model))} of them run a 2:4 "
                  f"kernel for some token count of this run, the others run dense (2:4 measured no faster here)")
     if device.type == "cpu":  # the dense head too, where the careful GEMV measures faster (its own check)
-        from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
 
         head = use_careful_head_(model)
         if head:

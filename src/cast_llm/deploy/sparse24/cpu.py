@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from cast_llm import kernels
 from cast_llm.errors import CastError
 from cast_llm.sparsity.mask import nm_mask
 
@@ -144,7 +145,6 @@ def _load(verbose: bool, quiet: bool):
 
 def extension_reason() -> str | None:
     """None where the extension is loaded (building it if needed), else why not."""
-    from cast_llm import kernels
 
     if kernels.mode() == kernels.REFERENCE:
         return "the checked kernels are switched off (--kernels reference / CAST_LLM_KERNELS=reference)"

@@ -37,6 +37,7 @@ import torch
 from cast_llm.deploy.sparse24.capture import capturing
 from cast_llm.deploy.sparse24.plans import PlanCache
 from cast_llm.errors import CastError
+from cast_llm.sparsity.mask import nm_mask
 
 __all__ = ["PLANS", "binding_reason", "crash_probe_reason", "has_plan", "library_version", "mm", "plan_config",
            "start_probe", "unavailable_reason"]
@@ -364,7 +365,6 @@ def _probe_main(device_index: int = 0) -> None:
     """Child-process check: this binding's GEMMs against ``F.linear`` (eager and in a CUDA graph)."""
     import torch.nn.functional as F
 
-    from cast_llm.sparsity.mask import nm_mask
 
     def fail(reason: str) -> None:
         print(json.dumps({"ok": False, "reason": reason}), flush=True)

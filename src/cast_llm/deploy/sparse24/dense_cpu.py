@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cast_llm import kernels
 from cast_llm.deploy.sparse24 import cpu as cpu24
+from cast_llm.deploy.sparse24.cycles import l3_bytes
 
 __all__ = ["CarefulDenseLinear", "restore_head_", "use_careful_head_"]
 
@@ -62,7 +64,6 @@ def _seconds(fn, calls: int = 20) -> float:
 def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | None:
     """Swap ``model``'s output head (``get_output_embeddings()``) in place where the careful GEMV passes its
     check and is faster here; returns a few words on what was decided (None: not applicable)."""
-    from cast_llm import kernels
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
@@ -77,7 +78,6 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
         return f"LM head: torch's F.linear (the careful GEMV failed its check: max|Δ|/max|y| = {err:.3g})"
     # the head is read once per token, after the whole model: time it from DRAM (the calls alternate with a
     # buffer larger than the cache being streamed, as the decoder layers would)
-    from cast_llm.deploy.sparse24.cycles import l3_bytes
 
     flush = torch.empty(2 * l3_bytes() // 4, dtype=torch.float32)
 

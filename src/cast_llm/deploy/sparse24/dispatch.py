@@ -31,10 +31,12 @@ from pathlib import Path
 
 import torch
 
+from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import timing
 from cast_llm.deploy.sparse24.buckets import MAX_BUCKET, token_bucket
 from cast_llm.errors import CastError
 from cast_llm.io import atomic_write_json
+from cast_llm.machine import cpu_model
 
 __all__ = ["CACHE_MARKER", "MAX_BUCKET", "MODES", "Decision", "Dispatcher", "choose_kernel", "token_bucket"]
 
@@ -90,8 +92,6 @@ def default_identity(device: torch.device) -> tuple[str, str]:
         gpu = torch.cuda.get_device_name(device)
     else:
         # a CPU's choice depends on its model and on the threads torch runs (bandwidth per core, GEMM speed)
-        from cast_llm.deploy.sparse24 import cpu as cpu24
-        from cast_llm.machine import cpu_model
 
         return (f"cpu {cpu_model()} x{torch.get_num_threads()} threads",
                 f"torch {torch.__version__}, {cpu24.build_key()}")

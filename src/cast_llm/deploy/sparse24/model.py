@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from torch import nn
 
+from cast_llm.deploy.sparse24.cpu import scratch_bytes
 from cast_llm.deploy.sparse24.dispatch import Dispatcher
 from cast_llm.deploy.sparse24.linear import Sparse24Linear
 from cast_llm.errors import CastError
@@ -121,7 +122,6 @@ def sparse24_memory(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(p.data_ptr())
         other += p.numel() * p.element_size()
-    from cast_llm.deploy.sparse24.cpu import scratch_bytes
 
     # the CPU layers' shared buffers for rebuilt dense weights (one per shape, process-wide: counted once)
     scratch = scratch_bytes() if any(layer.device.type == "cpu" for _, layer in sparse24_layers(model)) else 0

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from cast_llm.deploy.sparse24 import cpu
 from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, l3_bytes
+from cast_llm.deploy.sparse24.kernels import KERNELS, bound_call
 from cast_llm.sparsity.mask import nm_mask
 
 DENSE_CAREFUL = "dense-careful"  # = dispatch.DENSE_CAREFUL (dispatch imports this module: not imported from there)
@@ -123,7 +124,6 @@ def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
     state) laid out as a layer lays it, and how to lay out more copies, so that :func:`.cycles.cycled` can cycle
     them: a 2:4 layer's CPU tensors lie on huge pages where the OS allows (``Sparse24Linear`` maps them through
     :func:`.cpu.on_huge_pages`), a dense weight where torch's allocator put it."""
-    from cast_llm.deploy.sparse24.kernels import KERNELS, bound_call
 
     if kernel == "dense":
         return (lambda w: F.linear(x, w)), weight, None
