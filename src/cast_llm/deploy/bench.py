@@ -292,7 +292,6 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 # (the dispatcher's own paired measurement): timed one after another, a slow spell of this CPU's
                 # memory falls on one column only (measured: a table at 0.75x where its dispatcher, and a rerun
                 # of the table, saw 1.14x; docs/results/cpu24-notes.md §18)
-
                 baselines = ["dense", DENSE_FP32] if dense_fp32 else ["dense"]
                 secs = {k: sec for k, (sec, _) in timing.measure_gemms([*baselines, *kernels], out_f, in_f, dtype, tokens,
                                                                 "eager", device).items()}
@@ -311,7 +310,6 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 if math.isfinite(s) and (best is None or s < best[1]):  # inf: the kernel failed or was wrong
                     best = (k, s)
             if best is not None:
-
                 held = sum(t.numel() * t.element_size() for t in KERNELS[best[0]].compress(w).values())
                 # the weight bytes each form reads per call, and the speed-up those bytes allow (dense / held)
                 row.update(sparse_us=best[1] * 1e6, speedup=dense_s / best[1], kernel=best[0],
@@ -394,7 +392,6 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     notes.append(f"{len(swapped)} target(s) swapped to 2:4 layers; {len(sparse24_layers(model))} of them run a 2:4 "
                  f"kernel for some token count of this run, the others run dense (2:4 measured no faster here)")
     if device.type == "cpu":  # the dense head too, where the careful GEMV measures faster (its own check)
-
         head = use_careful_head_(model)
         if head:
             notes.append(head)

@@ -145,7 +145,6 @@ def _load(verbose: bool, quiet: bool):
 
 def extension_reason() -> str | None:
     """None where the extension is loaded (building it if needed), else why not."""
-
     if kernels.mode() == kernels.REFERENCE:
         return "the checked kernels are switched off (--kernels reference / CAST_LLM_KERNELS=reference)"
     try:

@@ -365,7 +365,6 @@ def _probe_main(device_index: int = 0) -> None:
     """Child-process check: this binding's GEMMs against ``F.linear`` (eager and in a CUDA graph)."""
     import torch.nn.functional as F
 
-
     def fail(reason: str) -> None:
         print(json.dumps({"ok": False, "reason": reason}), flush=True)
         sys.exit(0)

@@ -64,7 +64,6 @@ def _seconds(fn, calls: int = 20) -> float:
 def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | None:
     """Swap ``model``'s output head (``get_output_embeddings()``) in place where the careful GEMV passes its
     check and is faster here; returns a few words on what was decided (None: not applicable)."""
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
         return None
@@ -78,7 +77,6 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
         return f"LM head: torch's F.linear (the careful GEMV failed its check: max|Δ|/max|y| = {err:.3g})"
     # the head is read once per token, after the whole model: time it from DRAM (the calls alternate with a
     # buffer larger than the cache being streamed, as the decoder layers would)
-
     flush = torch.empty(2 * l3_bytes() // 4, dtype=torch.float32)
 
     def cold(fn):

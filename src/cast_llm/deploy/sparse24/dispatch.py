@@ -92,7 +92,6 @@ def default_identity(device: torch.device) -> tuple[str, str]:
         gpu = torch.cuda.get_device_name(device)
     else:
         # a CPU's choice depends on its model and on the threads torch runs (bandwidth per core, GEMM speed)
-
         return (f"cpu {cpu_model()} x{torch.get_num_threads()} threads",
                 f"torch {torch.__version__}, {cpu24.build_key()}")
     cslt = torch.backends.cusparselt.version() if torch.backends.cusparselt.is_available() else None

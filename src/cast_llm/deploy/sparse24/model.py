@@ -122,7 +122,6 @@ def sparse24_memory(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(p.data_ptr())
         other += p.numel() * p.element_size()
-
     # the CPU layers' shared buffers for rebuilt dense weights (one per shape, process-wide: counted once)
     scratch = scratch_bytes() if any(layer.device.type == "cpu" for _, layer in sparse24_layers(model)) else 0
     return {"compressed": compressed, "dense_fallback": dense, "other": other, "scratch": scratch,

@@ -124,7 +124,6 @@ def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
     state) laid out as a layer lays it, and how to lay out more copies, so that :func:`.cycles.cycled` can cycle
     them: a 2:4 layer's CPU tensors lie on huge pages where the OS allows (``Sparse24Linear`` maps them through
     :func:`.cpu.on_huge_pages`), a dense weight where torch's allocator put it."""
-
     if kernel == "dense":
         return (lambda w: F.linear(x, w)), weight, None
     if kernel == DENSE_CAREFUL:
