@@ -664,12 +664,45 @@ def test_the_last_level_cache_size_can_be_given_and_a_bad_one_is_refused_in_one_
     assert cycles.l3_bytes() >= 1 << 20  # sysfs (or the 32 MiB default)
 
 
+def test_the_cache_a_cold_timing_overflows_is_given_reported_or_measured_where_sysfs_reports_a_large_one(monkeypatch):
+    """``cold_bytes``: CAST_LLM_L3_BYTES wins; a reported cache up to 64 MiB is taken as is; a larger one is cut to
+    the size from which this process reads at DRAM speed (a VM's sysfs may report the socket's 480 MiB)."""
+    from cast_llm.deploy.sparse24 import cycles
+
+    probe = cycles.measured_cache_bytes.__wrapped__  # (the once-a-process cache's function)
+
+    def no_probe(limit):
+        raise AssertionError("probed")
+
+    monkeypatch.setenv("CAST_LLM_L3_BYTES", "24M")
+    monkeypatch.setattr(cycles, "measured_cache_bytes", no_probe)
+    assert cycles.cold_bytes() == 24 << 20
+    monkeypatch.delenv("CAST_LLM_L3_BYTES")
+    monkeypatch.setattr(cycles, "l3_bytes", lambda: 64 << 20)
+    assert cycles.cold_bytes() == 64 << 20
+    monkeypatch.setattr(cycles, "l3_bytes", lambda: 480 << 20)
+    monkeypatch.setattr(cycles, "measured_cache_bytes", lambda limit: min(limit, 128 << 20))
+    assert cycles.cold_bytes() == 128 << 20
+    # the rule: the first doubling from 8 MiB that reads under 1.25x the read of 2 x the reported size
+    def speed(cache):
+        return lambda n: 10.0 if n > cache else 40.0
+
+    assert cycles.smallest_uncached(480 << 20, speed(64 << 20)) == 128 << 20
+    assert cycles.smallest_uncached(480 << 20, speed(480 << 20)) == 480 << 20  # the reported cache is real
+    assert cycles.smallest_uncached(480 << 20, speed(1 << 20)) == 8 << 20
+    margin = {128 << 20: 12.6, 256 << 20: 12.4}  # 1.26x and 1.24x DRAM's 10: the margin is 1.25x
+    assert cycles.smallest_uncached(480 << 20, lambda n: margin.get(n, 40.0 if n < 128 << 20 else 10.0)) == 256 << 20
+    # the probe itself, on this machine: a doubling of 8 MiB, at most the limit
+    got = probe(16 << 20)
+    assert got in (8 << 20, 16 << 20)
+
+
 def test_a_round_walks_the_copies_as_a_ring_and_costs_min_time_not_a_pass(monkeypatch):
     """A large last-level cache means many copies: a round takes min_time of calls where the ring stopped, never a
     pass over every copy (a 480 MiB sysfs L3 made the dispatcher's timing of a slow candidate take minutes)."""
     from cast_llm.deploy.sparse24 import cycles
 
-    monkeypatch.setattr(cycles, "l3_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(cycles, "cold_bytes", lambda: 64 << 10)
     monkeypatch.setattr(cycles, "MAX_COPIES", 512)  # the product's cap (the suite's is 16)
     held = torch.zeros(256)  # 1 KiB: 128 copies hold 2x the (pretend) cache
     ids: dict[int, int] = {}
@@ -1089,6 +1122,32 @@ def test_the_careful_head_is_swapped_only_when_it_measures_faster_and_is_undone(
     else:
         assert now is head and "torch's F.linear" in note, note
         assert ("cannot run here" in note) == (decide == "reference")
+
+
+def test_the_careful_head_is_timed_from_copies_of_its_weight_both_candidates_interleaved(monkeypatch):
+    """The head check times torch's F.linear and the careful GEMV as the dispatcher times layers (``cycled_many``
+    over copies of the head's weight, one case each, in one paired call; no flush buffer whose time is subtracted:
+    a 57 MB head timed that way flipped its verdict between runs, cpu24-notes.md §46), and decides on those times."""
+    from cast_llm.deploy.sparse24 import dense_cpu
+
+    if cpu24.dense_unavailable_reason():
+        pytest.skip(cpu24.dense_unavailable_reason())
+    seen = []
+    for times, swapped in (([2e-3, 1e-3], True), ([1e-3, 1e-3], False)):
+        model = tiny.model("llama", 0).to(torch.bfloat16).eval()
+        head = model.get_output_embeddings()
+
+        def fake(cases, times=times, head=head):
+            seen.append([held is head.weight for _, held in cases])
+            ys = [fn(held) for fn, held in cases]  # each case runs its candidate on the weight it is handed
+            assert ys[0].shape == ys[1].shape == (1, head.out_features)
+            return times
+
+        monkeypatch.setattr(dense_cpu, "cycled_many", fake)
+        note = dense_cpu.use_careful_head_(model)
+        assert isinstance(model.get_output_embeddings(), dense_cpu.CarefulDenseLinear) == swapped, note
+        assert ("2.00" in note) == swapped and "1.00 ms" in note
+    assert seen == [[True, True]] * 2
 
 
 def test_rows_path_across_row_sets_token_tiles_and_pack_chunks():

@@ -11,6 +11,7 @@ timing size. On a machine without a GPU the CUDA-only candidates are listed as s
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from cast_llm import kernels
 from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
+from cast_llm.deploy.sparse24.cycles import cold_bytes, l3_bytes
 from cast_llm.kernels.environment import environment
 
 __all__ = ["doctor", "format_doctor"]
@@ -35,6 +37,7 @@ def doctor(*, recheck: bool = False) -> dict[str, Any]:
     if env["cuda_available"]:
         env["cusparselt_direct"] = cusparselt_direct.library_version()
     env["cpu_huge_pages"] = cpu24.huge_pages_reason()  # None: CPU 2:4 layers' compressed tensors on huge pages
+    env["cpu_l3_bytes"], env["cpu_cold_bytes"] = l3_bytes(), cold_bytes()  # the cache as reported, and as timed past
     rows = []
     started = time.perf_counter()
     for name in sorted(kernels.REGISTRY):
@@ -78,6 +81,10 @@ def format_doctor(report: dict[str, Any]) -> str:
         f"  CPU: {env['cpu']}, {env['cpu_threads']} thread(s) for the probes",
         "  CPU 2:4 weights: " + ("on huge pages (transparent, madvise; CAST_LLM_HUGE_PAGES=0 turns it off)"
                                  if env.get("cpu_huge_pages") is None else f"on 4 KB pages ({env['cpu_huge_pages']})"),
+        f"  CPU cache: {env['cpu_l3_bytes'] >> 20} MiB last-level"
+        + (" (CAST_LLM_L3_BYTES)" if os.environ.get("CAST_LLM_L3_BYTES", "").strip() else " (sysfs)")
+        + (f"; cold timings cycle copies past {env['cpu_cold_bytes'] >> 20} MiB (from there on this process reads at"
+           " DRAM speed, measured; CAST_LLM_L3_BYTES sets it)" if env["cpu_cold_bytes"] != env["cpu_l3_bytes"] else ""),
         f"  kernels: {env['kernels_mode']}; torch.compile candidates {env['compile_candidates']}; verdicts in "
         f"{env['verdict_file']}",
         "",

@@ -1,10 +1,11 @@
 """Timing a CPU GEMM the way a model's forward meets it: the weight comes from DRAM, not from a cache the call
 before warmed. :func:`cycled` calls ``fn(copy)`` round-robin over copies of the weight that together hold at least
-twice the last-level cache (:func:`l3_bytes`) and returns the median seconds per call. Timing one warm weight
-would flatter the smaller compressed form most."""
+twice the cache this process can hold (:func:`cold_bytes`) and returns the median seconds per call. Timing one warm
+weight would flatter the smaller compressed form most."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import statistics
@@ -15,18 +16,21 @@ import torch
 
 from cast_llm.errors import CastError
 
-__all__ = ["MAX_COPIES", "MIN_TIME", "REPEATS", "cycled", "cycled_many", "l3_bytes", "nbytes"]
+__all__ = ["MAX_COPIES", "MIN_TIME", "REPEATS", "cold_bytes", "cycled", "cycled_many", "l3_bytes", "nbytes"]
 
 MAX_COPIES = 512  # tiny layers (tests) would need thousands of copies to fill the cache: their timing is host-bound
 # what a timing spends by default: REPEATS rounds of every candidate, each round MIN_TIME seconds of calls (read
 # at each call, so the test suite can shorten them for its tiny layers: tests/conftest.py)
 REPEATS, MIN_TIME = 5, 0.02
+# a reported last-level cache above this is checked by reading (:func:`cold_bytes`): a VM's sysfs may report the
+# whole socket's (480 MiB on a 2-vCPU Xeon that read at DRAM speed from 256 MB on, cpu24-notes.md §42, §46)
+PROBE_ABOVE = 64 << 20
 
 
 def l3_bytes() -> int:
-    """This CPU's last-level cache size, the cache a cold timing must overflow: ``CAST_LLM_L3_BYTES`` where set (bytes,
-    or with a K / M / G suffix: for a VM whose sysfs reports the whole socket's cache, 480 MiB on a 2-vCPU Xeon that
-    read at DRAM speed beyond ~64 MB, cpu24-notes.md §42), else Linux sysfs; 32 MiB where neither says."""
+    """This CPU's last-level cache size as given or reported: ``CAST_LLM_L3_BYTES`` where set (bytes, or with a K / M
+    / G suffix), else Linux sysfs; 32 MiB where neither says. What a cold timing overflows is :func:`cold_bytes`:
+    this, checked by reading where sysfs reports a large one."""
     env = os.environ.get("CAST_LLM_L3_BYTES", "").strip()
     if env:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(env[-1:].upper(), 1)
@@ -44,6 +48,49 @@ def l3_bytes() -> int:
         mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
         sizes.append(int(text.rstrip("KM")) * mult)
     return max(sizes) if sizes else 32 << 20
+
+
+def cold_bytes() -> int:
+    """The cache a cold timing must overflow (its copies hold twice this together): ``CAST_LLM_L3_BYTES`` where set;
+    else the last-level cache sysfs reports (:func:`l3_bytes`), and where that is over 64 MiB, the smallest size from
+    8 MiB up, doubling, that this process reads no faster than DRAM (:func:`measured_cache_bytes`, once a process)."""
+    if os.environ.get("CAST_LLM_L3_BYTES", "").strip():
+        return l3_bytes()
+    reported = l3_bytes()
+    return reported if reported <= PROBE_ABOVE else measured_cache_bytes(reported)
+
+
+@functools.cache
+def measured_cache_bytes(limit: int, *, faster: float = 1.25) -> int:
+    """The smallest of 8 MiB, 16 MiB, ... below ``limit`` whose repeated read (``Tensor.sum`` over a buffer already
+    read, torch's threads) is less than ``faster``× the read of ``2 × limit`` bytes (DRAM: larger than any cache
+    of this machine): from that size on nothing caches what a timing walks, so its copies need hold only twice that.
+    ``limit`` where every size below it reads faster (the reported cache is real). About a second, 2 × ``limit``
+    bytes held meanwhile."""
+    buf = torch.ones(2 * limit // 4, dtype=torch.float32)
+
+    def gbps(nbytes: int) -> float:
+        view = buf[: nbytes // 4]
+        view.sum()  # the pass that would fill a cache
+        calls, t0 = 0, time.perf_counter()
+        while calls < 2 or time.perf_counter() - t0 < 0.05:
+            view.sum()
+            calls += 1
+        return nbytes * calls / (time.perf_counter() - t0)
+
+    return smallest_uncached(limit, gbps, faster=faster)
+
+
+def smallest_uncached(limit: int, gbps: Callable[[int], float], *, faster: float = 1.25) -> int:
+    """:func:`measured_cache_bytes`'s rule on a read speed ``gbps(nbytes)``: the first of 8 MiB, 16 MiB, ... below
+    ``limit`` that reads under ``faster`` × ``gbps(2 * limit)``, else ``limit``."""
+    dram = gbps(2 * limit)
+    size = 8 << 20
+    while size < limit:
+        if gbps(size) < faster * dram:
+            return size
+        size *= 2
+    return limit
 
 
 def nbytes(held) -> int:
@@ -66,7 +113,7 @@ def _clone(held, place: Callable[[torch.Tensor], torch.Tensor] | None = None):
 def cycled(fn: Callable[[object], object], held, *, place: Callable[[torch.Tensor], torch.Tensor] | None = None,
            repeats: int | None = None, min_time: float | None = None) -> float:
     """Median seconds per ``fn(copy)`` call over copies of ``held`` (a weight or a compressed state) that hold
-    at least 2× the last-level cache together (at most :data:`MAX_COPIES`), each laid out by ``place``
+    at least 2× :func:`cold_bytes` together (at most :data:`MAX_COPIES`), each laid out by ``place``
     (:func:`_clone`)."""
     return cycled_many([(fn, held, place)], repeats=repeats, min_time=min_time)[0]
 
@@ -87,7 +134,7 @@ def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time:
     min_time = MIN_TIME if min_time is None else min_time
     plans = []
     for fn, held, *place in cases:
-        count = min(MAX_COPIES, max(2, -(-2 * l3_bytes() // max(nbytes(held), 1))))
+        count = min(MAX_COPIES, max(2, -(-2 * cold_bytes() // max(nbytes(held), 1))))
         copies = [held] + [_clone(held, *place) for _ in range(count - 1)]
         for c in copies[:2]:  # first calls: code paths, the output's pages
             fn(c)

@@ -17,7 +17,7 @@ from torch import nn
 
 from cast_llm import kernels
 from cast_llm.deploy.sparse24 import cpu as cpu24
-from cast_llm.deploy.sparse24.cycles import l3_bytes
+from cast_llm.deploy.sparse24.cycles import cycled_many
 
 __all__ = ["CarefulDenseLinear", "restore_head_", "use_careful_head_"]
 
@@ -46,20 +46,6 @@ class CarefulDenseLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, careful dense GEMV at 1 token"
 
 
-def _seconds(fn, calls: int = 20) -> float:
-    import statistics
-    import time
-
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | None:
     """Swap ``model``'s output head (``get_output_embeddings()``) in place where the careful GEMV passes its
@@ -75,20 +61,10 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
     err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     if not err <= 8e-3:
         return f"LM head: torch's F.linear (the careful GEMV failed its check: max|Δ|/max|y| = {err:.3g})"
-    # the head is read once per token, after the whole model: time it from DRAM (the calls alternate with a
-    # buffer larger than the cache being streamed, as the decoder layers would)
-    flush = torch.empty(2 * l3_bytes() // 4, dtype=torch.float32)
-
-    def cold(fn):
-        def run():
-            flush.add_(1.0)
-            return fn()
-        return run
-
-    torch_s = _seconds(cold(lambda: F.linear(x, head.weight, head.bias)))
-    careful_s = _seconds(cold(lambda: cpu24.dense_mm(x, head.weight, head.bias)))
-    flush_s = _seconds(lambda: flush.add_(1.0))
-    torch_s, careful_s = max(torch_s - flush_s, 1e-9), max(careful_s - flush_s, 1e-9)
+    # the head is read once per token, after the whole model: time it from DRAM, each candidate walking its own
+    # copies of the weight (2x the cache together), the two interleaved round by round (as the dispatcher times)
+    torch_s, careful_s = cycled_many([(lambda w: F.linear(x, w, head.bias), head.weight),
+                                      (lambda w: cpu24.dense_mm(x, w, head.bias), head.weight)])
     if torch_s < careful_s * min_speedup:
         return f"LM head: torch's F.linear ({torch_s * 1e3:.2f} ms against the careful GEMV's {careful_s * 1e3:.2f})"
     model.set_output_embeddings(CarefulDenseLinear(head))
