@@ -73,7 +73,8 @@ CPU_CASES = [
 # DDP replicates everything: 2 × the single process's ~8 GiB does not fit the CPU budget (the plan says so)
 # long sequences (issue 51: the plan's per-step terms — logits, the loss's fp32 copies, recomputation — against a
 # run at 8k-16k tokens with a 128k vocabulary, with and without recomputation); not in the default run (minutes each,
-# up to ~16 GiB): --cases long-8k,long-8k-full,long-8k-selective,long-8k-nokd-fused,long-16k-nokd-fused
+# up to ~16 GiB): --cases long-8k,long-8k-full,long-8k-selective,long-8k-nokd-fused,long-16k-nokd-fused,long-16k-fused,
+# long-16k-fused-full
 _LONG = "SmolLM2-135M's widths, 2 of its 30 blocks, a 128k vocabulary (Llama-3's): the logits' regime"
 LONG_CASES = [
     Case("long-8k", "smollm2-135m", "single", 1, 1, 8192, layers=2, vocab=128256, note=_LONG, flags=["--test-sequences", "1"]),
@@ -88,6 +89,12 @@ LONG_CASES = [
          note=_LONG + ", no KD, the fused head", flags=["--test-sequences", "1", "--no-kd", "--fused-head"]),
     Case("long-16k-nokd-fused", "smollm2-135m", "single", 1, 1, 16384, layers=2, vocab=128256,
          note=_LONG + ", no KD, the fused head", flags=["--test-sequences", "1", "--no-kd", "--fused-head"]),
+    # 16k with KD (the teacher's forward and the fused KD loss), without and with recomputation
+    Case("long-16k-fused", "smollm2-135m", "single", 1, 1, 16384, layers=2, vocab=128256,
+         note=_LONG + ", KD, the fused head", flags=["--test-sequences", "1", "--fused-head"]),
+    Case("long-16k-fused-full", "smollm2-135m", "single", 1, 1, 16384, layers=2, vocab=128256,
+         note=_LONG + ", KD, the fused head, full recomputation",
+         flags=["--test-sequences", "1", "--fused-head", "--activation-checkpointing", "full"]),
 ]
 SKIPPED_CPU = [Case("llama1b-2L-ddp2", "llama-3.2-1b", "ddp", 2, 2, 128, layers=2)]
 GPU_CASES = {

@@ -683,6 +683,10 @@ def test_the_cache_a_cold_timing_overflows_is_given_reported_or_measured_where_s
     monkeypatch.setattr(cycles, "l3_bytes", lambda: 480 << 20)
     monkeypatch.setattr(cycles, "measured_cache_bytes", lambda limit: min(limit, 128 << 20))
     assert cycles.cold_bytes() == 128 << 20
+    monkeypatch.setattr(cycles, "l3_bytes", lambda: 4 << 30)  # the probe's buffer (2x its limit) is capped
+    assert cycles.cold_bytes() == 128 << 20
+    monkeypatch.setattr(cycles, "measured_cache_bytes", lambda limit: limit)
+    assert cycles.cold_bytes() == 1 << 30
     # the rule: the first doubling from 8 MiB that reads under 1.25x the read of 2 x the reported size
     def speed(cache):
         return lambda n: 10.0 if n > cache else 40.0
