@@ -1,8 +1,11 @@
 """How many fp32 ``chunk × V`` rows the fused head (``--fused-head``) holds at its peak, with KD and without (fp32,
 as the CPU trainer runs it): the loss term of the memory plan (``cast_llm/plan/memory.py``) is set from this.
 
-Measured as resident memory over what existed before the loss (``VmHWM`` after ``clear_refs``); run it with glibc
-giving freed blocks back (``MALLOC_MMAP_THRESHOLD_=131072``) so that the resident set follows the tensors:
+Measured as resident memory over what existed before the loss (``VmHWM`` after ``clear_refs``), after one short
+call of the loss (a training step's steady state: the first call also allocates ~230 MB once, whatever the chunk);
+run it with glibc giving freed blocks back (``MALLOC_MMAP_THRESHOLD_=131072``) so that the resident set follows the
+tensors, and with ``CAST_LLM_COMPILE=0`` for the KD loss's eager path (else its compiled chunk where torch.compile
+runs: one row less):
 
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python benchmarks/dev/fused_head_rows.py kd
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python benchmarks/dev/fused_head_rows.py ce
@@ -30,6 +33,8 @@ def main() -> None:
     hid = torch.randn(N, h, requires_grad=True)
     tw, th = (torch.randn(V, h), torch.randn(N, h)) if kd else (None, None)
     ids = torch.randint(0, V, (1, N))
+    fused_head_loss(hid[None, :8], w, None if th is None else th[None, :8], tw, ids[:, :8], eta=2 / 3 if kd else 0.0,
+                    chunk_size=c)  # the first call's one-time allocations
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = status("VmRSS")

@@ -14,10 +14,10 @@ as the ordinary head. Nothing is read on the host (no synchronisation per chunk)
 
 The loss is the token-mean of Eq. 13 as :func:`cast_llm.distill.causal_kd_loss` computes it (the chunks
 are weighted by their valid tokens); it equals that function on full logits up to float summation order.
-Chunking along the vocabulary is not needed for memory: in fp32 a chunk holds 4.5 ``chunk × V`` rows with KD
-(student and teacher logits, the logits' gradient, 1.5 of the loss's work space) and 3.5 without (measured:
-``benchmarks/dev/fused_head_rows.py``; 2.2 GiB at 1024 × 128k with KD; ``--kd-chunk-size`` lowers it), whatever the
-number of tokens.
+Chunking along the vocabulary is not needed for memory: in fp32 a chunk holds 5 ``chunk × V`` rows with KD on
+the eager path (student and teacher logits, the logits' gradient, 2 of the loss's work space; 4 on the compiled
+chunk) and 3 with CE alone (measured warm: ``benchmarks/dev/fused_head_rows.py``; 2.4 GiB at 1024 × 128k with KD;
+``--kd-chunk-size`` lowers it), whatever the number of tokens.
 """
 
 from __future__ import annotations

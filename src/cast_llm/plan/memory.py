@@ -219,11 +219,11 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
         st["bf16 casts of the linears (autocast cache)"] = 2 * shape.linear_params
     chunk = min(s.kd_chunk_size, N)
     # the loss's fp32 work space: ~3 chunk × V rows for the chunked KD loss over whole logits, 1 for CE; the fused
-    # head, whose chunk's logits and gradient are counted below, holds 1.5 rows beyond them, KD or not (measured,
-    # fp32, V = 128k, chunks of 1024: 3.5 rows with CE alone, 4.5 with KD's teacher row; benchmarks/dev/
-    # fused_head_rows.py, docs/results/plan-vs-measured-long.md: counted as 3 rows for KD, the 16k runs with KD
-    # measured 0.83-0.87 of the plan)
-    work = (3 * chunk * V * 4 // 2) if s.fused_head else (3 if s.kd else 1) * chunk * V * 4
+    # head, whose chunk's logits and gradient are counted below, holds 1 row beyond them with CE and 2 with KD on its
+    # eager path (1 on the compiled chunk, where torch.compile runs: counted as the eager path, the bound), measured
+    # warm in fp32 (benchmarks/dev/fused_head_rows.py, tests/test_head_loss.py: 3 rows with CE, 5 / 4 with KD); the
+    # plan had counted 3 for KD, and the 16k runs with KD measured 0.83-0.87 of it
+    work = (2 if s.kd else 1) * chunk * V * 4 if s.fused_head else (3 if s.kd else 1) * chunk * V * 4
     if s.fused_head:
         st["logits, one chunk (student" + (", teacher" if s.kd else "") + ", gradient)"] = \
             chunk * V * (2 * logit + (t_logit if s.kd else 0))
