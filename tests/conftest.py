@@ -12,7 +12,7 @@ torch.set_num_threads(int(os.environ.get("CAST_TEST_THREADS", "1")))
 os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("CAST_TEST_THREADS", "1"))  # the trainer then keeps it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# the CPU dispatcher's cold timings (and the careful head's cache flush) overflow a 32 MiB cache in the suite and its
+# the CPU dispatcher's cold timings (and the careful head's check) overflow a 32 MiB cache in the suite and its
 # subprocesses, whatever this machine's sysfs says (480 MiB on one Xeon VM: 2 x that per candidate made the
 # generate / payoff / bench tests 2-3x slower); the tests check choices and reports, not timing precision
 os.environ.setdefault("CAST_LLM_L3_BYTES", str(32 << 20))
