@@ -65,6 +65,7 @@ TINY = {"tiny 256x512": (256, 512), "tiny 512x256": (512, 256)}
 TINYLLAMA = {"q/o 2048x2048": (2048, 2048), "k/v 256x2048": (256, 2048), "gate/up 5632x2048": (5632, 2048),
              "down 2048x5632": (2048, 5632)}
 SHAPE_SETS = {"llama-7b": SHAPES, "tinyllama-1.1b": TINYLLAMA, "tiny": TINY}
+TITLES = {"llama-7b": "LLaMA-7B", "tinyllama-1.1b": "TinyLlama-1.1B", "tiny": "tiny"}  # the plot's
 GOALS = {1: (3.0, 1.5), 4: (2.0, 1.2), 16: (1.3, None)}  # rows -> (x torch, x careful) from issue 48
 
 
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
     if why:
         print(f"cpu24: the CPU 2:4 kernels cannot run here ({why}); nothing measured", file=sys.stderr)
         return 2
-    shapes = TINY if args.tiny else SHAPE_SETS[args.shapes]
+    shape_set = "tiny" if args.tiny else args.shapes
+    shapes = SHAPE_SETS[shape_set]
     extra = extra_paths(path)
     amx = "amx-bf16" in extra
     results = []
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
         print(f"rows {rows}: worst best-2:4/torch {lo_t:.2f}x (goal ≥ {g_torch}x; on huge pages torch {lo_hp:.2f}x),"
               f" worst 2:4/careful {lo_c:.2f}x"
               + (f" (goal ≥ {g_careful}x)" if g_careful else "") + f": {'met' if ok else 'NOT met'}")
-    doc = {"benchmark": "cpu24", "shapes": "tiny" if args.tiny else args.shapes, "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]),
+    doc = {"benchmark": "cpu24", "shapes": shape_set, "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]),
            "machine": machine(), "l3_bytes": l3_bytes(), "cold_bytes": cold_bytes(), "path": path, "amx_path": amx, "extra_paths": list(extra), "dense_path": cpu24.dense_path(),
            "huge_pages": cpu24.huge_pages_reason() or "on", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "results": results, "goals": goals, "max_rel_err": worst}
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:
-        plot(results, args.plot, "tiny" if args.tiny else {"llama-7b": "LLaMA-7B", "tinyllama-1.1b": "TinyLlama-1.1B"}.get(args.shapes, args.shapes))
+        plot(results, args.plot, TITLES[shape_set])
     return 0
 
 

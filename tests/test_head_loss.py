@@ -3,6 +3,9 @@ logits (float64 reference), for KD and plain CE, tied or not, and gives the same
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -152,27 +155,6 @@ def test_the_fused_head_holds_one_chunk_whatever_the_number_of_chunks():
     assert peak[6 * 1024] - peak[1024] < unit / 2, {n: p / unit for n, p in peak.items()}
 
 
-_ROWS = """
-import sys, torch
-from cast_llm.distill.head import fused_head_loss
-def status(f):
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(f + ":"))
-torch.set_num_threads(1)
-kd = sys.argv[1] == "kd"
-V, h, n, chunk = 32768, 64, 2048, 1024
-w = torch.randn(V, h, requires_grad=True)
-x = torch.randn(1, n, h, requires_grad=True)
-tw, tx = (torch.randn(V, h), torch.randn(1, n, h)) if kd else (None, None)
-ids = torch.randint(0, V, (1, n))
-fused_head_loss(x[:, :8], w, None if tx is None else tx[:, :8], tw, ids[:, :8], eta=0.5 if kd else 0.0,
-                chunk_size=chunk)  # allocator paths warmed
-open("/proc/self/clear_refs", "w").write("5")
-base = status("VmRSS")
-fused_head_loss(x, w, tx, tw, ids, eta=0.5 if kd else 0.0, chunk_size=chunk)
-print((status("VmHWM") - base - V * h * 4) / (chunk * V * 4))  # fp32 chunk x V rows beyond the head's gradient
-"""
-
-
 def test_the_fused_heads_chunk_holds_the_rows_the_memory_plan_counts():
     """The plan (``plan/memory.py``) counts the fused head's chunk as its logits (the teacher's too with KD), their
     gradient and the loss's fp32 work space of 1 row with CE and 2 with KD (the eager path, which the suite runs:
@@ -185,7 +167,9 @@ def test_the_fused_heads_chunk_holds_the_rows_the_memory_plan_counts():
 
     from cast_llm.kernels.switch import COMPILE_ENV
 
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "dev" / "fused_head_rows.py"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", COMPILE_ENV: "0"}
-    rows = {m: float(subprocess.run([sys.executable, "-c", _ROWS, m], capture_output=True, text=True, env=env,
-                                    check=True, timeout=300).stdout.split()[-1]) for m in ("ce", "kd")}
+    rows = {m: float(re.search(r"\+ ([\d.]+) rows", subprocess.run(
+        [sys.executable, str(script), m, "--vocab", "32768", "--hidden", "64"], capture_output=True, text=True,
+        env=env, check=True, timeout=300).stdout).group(1)) for m in ("ce", "kd")}
     assert abs(rows["ce"] - 3) < 0.3 and abs(rows["kd"] - 5) < 0.3, rows

@@ -10,10 +10,11 @@ runs: one row less):
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python benchmarks/dev/fused_head_rows.py kd
     MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 python benchmarks/dev/fused_head_rows.py ce
 
-V = 128,256 (LLaMA-3's), h = 576 (SmolLM2-135M's), 2,048 tokens in chunks of 1,024 (the default --kd-chunk-size).
+V = 128,256 (LLaMA-3's), h = 576 (SmolLM2-135M's), 2,048 tokens in chunks of 1,024 (the default --kd-chunk-size);
+``--vocab`` / ``--hidden`` for a smaller case (tests/test_head_loss.py runs it at 32,768 × 64).
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -26,8 +27,13 @@ def status(field: str) -> int:
 
 
 def main() -> None:
-    kd = sys.argv[1:] == ["kd"]
-    V, h, N, c = 128256, 576, 2048, 1024
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("loss", choices=["ce", "kd"])
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=576)
+    args = ap.parse_args()
+    kd = args.loss == "kd"
+    V, h, N, c = args.vocab, args.hidden, 2048, 1024
     torch.manual_seed(0)
     w = torch.randn(V, h, requires_grad=True)
     hid = torch.randn(N, h, requires_grad=True)

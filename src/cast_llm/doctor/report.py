@@ -11,7 +11,6 @@ timing size. On a machine without a GPU the CUDA-only candidates are listed as s
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from cast_llm import kernels
 from cast_llm.deploy.sparse24 import cpu as cpu24
 from cast_llm.deploy.sparse24 import cusparselt_direct
-from cast_llm.deploy.sparse24.cycles import cold_bytes, l3_bytes
+from cast_llm.deploy.sparse24.cycles import cold_bytes, l3_bytes, l3_given
 from cast_llm.kernels.environment import environment
 
 __all__ = ["doctor", "format_doctor"]
@@ -82,7 +81,7 @@ def format_doctor(report: dict[str, Any]) -> str:
         "  CPU 2:4 weights: " + ("on huge pages (transparent, madvise; CAST_LLM_HUGE_PAGES=0 turns it off)"
                                  if env.get("cpu_huge_pages") is None else f"on 4 KB pages ({env['cpu_huge_pages']})"),
         f"  CPU cache: {env['cpu_l3_bytes'] >> 20} MiB last-level"
-        + (" (CAST_LLM_L3_BYTES)" if os.environ.get("CAST_LLM_L3_BYTES", "").strip() else " (sysfs)")
+        + (" (CAST_LLM_L3_BYTES)" if l3_given() else " (sysfs)")
         + (f"; cold timings cycle copies past {env['cpu_cold_bytes'] >> 20} MiB (from there on this process reads at"
            " DRAM speed, measured; CAST_LLM_L3_BYTES sets it)" if env["cpu_cold_bytes"] != env["cpu_l3_bytes"] else ""),
         f"  kernels: {env['kernels_mode']}; torch.compile candidates {env['compile_candidates']}; verdicts in "

@@ -27,11 +27,19 @@ REPEATS, MIN_TIME = 5, 0.02
 PROBE_ABOVE = 64 << 20
 
 
+L3_ENV = "CAST_LLM_L3_BYTES"
+
+
+def l3_given() -> bool:
+    """Whether :data:`L3_ENV` sets the cache size (then :func:`l3_bytes` and :func:`cold_bytes` are that)."""
+    return bool(os.environ.get(L3_ENV, "").strip())
+
+
 def l3_bytes() -> int:
     """This CPU's last-level cache size as given or reported: ``CAST_LLM_L3_BYTES`` where set (bytes, or with a K / M
     / G suffix), else Linux sysfs; 32 MiB where neither says. What a cold timing overflows is :func:`cold_bytes`:
     this, checked by reading where sysfs reports a large one."""
-    env = os.environ.get("CAST_LLM_L3_BYTES", "").strip()
+    env = os.environ.get(L3_ENV, "").strip()
     if env:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(env[-1:].upper(), 1)
         digits = env[:-1] if mult > 1 else env
@@ -54,9 +62,9 @@ def cold_bytes() -> int:
     """The cache a cold timing must overflow (its copies hold twice this together): ``CAST_LLM_L3_BYTES`` where set;
     else the last-level cache sysfs reports (:func:`l3_bytes`), and where that is over 64 MiB, the smallest size from
     8 MiB up, doubling, that this process reads no faster than DRAM (:func:`measured_cache_bytes`, once a process)."""
-    if os.environ.get("CAST_LLM_L3_BYTES", "").strip():
-        return l3_bytes()
     reported = l3_bytes()
+    if l3_given():
+        return reported
     # (a probe holds twice its limit: sysfs's figure is capped at 1 GiB for it, a size no core's share reaches)
     return reported if reported <= PROBE_ABOVE else measured_cache_bytes(min(reported, 1 << 30))
 
