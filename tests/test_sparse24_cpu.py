@@ -722,6 +722,59 @@ def test_a_round_walks_the_copies_as_a_ring_and_costs_min_time_not_a_pass(monkey
     assert seen[2:] == list(range(2, len(seen)))
 
 
+def test_candidates_reading_one_tensor_share_one_ring_of_copies_and_each_call_meets_a_cold_copy(monkeypatch):
+    """torch's dense GEMM and the careful kernel read one weight, the CPU 2:4 paths one compressed state: they walk
+    one ring with one cursor (a key held 9 rings of 2 x 480 MiB, 5.3 GB, cpu24-notes.md §48), and every timed call
+    still meets a copy that no candidate read since the ring's last pass."""
+    from cast_llm.deploy.sparse24 import cycles
+
+    monkeypatch.setattr(cycles, "cold_bytes", lambda: 8 << 10)
+    monkeypatch.setattr(cycles, "MAX_COPIES", 512)
+    shared, other = torch.zeros(256), torch.zeros(256)  # 1 KiB each: 16 copies hold 2x the (pretend) cache
+    made = []
+    real_clone = cycles._clone
+    monkeypatch.setattr(cycles, "_clone", lambda held, *place: made.append(held) or real_clone(held, *place))
+    ids: dict[str, dict[int, int]] = {"dense": {}, "2:4": {}}  # a copy's number in its ring, by first read
+    calls: list[tuple[str, int]] = []
+
+    def reader(name):
+        ring = ids["2:4" if name == "2:4" else "dense"]
+        return lambda w: calls.append((name, ring.setdefault(w.data_ptr(), len(ring))))
+
+    cycles.cycled_many([(reader("torch"), shared), (reader("careful"), shared), (reader("2:4"), other)],
+                       repeats=3, min_time=0)
+    assert sum(h is shared for h in made) == 15 and sum(h is other for h in made) == 15  # one ring each, not per case
+    # past each candidate's two warm-up calls, torch's and careful's calls walk the shared ring in one order from
+    # copy 2 on, whichever of the two makes the call: no copy is read twice before the ring has been passed
+    firsts = {"torch": 2, "careful": 2}
+    walk = []
+    for name, copy in calls:
+        if name in firsts and firsts[name]:
+            firsts[name] -= 1
+        elif name in firsts:
+            walk.append(copy)
+    assert len(walk) >= 8 and walk == [(2 + i) % 16 for i in range(len(walk))], walk
+    assert set(ids["dense"]).isdisjoint(ids["2:4"]) and len(ids["2:4"]) >= 2  # the 2:4 state's ring is its own
+
+
+def test_the_cache_probe_reads_with_one_thread_and_gives_the_threads_back(monkeypatch):
+    """A 2-thread read waits for a core another process holds (small reads then look slower than DRAM): the probe
+    reads at one thread, the best of several passes, and leaves torch's thread count as it was."""
+    from cast_llm.deploy.sparse24 import cycles
+
+    seen = []
+    monkeypatch.setattr(cycles, "smallest_uncached",
+                        lambda limit, gbps, faster: seen.append((torch.get_num_threads(), gbps(8 << 20))) or limit)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cycles.measured_cache_bytes.__wrapped__(16 << 20) == 16 << 20
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0][0] == 1 and seen[0][1] > 0
+
+
 def test_the_candidates_of_one_key_are_timed_interleaved_and_a_failing_one_is_inf():
     from cast_llm.deploy.sparse24.cycles import cycled_many
 

@@ -25,6 +25,7 @@ REPEATS, MIN_TIME = 5, 0.02
 # a reported last-level cache above this is checked by reading (:func:`cold_bytes`): a VM's sysfs may report the
 # whole socket's (480 MiB on a 2-vCPU Xeon that read at DRAM speed from 256 MB on, cpu24-notes.md §42, §46)
 PROBE_ABOVE = 64 << 20
+PROBE_READS = 5  # passes a size's read is the best of (:func:`measured_cache_bytes`)
 
 
 L3_ENV = "CAST_LLM_L3_BYTES"
@@ -71,23 +72,33 @@ def cold_bytes() -> int:
 
 @functools.cache
 def measured_cache_bytes(limit: int, *, faster: float = 1.25) -> int:
-    """The smallest of 8 MiB, 16 MiB, ... below ``limit`` whose repeated read (``Tensor.sum`` over a buffer already
-    read, torch's threads) is less than ``faster``× the read of ``2 × limit`` bytes (DRAM: larger than any cache
-    of this machine): from that size on nothing caches what a timing walks, so its copies need hold only twice that.
-    ``limit`` where every size below it reads faster (the reported cache is real). About a second, 2 × ``limit``
-    bytes held meanwhile."""
+    """The smallest of 8 MiB, 16 MiB, ... below ``limit`` whose read (``Tensor.sum`` over a buffer already read)
+    is less than ``faster``× the read of ``2 × limit`` bytes (DRAM: larger than any cache of this machine): from
+    that size on nothing caches what a timing walks, so its copies need hold only twice that. ``limit`` where
+    every size below it reads faster (the reported cache is real). About a second, 2 × ``limit`` bytes held
+    meanwhile.
+
+    Read with **one thread**, each size's speed the **best of** :data:`PROBE_READS` passes: a pass of a 2-thread
+    ``sum`` waits for a core another process holds (small reads then look slower than DRAM), and interference
+    only ever slows a pass, while what a cache holds shows in the fastest one (cpu24-notes.md §48)."""
     buf = torch.ones(2 * limit // 4, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
 
     def gbps(nbytes: int) -> float:
         view = buf[: nbytes // 4]
         view.sum()  # the pass that would fill a cache
-        calls, t0 = 0, time.perf_counter()
-        while calls < 2 or time.perf_counter() - t0 < 0.05:
+        best = 0.0
+        for _ in range(PROBE_READS):
+            t0 = time.perf_counter()
             view.sum()
-            calls += 1
-        return nbytes * calls / (time.perf_counter() - t0)
+            best = max(best, nbytes / (time.perf_counter() - t0))
+        return best
 
-    return smallest_uncached(limit, gbps, faster=faster)
+    try:
+        return smallest_uncached(limit, gbps, faster=faster)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def smallest_uncached(limit: int, gbps: Callable[[int], float], *, faster: float = 1.25) -> int:
@@ -135,32 +146,40 @@ def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time:
     ``place`` lays out each copy's tensors as the running layer's are (:func:`_clone`). Median seconds per call of
     each, in order (``repeats`` / ``min_time``: :data:`REPEATS` / :data:`MIN_TIME` where None).
 
-    Each candidate walks its copies as a ring, a round taking up where the last one stopped, so a copy is called
-    again only after every other copy of it was (cold, as in a model's forward) while a round costs ``min_time``,
-    not a pass over every copy: on a CPU whose sysfs reports a large last-level cache (480 MiB on a 2-vCPU Xeon VM)
-    a pass over the copies of a slow candidate at 512 tokens took minutes (cpu24-notes.md §43)."""
+    The copies form rings walked from where the last round stopped, so a copy is called again only after every
+    other copy of its ring was (cold, as in a model's forward) while a round costs ``min_time``, not a pass over
+    every copy: on a CPU whose sysfs reports a large last-level cache (480 MiB on a 2-vCPU Xeon VM) a pass over
+    the copies of a slow candidate at 512 tokens took minutes (cpu24-notes.md §43). Candidates that read the same
+    ``held`` object with the same ``place`` share one ring and its cursor (torch's dense GEMM and the careful kernel
+    read one weight; the CPU 2:4 paths one compressed state): each call still meets a copy no candidate read since
+    the ring's last pass, and a key holds 2 × :func:`cold_bytes` per distinct tensor, not per candidate (§48)."""
     repeats = REPEATS if repeats is None else repeats
     min_time = MIN_TIME if min_time is None else min_time
+    rings: dict[tuple[int, object], list] = {}  # (id(held), place) -> [copies, cursor]
     plans = []
     for fn, held, *place in cases:
-        count = min(MAX_COPIES, max(2, -(-2 * cold_bytes() // max(nbytes(held), 1))))
-        copies = [held] + [_clone(held, *place) for _ in range(count - 1)]
+        ring = rings.get((id(held), place[0] if place else None))
+        if ring is None:
+            count = min(MAX_COPIES, max(2, -(-2 * cold_bytes() // max(nbytes(held), 1))))
+            ring = rings[(id(held), place[0] if place else None)] = [
+                [held] + [_clone(held, *place) for _ in range(count - 1)], 2 % count]
+        copies = ring[0]
         for c in copies[:2]:  # first calls: code paths, the output's pages
             fn(c)
-        # calls a round holds: timed on the ring's first stretch (at least 2 calls, at most one pass)
-        at, calls, t0 = 2 % count, 0, time.perf_counter()
-        while calls < count and (calls < 2 or time.perf_counter() - t0 < min_time):
-            fn(copies[at])
-            at, calls = (at + 1) % count, calls + 1
+        # calls a round holds: timed on the ring's next stretch (at least 2 calls, at most one pass)
+        calls, t0 = 0, time.perf_counter()
+        while calls < len(copies) and (calls < 2 or time.perf_counter() - t0 < min_time):
+            fn(copies[ring[1]])
+            ring[1], calls = (ring[1] + 1) % len(copies), calls + 1
         per_call = (time.perf_counter() - t0) / calls
-        plans.append([fn, copies, max(1, int(min_time / max(per_call, 1e-9))), at])
+        plans.append((fn, ring, max(1, int(min_time / max(per_call, 1e-9)))))
     times: list[list[float]] = [[] for _ in plans]
     for _ in range(repeats):
-        for i, plan in enumerate(plans):
-            fn, copies, calls, at = plan
+        for i, (fn, ring, calls) in enumerate(plans):
+            copies, at = ring
             t0 = time.perf_counter()
             for j in range(calls):
                 fn(copies[(at + j) % len(copies)])
             times[i].append((time.perf_counter() - t0) / calls)
-            plan[3] = (at + calls) % len(copies)
+            ring[1] = (at + calls) % len(copies)
     return [statistics.median(t) for t in times]

@@ -119,11 +119,13 @@ def gemm_fn(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], 
     return lambda: fn(held)
 
 
-def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
+def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor, states: dict | None = None):
     """``(fn, held, place)``: ``kernel``'s call on one copy of what it reads (the dense weight, or its compressed
     state) laid out as a layer lays it, and how to lay out more copies, so that :func:`.cycles.cycled` can cycle
     them: a 2:4 layer's CPU tensors lie on huge pages where the OS allows (``Sparse24Linear`` maps them through
-    :func:`.cpu.on_huge_pages`), a dense weight where torch's allocator put it."""
+    :func:`.cpu.on_huge_pages`), a dense weight where torch's allocator put it. ``states``: compressed states by
+    format, shared by the candidates of one format (then :func:`.cycles.cycled_many` gives them one ring of
+    copies)."""
     if kernel == "dense":
         return (lambda w: F.linear(x, w)), weight, None
     if kernel == DENSE_CAREFUL:
@@ -133,7 +135,10 @@ def _gemm_case(kernel: str, weight: torch.Tensor, x: torch.Tensor):
         return (lambda w: F.linear(x32, w)), weight.float(), None
     k, (out_features, in_features) = KERNELS[kernel], weight.shape
     # what Sparse24Linear's forward runs: on a small layer the general path's extra µs can decide the choice
-    return bound_call(k, x, in_features, out_features), cpu.state_on_huge_pages(k.compress(weight)), cpu.on_huge_pages
+    states = {} if states is None else states
+    if k.fmt not in states:
+        states[k.fmt] = cpu.state_on_huge_pages(k.compress(weight))
+    return bound_call(k, x, in_features, out_features), states[k.fmt], cpu.on_huge_pages
 
 
 def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:
@@ -167,10 +172,10 @@ def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dty
         return {k: measure_gemm(k, out_features, in_features, dtype, tokens, mode, device) for k in kernels}
     weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
     ref = F.linear(x, weight)
-    results, cases = {}, {}
+    results, cases, states = {}, {}, {}
     for k in kernels:
         try:
-            fn, held, place = _gemm_case(k, weight, x)
+            fn, held, place = _gemm_case(k, weight, x, states)
             if k != "dense" and (why := _wrong(fn(held), ref)):
                 raise RuntimeError(why)
             cases[k] = (fn, held, place)
