@@ -28,27 +28,18 @@ EXCLUDED_MODULES: tuple[str, ...] = ()
 # (ModelSettings; finetune's has no default), --lr and train/finetune's --batch-size (RunConfig; one command each
 # overrides it).
 KNOWN = {
-    # three lists of methods: the training methods, the one-shot pruners, the quantizers
+    # the one flag name a user types for "which algorithm" in each command: three lists of methods (the training
+    # methods, the one-shot pruners, the quantizers), each the command's own choices
     "method": {"TrainConfig", "PruneConfig", "QuantizeConfig"},
-    # the perplexity window: None (= --seq-len) with a lower bound of 2 and a resume rule for train, None without a
-    # bound for prune, 512 for quantize: one base would need two overrides, or prune would refuse values it takes
-    "eval_seq_len": {"TrainConfig", "PruneConfig", "QuantizeConfig"},
-    # a KD softmax temperature (train) and a sampling temperature (generate)
-    "temperature": {"GenerateConfig", "CastSettings"},
     # the training loop's micro-batch (RunConfig, train's override adds 0 = the plan's), a benchmark's batch of
     # prompts (1), and lm-eval's items per forward, a string that may be 'auto'
     "batch_size": {"RunConfig", "TrainConfig", "BenchConfig", "ZeroShotOptions"},
-    # one token budget (a count) against a comma-separated list of budgets
-    "tokens": {"DataSettings", "SweepOptions"},
-    # a text source with the embedded default, against finetune's required records (JSONL / CSV, labels)
+    # a text source with the embedded default, against finetune's required records (JSONL / CSV, labels) that
+    # pair with its --eval-data
     "data": {"CalibrationSettings", "FinetuneConfig"},
-    # documents of the hashed split (at most 0.5) against records held out when --eval-data is not given (0.9)
-    "val_fraction": {"DataSettings", "FinetuneConfig"},
     # five lists: export's written dtype (auto = as stored), quantize's and bench's fp16 / bf16 / fp32 for the
     # stored tensors and for the kernels, generate's auto = bf16, zeroshot's torch names (float32, ...)
     "dtype": {"ExportConfig", "QuantizeConfig", "BenchInferenceConfig", "GenerateConfig", "ZeroShotOptions"},
-    # generate's answer length (64) against the cap of finetune's exact-match check (32)
-    "max_new_tokens": {"FinetuneConfig", "GenerateConfig"},
 }
 
 

@@ -133,7 +133,7 @@ def test_classification_head_learns_a_separable_task(workdir, tmp_path, mode):
     lr = "1e-2" if mode == "lora" else "3e-3"
     assert main(["finetune", str(workdir / "gpt2-24"), "--task", "classification", "--mode", mode, "--data",
                  str(workdir / "cls.csv"), "--output-dir", str(out), "--max-steps", "30", "--batch-size", "8",
-                 "--lr", lr, "--val-fraction", "0.25", *FAST]) == 0
+                 "--lr", lr, "--eval-fraction", "0.25", *FAST]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["after"]["examples"] == 24 and res["after"]["accuracy"] >= 0.9, res["after"]
     assert res["after"]["accuracy"] > res["before"]["accuracy"] + 0.2

@@ -65,7 +65,7 @@ def test_classification_files_csv_jsonl_pairs_and_held_out_labels(tmp_path):
     tok = tiny.tokenizer()
     csv_file = tmp_path / "d.csv"
     csv_file.write_text("text,label\n" + "".join(f"doc {i},{'pos' if i % 2 else 'neg'}\n" for i in range(20)))
-    data = load_task_data(_cfg(tmp_path, csv_file, task="classification", val_fraction=0.2), tok)
+    data = load_task_data(_cfg(tmp_path, csv_file, task="classification", eval_fraction=0.2), tok)
     assert data.kind == "classification" and data.label_names == ["neg", "pos"]
     assert len(data.train) == 16 and len(data.val) == 4
     assert {e.labels for e in data.train} == {0, 1}

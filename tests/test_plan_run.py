@@ -102,7 +102,7 @@ VALUES = {  # a value other than the default, for every option `cast-llm plan` t
     "test_fraction": ["--test-fraction", "0.05"], "val_sequences": ["--val-sequences", "64"],
     "test_sequences": ["--test-sequences", "64"], "data_cache": ["--data-cache", "/tmp/cache"],
     "l1_decay": ["--l1-decay", "1e-6"], "mask_interval": ["--mask-interval", "5"],
-    "scale_groups": ["--scale-groups", "4"], "eta": ["--eta", "0.6"], "temperature": ["--temperature", "2"],
+    "scale_groups": ["--scale-groups", "4"], "eta": ["--eta", "0.6"], "kd_temperature": ["--kd-temperature", "2"],
     "kd_chunk_size": ["--kd-chunk-size", "256"], "progress": ["--no-progress"], "seed": ["--seed", "1"],
     "output_dir": ["--output-dir", "/tmp/run"], "overwrite": ["--overwrite"], "n": ["--n", "4", "--m", "8"],
     "m": ["--m", "8"], "skip_incompatible": ["--skip-incompatible"], "resume": ["--resume"],

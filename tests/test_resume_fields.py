@@ -11,7 +11,7 @@ import torch
 from cast_llm.config import option, resume_keys, undecided_resume_fields
 from cast_llm.errors import CastError
 from cast_llm.finetune.config import FinetuneConfig
-from cast_llm.train.checkpoint import fingerprint, load_checkpoint, save_checkpoint
+from cast_llm.train.checkpoint import FORMER_NAMES, fingerprint, load_checkpoint, save_checkpoint
 from cast_llm.train.config import TrainConfig
 
 # the hand list train/checkpoint.py held before the marks (FINGERPRINT_KEYS, 46 names)
@@ -47,10 +47,10 @@ def test_a_field_without_a_decision_is_found_and_a_wrong_rule_refused():
 def test_the_marks_keep_the_old_hand_list_and_add_what_it_forgot():
     """The train fingerprint is the 46 names it had, plus grad_clip, decay_mode and sparse_update (each changes the training:
     a resume with another value would silently be another run); finetune's 25 are unchanged."""
-    keys = set(resume_keys(TrainConfig))
+    keys = {FORMER_NAMES.get(k, k) for k in resume_keys(TrainConfig)}  # (--temperature is now --kd-temperature)
     assert keys - OLD_TRAIN_KEYS == {"grad_clip", "decay_mode", "sparse_update"} and OLD_TRAIN_KEYS <= keys
     assert set(resume_keys(FinetuneConfig)) == {
-        "model", "mode", "task", "data", "eval_data", "val_fraction", "max_examples", "max_steps", "batch_size",
+        "model", "mode", "task", "data", "eval_data", "eval_fraction", "max_examples", "max_steps", "batch_size",
         "grad_accum", "seq_len", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr_ratio", "grad_clip",
         "n", "m", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_masked_forward", "seed"}
     cfg = TrainConfig(output_dir="x", max_steps=3, lr=1e-3)
@@ -68,3 +68,10 @@ def test_resume_compares_what_the_checkpoint_recorded(tmp_path):
     with pytest.raises(CastError, match="grad_clip: checkpoint 1.0 vs now 0.5"):
         load_checkpoint(ck, fingerprint(dataclasses.replace(cfg, grad_clip=0.5)))
     load_checkpoint(ck, fingerprint(dataclasses.replace(cfg, log_every=1, eval_every=2)))  # free settings
+    # a setting renamed since: the checkpoint's fingerprint under its former name is still compared
+    old = {FORMER_NAMES.get(k, k): v for k, v in fingerprint(cfg).items()}
+    assert "temperature" in old and "kd_temperature" not in old
+    ck = save_checkpoint(tmp_path, 2, {"model": {"w": torch.zeros(2)}}, {"fingerprint": old})
+    load_checkpoint(ck, fingerprint(cfg))
+    with pytest.raises(CastError, match="kd_temperature: checkpoint 1.0 vs now 2.0"):
+        load_checkpoint(ck, fingerprint(dataclasses.replace(cfg, kd_temperature=2.0)))

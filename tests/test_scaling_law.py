@@ -290,7 +290,7 @@ def test_sweep_command_end_to_end(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep"
     fake = FakeTrainer(fail_at=4_000_000)
     monkeypatch.setattr(scaling_law, "run_command", fake)
-    argv = ["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
+    argv = ["scaling-law", "sweep", "--budgets", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
     assert main(argv) == 2  # the 4M run fails: one line, what to do
     assert "training for 4M tokens failed (exit code 1)" in capsys.readouterr().err
     fake.fail_at = None
@@ -317,7 +317,7 @@ def test_sweep_keeps_files_it_did_not_write_and_follows_no_link(tmp_path, capsys
     mine.write_text("my own data\n")
     fake = FakeTrainer()
     monkeypatch.setattr(scaling_law, "run_command", fake)
-    argv = ["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
+    argv = ["scaling-law", "sweep", "--budgets", "1M,2M,4M", "--output-dir", str(out), "--", "--preset", "x"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "points.csv" in err and "did not write" in err and len(err.strip().splitlines()) == 1
@@ -338,5 +338,5 @@ def test_sweep_dry_run(tmp_path, capsys, monkeypatch):
     import cast_llm.scaling.budget_sweep as scaling_law
 
     monkeypatch.setattr(scaling_law, "run_command", lambda cmd: pytest.fail("dry run must not train"))
-    assert main(["scaling-law", "sweep", "--tokens", "1M,2M,4M", "--output-dir", str(tmp_path), "--dry-run"]) == 0
+    assert main(["scaling-law", "sweep", "--budgets", "1M,2M,4M", "--output-dir", str(tmp_path), "--dry-run"]) == 0
     assert capsys.readouterr().out.count(" train ") == 3

@@ -50,7 +50,7 @@ class SweepOptions(OutputDirSettings, FitOptions):
 
     OPTION_TEXT = {"output_dir": "folder of the sweep: one run folder per budget, points.csv, the fit"}
 
-    tokens: str | None = option(None, "comma-separated token budgets, e.g. 1M,2M,4M (at least 3)")
+    budgets: str | None = option(None, "comma-separated training-token budgets, e.g. 1M,2M,4M (at least 3)")
     dry_run: bool = option(False, "print the training commands without running them")
 
 
@@ -77,10 +77,10 @@ def run_sweep_command(args) -> int:
     if not cfg.output_dir:
         raise CastError("--output-dir is required: the sweep writes one run folder per budget there")
     say = (lambda s: print(s, file=sys.stderr)) if cfg.json else print
-    if not cfg.tokens:
-        raise CastError("--tokens is required: the budgets to train, e.g. --tokens 5M,10M,20M,40M")
+    if not cfg.budgets:
+        raise CastError("--budgets is required: the training-token budgets, e.g. --budgets 5M,10M,20M,40M")
     report = scaling_law.sweep(
-        scaling_law.parse_budgets(cfg.tokens), Path(cfg.output_dir), list(args.train_args), metric=cfg.metric,
+        scaling_law.parse_budgets(cfg.budgets), Path(cfg.output_dir), list(args.train_args), metric=cfg.metric,
         metric_given="metric" in cli_layer(args, SweepOptions), dense_ppl=cfg.dense_ppl, beta=cfg.beta,
         plot=cfg.plot, dry_run=cfg.dry_run, log=say,
     )

@@ -24,6 +24,20 @@ class WindowSettings:
 
 
 @dataclass
+class EvalWindowSettings(WindowSettings):
+    """The window a command's perplexity is scored in (train's WikiText-2 figures, prune's and quantize's before /
+    after check): the training or calibration window unless given."""
+
+    eval_seq_len: int | None = option(None, "perplexity window length (default: --seq-len)", min=2,
+                                      section="evaluation", resume="free")
+
+    @property
+    def eval_window(self) -> int:
+        """The window length scored: ``--eval-seq-len``, else ``--seq-len``."""
+        return self.eval_seq_len or self.seq_len
+
+
+@dataclass
 class CalibrationSettings(WindowSettings):
     """The text a command reads and how many calibration windows it draws from it."""
 

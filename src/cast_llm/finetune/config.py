@@ -43,7 +43,7 @@ class FinetuneConfig(RunConfig, ModelSettings):
     data: str | None = option(None, "training data: a .jsonl/.json/.csv/.tsv file; for causal-lm also any "
                                     "cast-llm train --data source; for classification also hf:glue:sst2 style",
                               section=RUN, resume="must_match")
-    eval_data: str | None = option(None, "held-out data in the same format (default: --val-fraction of --data)",
+    eval_data: str | None = option(None, "held-out data in the same format (default: --eval-fraction of --data)",
                                    section=RUN, resume="must_match")
     seq_len: int = option(256, "longest example in tokens (longer ones are truncated; plain text is packed to it)",
                           min=2, section=BUDGET, resume="must_match")
@@ -69,14 +69,14 @@ class FinetuneConfig(RunConfig, ModelSettings):
     save_adapter: bool = option(True, "also save the un-merged LoRA adapter in OUTPUT_DIR/adapter", section=LORA,
                                 resume="free")
     # --- evaluation
-    val_fraction: float = option(0.1, "fraction of --data records held out when --eval-data is not given", min=0,
-                                 max=0.9, section=EVAL, resume="must_match")
+    eval_fraction: float = option(0.1, "fraction of --data records held out when --eval-data is not given",
+                                  min=0, max=0.9, section=EVAL, resume="must_match")
     val_examples: int = option(256, "held-out examples (or packed sequences) scored for loss/accuracy (0 = all)",
                                min=0, section=EVAL, resume="free")
     exact_match_examples: int = option(64, "held-out prompt/completion items scored by greedy exact match (0 = off)",
                                        min=0, section=EVAL, resume="free")
-    max_new_tokens: int = option(32, "greedy generation length cap for exact match", min=1, section=EVAL,
-                                 resume="free")
+    exact_match_max_tokens: int = option(32, "greedy generation length cap for exact match", min=1,
+                                         section=EVAL, resume="free")
     eval_batch_size: int | None = option(None, "examples per evaluation batch (default: --batch-size)", min=1,
                                          section=EVAL, resume="free")
     per_layer_report: bool = option(True, "print the sparsity of every target layer at the end (the total always)",

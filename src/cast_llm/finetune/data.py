@@ -177,7 +177,7 @@ def load_causal(cfg, tokenizer) -> TaskData:
             if val_r is None:
                 raise CastError(f"--eval-data {cfg.eval_data}: not a {'/'.join(RECORD_SUFFIXES)} file")
         else:
-            train_r, val_r = split_records(records, cfg.val_fraction, cfg.seed)
+            train_r, val_r = split_records(records, cfg.eval_fraction, cfg.seed)
         train, t1, d1 = instruction_examples(train_r, tokenizer, cfg.seq_len, cfg.data)
         val, t2, d2 = instruction_examples(val_r, tokenizer, cfg.seq_len, cfg.eval_data or cfg.data)
         if not train:
@@ -193,7 +193,7 @@ def load_causal(cfg, tokenizer) -> TaskData:
                     test_fraction=0.0, min_train_sequences=cfg.batch_size, max_documents=cfg.max_examples)
         return [Example(r.tolist(), r.tolist()) for r in d.train], [Example(r.tolist(), r.tolist()) for r in d.val]
 
-    train, val = packed(cfg.data, 0.0 if cfg.eval_data else cfg.val_fraction)
+    train, val = packed(cfg.data, 0.0 if cfg.eval_data else cfg.eval_fraction)
     if cfg.eval_data:
         val = packed(cfg.eval_data, 0.0)[0]
     return TaskData("text", train, val)
@@ -270,7 +270,7 @@ def load_classification(cfg, tokenizer) -> TaskData:
         if val_r is None:
             raise CastError(f"--eval-data {cfg.eval_data}: not a {'/'.join(RECORD_SUFFIXES)} file")
     elif not cfg.data.startswith("hf:"):
-        train_r, val_r = split_records(train_r, cfg.val_fraction, cfg.seed)
+        train_r, val_r = split_records(train_r, cfg.eval_fraction, cfg.seed)
     if not train_r:
         raise CastError(f"--data {cfg.data} holds no records")
     missing = next((i for i, r in enumerate(train_r, 1) if r.get("label") in (None, "")), None)

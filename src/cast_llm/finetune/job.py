@@ -115,7 +115,7 @@ class FinetuneJob(Job):
         r = evaluate(m, data.val, task=cfg.task, batch_size=self.eval_bs, pad_id=self.pad_id, device=self.device)
         if data.kind == "instruction" and cfg.exact_match_examples:
             em = exact_match(m, self.tokenizer, data.val[: cfg.exact_match_examples],
-                             max_new_tokens=cfg.max_new_tokens, batch_size=self.eval_bs, device=self.device)
+                             max_new_tokens=cfg.exact_match_max_tokens, batch_size=self.eval_bs, device=self.device)
             r.update(exact_match=em["exact_match"], exact_match_examples=em["examples"],
                      exact_match_samples=em["samples"])
         return r
@@ -216,7 +216,7 @@ def _data_notes(data, cfg) -> list[str]:
     if data.dropped:
         notes.append(f"note: {data.dropped} example(s) dropped: the prompt alone fills --seq-len {cfg.seq_len}")
     if not data.val:
-        notes.append("note: no held-out examples (--val-fraction 0 and no --eval-data): no before/after metrics")
+        notes.append("note: no held-out examples (--eval-fraction 0 and no --eval-data): no before/after metrics")
     return notes
 
 

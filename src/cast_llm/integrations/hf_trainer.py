@@ -100,7 +100,7 @@ class CastTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         c = self.cast_args
-        loss, outputs = cast_kd_loss(model, self.teacher, inputs, eta=c.eta, temperature=c.temperature,
+        loss, outputs = cast_kd_loss(model, self.teacher, inputs, eta=c.eta, temperature=c.kd_temperature,
                                      chunk_size=c.kd_chunk_size)
         return (loss, outputs) if return_outputs else loss
 

@@ -56,7 +56,7 @@ def prune_job(cfg: PruneConfig, *, say: Callable[[str], None] = print) -> Path:
                        too_small="(--calib-samples); add text or lower --calib-samples / --seq-len")
         calib = calibration_samples(data, cfg.calib_samples, seed=cfg.seed)
 
-    eval_ids, eval_len, ppl = None, cfg.eval_seq_len or cfg.seq_len, {}
+    eval_ids, eval_len, ppl = None, cfg.eval_window, {}
     if cfg.eval_text_file:
         f = Path(cfg.eval_text_file)
         if not f.is_file():

@@ -27,7 +27,7 @@ from cast_llm.quant.quantize import quantize_model_
 
 def _wikitext_ppl(model, tokenizer, cfg: QuantizeConfig, ids=None):
     ids = ids if ids is not None else tokenize_text(wikitext2_text(), tokenizer)
-    return ids, perplexity(model, ids, cfg.eval_seq_len, max_windows=cfg.eval_windows)
+    return ids, perplexity(model, ids, cfg.eval_window, max_windows=cfg.eval_windows)
 
 
 def quantize_job(cfg: QuantizeConfig, *, say: Callable[[str], None] = print) -> Path:

@@ -101,7 +101,7 @@ def evaluation_windows(run, train_tokens: int) -> int:
     (:func:`cast_llm.eval.evaluator.wikitext_windows`: ``--wikitext-windows``, or scaled to the run's
     ``train_tokens``), of the windows the text holds — which the plan estimates from the text's length
     (:data:`CHARS_PER_TOKEN`; no tokenizer)."""
-    eval_len = run.eval_seq_len or run.seq_len
+    eval_len = run.eval_window
     source = wikitext2_source(run.wikitext_file)
     if source.path is None:
         return 0
@@ -128,7 +128,7 @@ def startup_work(run, *, native_bytes: int, train_tokens: int, batch_size: int |
             raise CastError(f"{flag} 0 scores all the split holds, which the plan cannot know without the data; "
                             f"give {flag} N")
         counts[flag] = count or all_split_windows
-    eval_len = run.eval_seq_len or run.seq_len
+    eval_len = run.eval_window
     windows = evaluation_windows(run, train_tokens)
     micro = max(1, run.batch_size if batch_size is None else batch_size)
     sparsegpt = run.effective_init_mask == "sparsegpt"

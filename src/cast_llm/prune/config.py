@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cast_llm.config import ModelSettings, OutputSettings, PatternSettings, SeedSettings, option
-from cast_llm.data.config import BlockCalibrationSettings
+from cast_llm.data.config import BlockCalibrationSettings, EvalWindowSettings
 from cast_llm.errors import CastError
 
 METHODS = ("magnitude", "wanda", "sparsegpt")  # = cast_llm.prune.oneshot.METHODS (a test keeps them equal)
@@ -19,7 +19,8 @@ SECTIONS = (RUN, CALIB, PATTERN, SPARSEGPT, EVAL)  # the order of `prune --help`
 
 
 @dataclass
-class PruneConfig(OutputSettings, SeedSettings, PatternSettings, BlockCalibrationSettings, ModelSettings):
+class PruneConfig(OutputSettings, SeedSettings, PatternSettings, BlockCalibrationSettings, EvalWindowSettings,
+                  ModelSettings):
     """One-shot N:M pruning of a dense model (method.md §6) into a verified sparse checkpoint."""
 
     method: str | None = option(
@@ -30,7 +31,6 @@ class PruneConfig(OutputSettings, SeedSettings, PatternSettings, BlockCalibratio
     blocksize: int = option(128, "columns per lazy-update block (a multiple of m)", section=SPARSEGPT)
     eval_text_file: str | None = option(None, "also report perplexity before and after pruning on this text file",
                                         section=EVAL)
-    eval_seq_len: int | None = option(None, "perplexity window length (default: --seq-len)", section=EVAL)
     eval_max_windows: int | None = option(None, "score only the first this many windows (default: all)",
                                           section=EVAL)
 

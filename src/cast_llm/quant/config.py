@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cast_llm.config import ModelSettings, NMSettings, OutputSettings, SeedSettings, option
-from cast_llm.data.config import BlockCalibrationSettings
+from cast_llm.data.config import BlockCalibrationSettings, EvalWindowSettings
 from cast_llm.errors import CastError
 
 METHODS = ("awq", "rtn")  # = cast_llm.quant.quantize.METHODS in --help's order (a test keeps the sets equal)
@@ -15,7 +15,8 @@ SECTIONS = (QUANT, CALIB, OUTPUT, EVAL)  # the order of `quantize --help`
 
 
 @dataclass
-class QuantizeConfig(OutputSettings, SeedSettings, NMSettings, BlockCalibrationSettings, ModelSettings):
+class QuantizeConfig(OutputSettings, SeedSettings, NMSettings, BlockCalibrationSettings, EvalWindowSettings,
+                     ModelSettings):
     """Sparsity-preserving AWQ / RTN weight quantization of a (dense or N:M) model (method.md §7)."""
 
     method: str = option("awq", "awq (activation-aware scale search, then group-wise quantization) or rtn "
@@ -30,9 +31,9 @@ class QuantizeConfig(OutputSettings, SeedSettings, NMSettings, BlockCalibrationS
                         choices=("fp16", "bf16", "fp32"), section=OUTPUT)
     eval_windows: int = option(0, "if > 0: WikiText-2 perplexity before and after, on the first this many windows",
                                section=EVAL)
-    eval_seq_len: int = option(512, "perplexity window length for --eval-windows", section=EVAL)
 
     OPTION_TEXT = {
+        "eval_seq_len": "perplexity window length for --eval-windows (default: --seq-len)",
         "model": "the model to quantize (dense or N:M sparse): HF folder, hub id or alias",
         "data": "AWQ calibration text: wiki-summaries, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG]",
         "calib_samples": "AWQ calibration sequences (the AWQ paper: 128)",

@@ -31,7 +31,7 @@ from cast_llm.config import (
     parse_hist_steps,
     recompute_mode,
 )
-from cast_llm.data.config import DataSettings, WindowSettings
+from cast_llm.data.config import DataSettings, EvalWindowSettings, WindowSettings
 from cast_llm.errors import CastError
 from cast_llm.optim.schedule import FINETUNE_WARMUP, SCHEDULES, TRAIN_WARMUP
 
@@ -164,17 +164,18 @@ class CastSettings:
                              "the baselines (measured: docs/results/compare-smollm2-135m-cpu-notes.md); the paper: "
                              "2/3 GPT-2/OPT (its perplexity), 1/3 LLaMA (zero-shot)", min=0, max=1, section=CAST,
                              resume="must_match")
-    temperature: float = option(1.0, "KD softmax temperature (ours; the paper uses 1)", min=0, min_exclusive=True,
+    kd_temperature: float = option(1.0, "KD softmax temperature (ours; the paper uses 1)", min=0, min_exclusive=True,
                                 section=CAST, resume="must_match")
     kd_chunk_size: int = option(1024, "tokens per chunk of the KD loss (bounds the fp32 logits memory)", min=1,
                                 section=CAST, resume="free")
 
 
 @dataclass
-class TrainConfig(RunConfig, CastSettings, DataSettings):
+class TrainConfig(RunConfig, CastSettings, DataSettings, EvalWindowSettings):
     """``cast-llm train``: the run (:class:`RunConfig`), CAST's knobs, the data (the token cache's key, shared with
     ``cast-llm prepare-data``: :class:`cast_llm.data.config.DataSettings`), and these."""
 
+    OPTION_TEXT = {"eval_seq_len": "WikiText-2 window length (default: --seq-len)"}
     OPTION_SECTIONS = {"model": RUN, "data": RUN, "data_cache": RUN, "tokens": BUDGET, "max_documents": BUDGET,
                        "calib_samples": CAST, "val_fraction": EVAL, "test_fraction": EVAL, "val_sequences": EVAL,
                        "test_sequences": EVAL}
@@ -268,8 +269,6 @@ class TrainConfig(RunConfig, CastSettings, DataSettings):
     wikitext_windows: int | None = option(None, "WikiText-2 windows scored at the end (0 = all, the full protocol; "
                                                 "default: scaled to the run, so that scoring takes less time than "
                                                 "training — at least 4)", min=0, section=EVAL, resume="free")
-    eval_seq_len: int | None = option(None, "WikiText-2 window length (default: --seq-len)", min=2, section=EVAL,
-                                      resume="free")
     wikitext_file: str | None = option(None, "WikiText-2 raw test text (default: $CAST_WIKITEXT2, else the copy "
                                              "packaged with cast-llm)", section=EVAL, resume="free")
     report: bool = option(True, "write the run's HTML report (plots of loss, S_t, flip rates, perplexities) into "

@@ -66,7 +66,7 @@ def lm_loss(student_logits, teacher_logits, input_ids, cfg: TrainConfig) -> tupl
     plain ``F.cross_entropy`` would keep fp32 log-probabilities of every token for backward (N × V × 4
     bytes, 16 GiB for 32k tokens of a 128k vocabulary)."""
     eta = cfg.eta if teacher_logits is not None else 0.0
-    out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=eta, temperature=cfg.temperature,
+    out = causal_kd_loss(student_logits, teacher_logits, input_ids, eta=eta, temperature=cfg.kd_temperature,
                          chunk_size=cfg.kd_chunk_size)
     if teacher_logits is None:
         return out.loss, out.ce, 0.0
@@ -288,7 +288,7 @@ class PretrainJob(Job):
         weight = getattr(model, "module", model).get_output_embeddings().weight
         with fsdp2.unsharded_head(teacher) as t_weight:
             out = fused_head_loss(hidden, weight, t_hidden, t_weight, batch, eta=cfg.eta if teacher is not None
-                                  else 0.0, temperature=cfg.temperature, chunk_size=cfg.kd_chunk_size)
+                                  else 0.0, temperature=cfg.kd_temperature, chunk_size=cfg.kd_chunk_size)
         return out.loss, {"ce": out.ce, "kd": out.kd if teacher is not None else 0.0}, batch.numel()
 
     def observers(self, ctx) -> list:
