@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from cast_llm.config import option, resume_keys, undecided_resume_fields
+from cast_llm.config import FORMER_NAMES, option, resume_keys, undecided_resume_fields
 from cast_llm.errors import CastError
 from cast_llm.finetune.config import FinetuneConfig
-from cast_llm.train.checkpoint import FORMER_NAMES, fingerprint, load_checkpoint, save_checkpoint
+from cast_llm.train.checkpoint import fingerprint, load_checkpoint, save_checkpoint
 from cast_llm.train.config import TrainConfig
 
 # the hand list train/checkpoint.py held before the marks (FINGERPRINT_KEYS, 46 names)

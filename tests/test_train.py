@@ -168,6 +168,9 @@ def test_yaml_and_cli_precedence(tmp_path):
     y.write_text("lrr: 3\n")
     with pytest.raises(Exception, match="unknown option 'lrr'"):
         build_config(p.parse_args(["train", "--config", str(y), "--output-dir", "x"]))
+    y.write_text("temperature: 2\n")  # a run's config.yaml from before --kd-temperature
+    with pytest.raises(Exception, match="option 'temperature' is now 'kd-temperature'"):
+        build_config(p.parse_args(["train", "--config", str(y), "--output-dir", "x"]))
     y.write_text("batch_size: many\n")
     with pytest.raises(Exception, match="batch-size"):
         build_config(p.parse_args(["train", "--config", str(y), "--output-dir", "x", "--max-steps", "1"]))

@@ -24,6 +24,9 @@ from cast_llm.io import RunDir, atomic_write_text
 # what a resumed run may do with a setting (option(resume=...)): "must_match" — the checkpoint's value, or the resume
 # is refused (it would be another run); "free" — change it (logging, evaluation, where files go, how memory is spent)
 RESUME_RULES = ("must_match", "free")
+# options renamed (new field name -> the name it had): a config file or a checkpoint written before is told or read
+FORMER_NAMES = {"kd_temperature": "temperature", "eval_fraction": "val_fraction",
+                "exact_match_max_tokens": "max_new_tokens", "budgets": "tokens"}
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None,
@@ -289,6 +292,9 @@ def resolve(cls, *layers: tuple[str, dict[str, Any]]):
         for key, value in mapping.items():
             name = str(key).replace("-", "_")
             if name not in names:
+                renamed = [new for new, old in FORMER_NAMES.items() if old == name and new in names]
+                if renamed:
+                    raise CastError(f"{source}: option '{key}' is now '{renamed[0].replace('_', '-')}'")
                 close = [n.replace("_", "-") for n in names if n.startswith(name[:3])]
                 hint = f" (did you mean: {', '.join(sorted(close))}?)" if close else ""
                 raise CastError(f"{source}: unknown option '{key}'{hint}")

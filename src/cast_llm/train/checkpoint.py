@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cast_llm.config import resume_keys
+from cast_llm.config import FORMER_NAMES, resume_keys
 from cast_llm.errors import CastError
 from cast_llm.io import RunDir, atomic_dir, fsync_path, is_plain_name, publish_dir, sha256_file
 from cast_llm.train.state_io import StateFormatError, load_state, save_state
@@ -42,9 +42,6 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 # written first into every folder a checkpoint save creates, so that a partial one (``step-N.tmp``, ``step-N.old``)
 # that holds it is known to be ours (removed when a run starts); not a file of the checkpoint (meta.json lists none)
 SAVE_MARKER = ".cast-llm-checkpoint"
-# settings renamed since checkpoints recorded them (new name -> the name an older checkpoint's fingerprint holds):
-# a resume still compares them
-FORMER_NAMES = {"kd_temperature": "temperature", "eval_fraction": "val_fraction"}
 CHECKPOINT_META = RunDir.CHECKPOINT_META  # meta.json: the fingerprint, the step and every file's checksum
 
 
@@ -291,6 +288,7 @@ def load_checkpoint(path: Path, expected_fingerprint: dict[str, Any], *,
         raise CastError(f"checkpoint {path} is corrupt: cannot read meta.json ({e}); delete it to use an older one") from None
     _check_meta(path, meta)
     got = meta.get("fingerprint", {})
+    # (a setting renamed since: compared under the name the checkpoint recorded)
     got = {**{new: got[old] for new, old in FORMER_NAMES.items() if old in got and new not in got}, **got}
     # a setting the checkpoint does not record was not one a resume had to match when it was written (a version
     # before the setting was marked must_match): it is not compared, as that version would not have
