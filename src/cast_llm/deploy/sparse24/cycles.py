@@ -36,26 +36,32 @@ def l3_given() -> bool:
     return bool(os.environ.get(L3_ENV, "").strip())
 
 
+def _size(text: str) -> int | None:
+    """``text`` as bytes: digits, with a K / M / G suffix (binary) or none, as sysfs and :data:`L3_ENV` write a
+    size; None where it is not one (or is 0)."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if mult > 1 else text
+    return int(digits) * mult if digits.isdigit() and int(digits) > 0 else None
+
+
 def l3_bytes() -> int:
     """This CPU's last-level cache size as given or reported: ``CAST_LLM_L3_BYTES`` where set (bytes, or with a K / M
     / G suffix), else Linux sysfs; 32 MiB where neither says. What a cold timing overflows is :func:`cold_bytes`:
     this, checked by reading where sysfs reports a large one."""
     env = os.environ.get(L3_ENV, "").strip()
     if env:
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(env[-1:].upper(), 1)
-        digits = env[:-1] if mult > 1 else env
-        if not digits.isdigit() or int(digits) == 0:
+        if (size := _size(env)) is None:
             raise CastError(f"CAST_LLM_L3_BYTES={env!r}: give the last-level cache as a size in bytes, or with K, M "
                             f"or G (e.g. 64M), or unset it to read sysfs")
-        return int(digits) * mult
+        return size
     sizes = []
     for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            text = open(f).read().strip()
+            size = _size(open(f).read().strip())
         except OSError:
             continue
-        mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KM")) * mult)
+        if size:
+            sizes.append(size)
     return max(sizes) if sizes else 32 << 20
 
 
