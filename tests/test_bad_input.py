@@ -140,3 +140,14 @@ def test_widths_that_do_not_divide_by_m(workdir, tmp_path, capsys, m):
 def test_tokenizer_without_eos(workdir, tmp_path, capsys):
     line = _run(workdir, tmp_path, capsys, model="no-eos")
     assert "EOS" in line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--temperature", "2", "--output-dir", "x"], "--temperature is now --kd-temperature"),
+    (["scaling-law", "sweep", "--tokens=1M,2M,4M", "--output-dir", "x"], "--tokens is now --budgets"),
+    (["finetune", "m", "--val-fraction", "0.2"], "--val-fraction is now --eval-fraction"),
+])
+def test_a_renamed_flag_is_refused_in_one_line_that_names_its_new_name(capsys, argv, says):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and says in err[0] and "unrecognized arguments" in err[0], err
