@@ -258,3 +258,40 @@ def test_cli_default_tasks_are_the_papers_suite():
     from cast_llm.eval.zeroshot import DEFAULT_TASKS
 
     assert ZeroShotOptions().tasks == ",".join(DEFAULT_TASKS)
+
+
+def test_a_typo_is_refused_before_the_scan_once_an_earlier_scan_remembered_the_names(monkeypatch, tmp_path):
+    """lm-eval's index takes 11-20 s to build; its names are kept per lm-eval version in cast-llm's cache, so a
+    mistyped task is refused at once. A file there that cast-llm did not write is neither read nor overwritten, a
+    link is not followed."""
+    import lm_eval.tasks
+
+    from cast_llm.errors import CastError
+    from cast_llm.eval import zeroshot as z
+
+    monkeypatch.setenv("CAST_LLM_CACHE", str(tmp_path / "cache"))
+
+    class Index:  # lm-eval's TaskManager, as far as _task_manager reads it
+        all_tasks, built = ["arc_easy", "mmlu", "piqa"], 0
+
+        def __init__(self, *args, **kwargs):
+            Index.built += 1
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Index)
+    assert z.cached_task_names() is None
+    assert isinstance(z._task_manager(["piqa"], None), Index) and Index.built == 1
+    assert z.cached_task_names() == {"arc_easy", "mmlu", "piqa"}
+    with pytest.raises(CastError, match="unknown lm-eval task 'piqaa'"):
+        z._task_manager(["piqa", "piqaa"], None)
+    assert Index.built == 1  # refused without a scan
+    path = z._task_names_path()
+    path.write_text(json.dumps({"names": []}))  # not ours
+    assert z.cached_task_names() is None
+    z._task_manager(["piqa"], None)
+    assert json.loads(path.read_text()) == {"names": []}
+    path.unlink()
+    target = tmp_path / "elsewhere.json"
+    target.write_text("kept")
+    path.symlink_to(target)
+    z._task_manager(["piqa"], None)
+    assert path.is_symlink() and target.read_text() == "kept" and z.cached_task_names() is None

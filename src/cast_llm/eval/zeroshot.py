@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_text
+from cast_llm.io import atomic_write_json, atomic_write_text, cache_dir
 
 DEFAULT_TASKS = ("hellaswag", "race", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 HEADLINE_METRICS = ("acc", "acc_norm")
@@ -118,10 +118,7 @@ def _first_line(e: BaseException) -> str:
 def task_error(name: str, e: BaseException) -> CastError:
     """A one-line CastError for a task that could not be built (unknown name, dataset not downloadable)."""
     if isinstance(e, KeyError) and "not a registered task" in str(e):
-        return CastError(
-            f"unknown lm-eval task '{name}': not in lm-eval's task list nor under --include-path "
-            "(list them with `lm-eval ls tasks`)"
-        )
+        return _unknown_task(name)
     if _is_download_error(e):
         return CastError(
             f"task '{name}': its dataset could not be downloaded ({type(e).__name__}: {_first_line(e)}); "
@@ -130,9 +127,65 @@ def task_error(name: str, e: BaseException) -> CastError:
     return CastError(f"task '{name}' could not be loaded: {type(e).__name__}: {_first_line(e)}")
 
 
+def _unknown_task(name: str) -> CastError:
+    return CastError(
+        f"unknown lm-eval task '{name}': not in lm-eval's task list nor under --include-path "
+        "(list them with `lm-eval ls tasks`)"
+    )
+
+
+TASK_NAMES_MARKER = "cast-llm lm-eval task names"
+
+
+def _task_names_path() -> Path:
+    """Where the names of lm-eval's own tasks (tasks, groups, tags) are remembered, per lm-eval version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("lm_eval")
+    except PackageNotFoundError:
+        release = "unknown"
+    return cache_dir() / f"lm-eval-task-names-{release}.json"
+
+
+def cached_task_names() -> set[str] | None:
+    """lm-eval's own task names as remembered by an earlier scan (None: none remembered, or the file is not one
+    cast-llm wrote, or a link)."""
+    path = _task_names_path()
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("written_by") != TASK_NAMES_MARKER or not isinstance(
+            data.get("names"), list):
+        return None
+    return set(data["names"])
+
+
+def _remember_task_names(manager) -> None:
+    """Keep the scanned index's names (a typo is then refused at once, not after a ~15 s scan); a file there that
+    cast-llm did not write, or a link, is left alone."""
+    path = _task_names_path()
+    if path.is_symlink() or (path.exists() and cached_task_names() is None):
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"written_by": TASK_NAMES_MARKER, "names": sorted(manager.all_tasks)})
+    except OSError:
+        pass  # a read-only cache only costs the next typo its scan
+
+
 def _task_manager(names: list[str], include_path):
     """A TaskManager; scanning lm-eval's own ~15k task configs takes seconds, so when every requested
-    name is a task under ``include_path`` only that folder is indexed."""
+    name is a task under ``include_path`` only that folder is indexed, and without one a name missing from the
+    names an earlier scan remembered (:func:`cached_task_names`) is refused before scanning (and before importing
+    lm-eval's task code, ~6 s here)."""
+    known = cached_task_names() if include_path is None else None
+    for name in names if known is not None else ():
+        if name not in known:
+            raise _unknown_task(name)
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -146,7 +199,9 @@ def _task_manager(names: list[str], include_path):
         if all(n in local.all_subtasks for n in names):
             return local
         return TaskManager(include_path=[str(p) for p in paths])
-    return TaskManager()
+    manager = TaskManager()
+    _remember_task_names(manager)
+    return manager
 
 
 @dataclass

@@ -61,8 +61,8 @@ def use_careful_head_(model: nn.Module, *, min_speedup: float = 1.05) -> str | N
     err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     if not err <= 8e-3:
         return f"LM head: torch's F.linear (the careful GEMV failed its check: max|Δ|/max|y| = {err:.3g})"
-    # the head is read once per token, after the whole model: time it from DRAM, each candidate walking its own
-    # copies of the weight (2x the cache together), the two interleaved round by round (as the dispatcher times)
+    # the head is read once per token, after the whole model: time it from DRAM, the two candidates walking one
+    # ring of copies of the weight (2x the cache together), interleaved round by round (as the dispatcher times)
     torch_s, careful_s = cycled_many([(lambda w: F.linear(x, w, head.bias), head.weight),
                                       (lambda w: cpu24.dense_mm(x, w, head.bias), head.weight)])
     if torch_s < careful_s * min_speedup:
