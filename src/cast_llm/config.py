@@ -29,6 +29,11 @@ FORMER_NAMES = {"kd_temperature": "temperature", "eval_fraction": "val_fraction"
                 "exact_match_max_tokens": "max_new_tokens", "budgets": "tokens"}
 
 
+def renamed_option(name: str) -> str | None:
+    """The field name an option formerly called ``name`` has now (:data:`FORMER_NAMES`), else None."""
+    return next((new for new, old in FORMER_NAMES.items() if old == name), None)
+
+
 def option(default: Any, help: str, *, choices: tuple | None = None, parse=None, flag: str | None = None,
            min: float | None = None, max: float | None = None, min_exclusive: bool = False,
            section: str | None = None, nargs: str | None = None, const: Any = None, resume: str | None = None):
@@ -292,9 +297,8 @@ def resolve(cls, *layers: tuple[str, dict[str, Any]]):
         for key, value in mapping.items():
             name = str(key).replace("-", "_")
             if name not in names:
-                renamed = [new for new, old in FORMER_NAMES.items() if old == name and new in names]
-                if renamed:
-                    raise CastError(f"{source}: option '{key}' is now '{renamed[0].replace('_', '-')}'")
+                if (new := renamed_option(name)) in names:
+                    raise CastError(f"{source}: option '{key}' is now '{new.replace('_', '-')}'")
                 close = [n.replace("_", "-") for n in names if n.startswith(name[:3])]
                 hint = f" (did you mean: {', '.join(sorted(close))}?)" if close else ""
                 raise CastError(f"{source}: unknown option '{key}'{hint}")

@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from cast_llm.config import FORMER_NAMES
+from cast_llm.config import renamed_option
 from cast_llm.errors import CastError
 
 # sub-command modules, in the order they are listed by --help
@@ -38,9 +38,9 @@ class OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):  # a flag renamed since: say its new name
-            given = {a.split("=")[0] for a in message.split(":", 1)[1].split()}
-            renamed = [f"--{o.replace('_', '-')} is now --{n.replace('_', '-')}" for n, o in FORMER_NAMES.items()
-                       if f"--{o.replace('_', '-')}" in given]
+            given = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            renamed = [f"{flag} is now --{new.replace('_', '-')}" for flag in given
+                       if (new := renamed_option(flag[2:].replace("-", "_")))]
             message += f" ({'; '.join(renamed)})" if renamed else ""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help; a value that starts with '-' is "
                      "written --flag=-1e-3)\n")

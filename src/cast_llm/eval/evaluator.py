@@ -31,7 +31,7 @@ def wikitext_windows(requested: int | None, total: int, train_tokens: int, windo
 class Evaluator:
     """Test, validation and WikiText-2 perplexities of the (possibly wrapped) student, each figure printed as
     it comes with what it is based on. ``cfg``: a training config (:class:`cast_llm.train.config.TrainConfig`;
-    its ``*_sequences``, ``wikitext_*``, ``eval_seq_len``, ``seq_len``, ``batch_size`` and ``progress``).
+    its ``*_sequences``, ``wikitext_*``, ``eval_window``, ``batch_size`` and ``progress``).
 
     *Test* (the held-out figure every table reports) and *validation* (what tuning chooses on, and the
     in-training ``--eval-every`` figure) are the fixed splits of ``--data`` (:mod:`cast_llm.data.split`).
@@ -44,7 +44,7 @@ class Evaluator:
         self.say = say or (lambda *a, **k: None)
         self.test = test[: cfg.test_sequences] if cfg.test_sequences else test
         self.val = test[:0] if val is None else (val[: cfg.val_sequences] if cfg.val_sequences else val)
-        self.eval_len = cfg.eval_seq_len or cfg.seq_len
+        self.eval_len = cfg.eval_window
         if model_max is not None and self.eval_len > model_max:
             raise CastError(f"--eval-seq-len {self.eval_len} is above the model maximum ({model_max})")
         source = wikitext2_source(cfg.wikitext_file)  # explicit file, else $CAST_WIKITEXT2, else the packaged copy

@@ -223,7 +223,7 @@ def plan_memory(shape: ModelShape, setup: Setup) -> MemoryPlan:
     # eager path (1 on the compiled chunk, where torch.compile runs: counted as the eager path, the bound), measured
     # warm in fp32 (benchmarks/dev/fused_head_rows.py, tests/test_head_loss.py: 3 rows with CE, 5 / 4 with KD); the
     # plan had counted 3 for KD, and the 16k runs with KD measured 0.83-0.87 of it
-    work = (2 if s.kd else 1) * chunk * V * 4 if s.fused_head else (3 if s.kd else 1) * chunk * V * 4
+    work = ((2 if s.kd else 1) if s.fused_head else (3 if s.kd else 1)) * chunk * V * 4
     if s.fused_head:
         st["logits, one chunk (student" + (", teacher" if s.kd else "") + ", gradient)"] = \
             chunk * V * (2 * logit + (t_logit if s.kd else 0))

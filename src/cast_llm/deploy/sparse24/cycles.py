@@ -164,10 +164,11 @@ def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time:
     rings: dict[tuple[int, object], list] = {}  # (id(held), place) -> [copies, cursor]
     plans = []
     for fn, held, *place in cases:
-        ring = rings.get((id(held), place[0] if place else None))
+        key = (id(held), place[0] if place else None)
+        ring = rings.get(key)
         if ring is None:
             count = min(MAX_COPIES, max(2, -(-2 * cold_bytes() // max(nbytes(held), 1))))
-            ring = rings[(id(held), place[0] if place else None)] = [
+            ring = rings[key] = [
                 [held] + [_clone(held, *place) for _ in range(count - 1)], 2 % count]
         copies = ring[0]
         for c in copies[:2]:  # first calls: code paths, the output's pages
