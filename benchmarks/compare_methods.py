@@ -227,6 +227,10 @@ def read_row(path: Path) -> dict:
     time from the run's clock here), with its WikiText-2 figure on the first windows where ``--first-windows``
     scored its saved model (``first_windows.json`` beside it)."""
     row = whole_run_wall(json.loads(path.read_text()))
+    first = path.with_name(FIRST_WINDOWS_FILE)
+    first_rec = json.loads(first.read_text()) if first.is_file() else None
+    if first_rec is not None and not first_windows_of_row(first_rec, row):
+        first_rec = None  # a record of another run that once stood in this folder
     again = path.with_name(RESCORED_FILE)
     rec = json.loads(again.read_text()) if again.is_file() else None
     if rec is not None and rec.get("row_test_ppl") == row.get("test"):
@@ -236,11 +240,24 @@ def read_row(path: Path) -> dict:
                                      "as_run_windows": rec["as_run_windows"]}
         row["wikitext2"], row["wikitext2_window_nll"] = rec["wikitext2_ppl"], rec["wikitext2_window_nll"]
         row["wikitext_windows"] = len(rec["wikitext2_window_nll"])
-    first = path.with_name(FIRST_WINDOWS_FILE)
-    if first.is_file():
-        rec = json.loads(first.read_text())
-        row.update(wikitext2_first=rec["wikitext2_ppl"], wikitext2_first_windows=rec["windows"])
+    if first_rec is not None:
+        row.update(wikitext2_first=first_rec["wikitext2_ppl"], wikitext2_first_windows=first_rec["windows"])
     return row
+
+
+def first_windows_of_row(rec: dict, row: dict) -> bool:
+    """Whether ``first_windows.json``'s record ``rec`` is row ``row``'s (its ``compare_row.json`` as written): it
+    names the row's test figure (``row_test_ppl``, in every record written since), or, in an older record, the
+    row's own per-window NLL gives its figure. A seed that a later tuning set aside leaves its folder to the new
+    run, and a record restored beside that run from the committed rows is the old run's (192k paper-exact seed 0
+    showed λ 1e-4's 384.17 beside λ 2.6e-3's row): not this row's. An older record of a row without its per-window
+    NLL has nothing to tell it by and is taken."""
+    if "row_test_ppl" in rec:
+        return rec["row_test_ppl"] == row.get("test")
+    stored = row.get("wikitext2_window_nll") or []
+    if len(stored) < rec.get("windows", 0):
+        return True
+    return abs(math.exp(math.fsum(stored[:rec["windows"]]) / rec["windows"]) / rec["wikitext2_ppl"] - 1) <= 1e-9
 
 
 def whole_run_wall(row: dict) -> dict:
@@ -885,10 +902,12 @@ class Comparison:
         for e, run in self.finished_runs():
             name = f"{e.key}{'' if run.name == e.key else ' ' + run.name}"
             done = run / FIRST_WINDOWS_FILE
-            if done.is_file() and json.loads(done.read_text()).get("windows") == n:
-                print(f"          {name}: first {n} windows scored already", flush=True)
-                continue
             row = json.loads((run / "compare_row.json").read_text())
+            if done.is_file():
+                rec = json.loads(done.read_text())
+                if rec.get("windows") == n and first_windows_of_row(rec, row):
+                    print(f"          {name}: first {n} windows scored already", flush=True)
+                    continue
             if row.get("status") != "ok":
                 continue
             stored, source = row.get("wikitext2_window_nll") or [], "the row's per-window NLL (wikitext2_window_nll)"
@@ -907,7 +926,7 @@ class Comparison:
                           "scored", flush=True)
                     continue
                 rec = {"windows": n, "seq_len": ev.eval_len, "wikitext2_ppl": perplexity_of_windows(stored, n),
-                       "source": source, "code": code_version()}
+                       "row_test_ppl": row["test"], "source": source, "code": code_version()}
                 atomic_write_json(done, rec)
                 whose = "its" if rerun is None else "its rerun's"
                 print(f"          {name}: WikiText-2 on the first {n} windows {rec['wikitext2_ppl']:.2f} (from "

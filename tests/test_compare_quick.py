@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -664,6 +665,13 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0"])
     sources = {p.parent.name: json.loads(p.read_text()) for p in kd_runs.glob("seed-*/first_windows.json")}
     assert "model" in sources["seed-1"] and sources["seed-0"]["source"].startswith("the row's per-window NLL")
+    # a record of another run left in the folder (a set-aside seed's, restored from the committed rows) is not this
+    # row's: read_row drops it and --first-windows scores the row again
+    good = (kd_runs / "seed-0" / "first_windows.json").read_text()
+    (kd_runs / "seed-0" / "first_windows.json").write_text(json.dumps({"windows": 2, "wikitext2_ppl": 384.17}))
+    assert "wikitext2_first" not in compare_methods.read_row(kd_runs / "seed-0" / "compare_row.json")
+    compare_methods.main(base + ["--first-windows", "2", "--set", "wikitext_windows=0", "--only", "naive-kd-sgpt"])
+    assert (kd_runs / "seed-0" / "first_windows.json").read_text() == good
     data = json.loads((docs / "compare-tiny-llama-256.json").read_text())
     rows = {r["name"]: r for r in data["rows"]}
     for name in ("dense", "naive-kd-sgpt", "cast-best"):
@@ -750,6 +758,32 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     (grid / "config.json").write_text("{}")
     assert cmp.saved_model(e, cmp.runs / "naive-kd-sgpt" / "seed-3", {"from_grid": "lr=0.001"}) == str(grid)
     assert cmp.saved_model(e, cmp.runs / "naive-kd-sgpt" / "seed-4", {}) is None
+
+
+def test_a_first_windows_record_is_taken_only_for_the_row_it_was_made_for(tmp_path):
+    """``first_windows.json`` names the row's test figure; an older record without it is checked against the row's
+    own per-window NLL where the row has one (192k paper-exact seed 0 once read λ 1e-4's 384.17 beside the
+    λ 2.6e-3 run that replaced it)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    nll = [1.0, 2.0, 3.0]
+    row = {"status": "ok", "test": 10.0, "wikitext2": 7.39, "wikitext2_window_nll": nll}
+    (tmp_path / "compare_row.json").write_text(json.dumps(row))
+    first = tmp_path / compare_methods.FIRST_WINDOWS_FILE
+
+    def read(rec):
+        first.write_text(json.dumps(rec))
+        return compare_methods.read_row(tmp_path / "compare_row.json").get("wikitext2_first")
+
+    assert read({"windows": 2, "wikitext2_ppl": math.exp(1.5)}) == math.exp(1.5)  # older record, the row's NLL
+    assert read({"windows": 2, "wikitext2_ppl": 384.17}) is None  # older record, another run's
+    assert read({"windows": 2, "wikitext2_ppl": 5.0, "row_test_ppl": 10.0}) == 5.0
+    assert read({"windows": 2, "wikitext2_ppl": 5.0, "row_test_ppl": 11.0}) is None
+    (tmp_path / "compare_row.json").write_text(json.dumps({**row, "wikitext2_window_nll": None}))
+    assert read({"windows": 2, "wikitext2_ppl": 384.17}) == 384.17  # nothing to tell it by: taken
 
 
 def test_every_row_runs_a_command_cast_llm_train_accepts_and_the_ablations_are_the_papers_algorithm(tmp_path):
