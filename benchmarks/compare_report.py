@@ -240,25 +240,63 @@ def seed_difference(r: dict, base: dict, split: str) -> dict | None:
             "per_seed": [{"seed": x, "a": sa[x], "b": sb[x], "diff": round(sa[x] - sb[x], 3)}], "verdict": None}
 
 
+def _row_setting(r: dict) -> dict:
+    """The numeric settings a row's seeds ran with (``hyperparameters``: lr, λ, ...), from its first seed."""
+    return dict((r.get("seeds") or [r])[0].get("hyperparameters") or {})
+
+
+def paper_exact_at(base: dict, r: dict) -> tuple[dict, str] | None:
+    """Paper-exact CAST's runs at Table 6 row ``r``'s own setting, and where they come from: ``base`` itself where
+    it ran at that setting (on every setting both record), else its seeds at that setting that a later tuning set
+    aside ("Before the tuning"); None where paper-exact has no run at it. An ablation is the paper's algorithm with
+    one part changed, so it is held against that algorithm at the same λ and lr — not against a tuning choice it
+    did not run at (192k: the ablations at λ 1e-4 against paper-exact tuned to λ 2.6e-3)."""
+    want = _row_setting(r)
+
+    def same(setting: dict | None) -> bool:
+        shared = set(want) & set(setting or {})
+        return all(want[k] == setting[k] for k in shared)
+
+    if not want or same(_row_setting(base)):
+        return base, "its row"
+    for group in base.get("superseded") or []:
+        if same(group.get("setting")):
+            return ({"key": base["key"], "label": base.get("label"), "status": "ok",
+                     "seeds": [{**x, "status": "ok"} for x in group["seeds"]]}, "its seeds before the tuning")
+    return None
+
+
 def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
-    """The paper's Table 6 rows present here against paper-exact CAST: per split the paired difference (an
-    interval and a verdict from two common seeds on), or one seed's difference said as such; and paper-exact's
-    own seed spread, the scale a one-seed difference has to beat."""
+    """The paper's Table 6 rows present here against paper-exact CAST at each row's own setting
+    (:func:`paper_exact_at`): per split the paired difference (an interval and a verdict from two common seeds
+    on), or one seed's difference said as such; and paper-exact's own seed spread at that setting, the scale a
+    one-seed difference has to beat."""
     by = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = by.get(PAPER_EXACT)
     present = [r for r in rows if r["key"] in keys and r["key"] in by]
     if base is None or not present:
         return []
-    out = []
-    spread = [v for v in (_value(x, "test") for x in base.get("seeds") or [base]
-                          if x.get("status", "ok") == "ok") if v is not None]
-    if len(spread) >= 2:
-        out += [f"Paper-exact CAST's own seeds span {min(spread):.2f}–{max(spread):.2f} on test (×"
-                f"{max(spread) / min(spread):.2f}): one seed's difference inside that spread is not evidence.", ""]
+    out, spreads = [], {}
     for r in present:
-        cells = [paired_line(r, base, split) for split in ("test", "wikitext2")]
-        out.append(f"- {r['label']}: " + "; ".join(cells) + f"; masks moved (i_T / groups changed): {movement(r)}")
-    return out
+        at = paper_exact_at(base, r)
+        setting = _setting({"hyperparameters": _row_setting(r)})
+        if at is None:
+            out.append(f"- {r['label']}: paper-exact CAST has no run at this row's setting ({setting}): not "
+                       "paired")
+            continue
+        exact, where = at
+        test = [v for v in (_value(x, "test") for x in exact.get("seeds") or [exact]
+                            if x.get("status", "ok") == "ok") if v is not None]
+        if len(test) >= 2:
+            spreads[setting] = (min(test), max(test))
+        cells = [paired_line(r, exact, split) for split in ("test", "wikitext2")]
+        against = f" (against paper-exact at {setting}, {where})" if setting else ""
+        out.append(f"- {r['label']}{against}: " + "; ".join(cells)
+                   + f"; masks moved (i_T / groups changed): {movement(r)}")
+    head = [f"Paper-exact CAST's own seeds{f' at {k}' if k else ''} span {lo:.2f}–{hi:.2f} on test "
+            f"(×{hi / lo:.2f}): one seed's difference inside that spread is not evidence."
+            for k, (lo, hi) in spreads.items()]
+    return head + ([""] if head else []) + out
 
 
 def _setting(run: dict) -> str:
@@ -348,10 +386,12 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
             if any(pairs.values()):
                 row["paired_oneshot"] = {"against": ONESHOT, **pairs}
         exact = by.get(PAPER_EXACT)
-        if exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok":
-            pairs = {split: seed_difference(r, exact, split) for split in ("test", "wikitext2")}
+        at = None if exact is None else paper_exact_at(exact, r)
+        if at is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok":
+            pairs = {split: seed_difference(r, at[0], split) for split in ("test", "wikitext2")}
             if any(pairs.values()):
-                row["paired_paper_exact"] = {"against": PAPER_EXACT, **pairs}
+                row["paired_paper_exact"] = {"against": PAPER_EXACT, "setting": _row_setting(r), "runs": at[1],
+                                             **pairs}
         for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",
                     "flipped_fraction"):
             row[key] = r.get(key)
@@ -607,7 +647,9 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     table6 = table6_lines(rows, meta.get("table6") or [])
     if table6:
         lines += ["", "## The paper's Table 6: each ablation against paper-exact CAST, seed by seed", "",
-                  "Row − paper-exact CAST (perplexity points, the same seeds: same data order): positive = the "
+                  "Row − paper-exact CAST at the row's own setting (lr, λ: its row, or its seeds at that setting "
+                  "before a later tuning replaced it; perplexity points, the same seeds: same data order): "
+                  "positive = the "
                   "ablated row is worse, i.e. the component it removes or replaces helps. With two or more common "
                   "seeds, the mean with its 95 % t interval and a verdict as above; with one, that seed's "
                   "difference only.", ""] + table6

@@ -174,6 +174,27 @@ def test_table6_rows_are_held_against_paper_exact_seed_by_seed(tmp_path):
     by = {r["name"]: r for r in doc["rows"]}
     assert by["cast-no-kd"]["paired_paper_exact"]["test"]["mean_diff"] == 20.0
     assert "paired_paper_exact" not in by["naive-kd-sgpt"] and "paired_paper_exact" not in by["cast"]
+    # rows that record their setting are held against paper-exact at that setting: its row where it ran there, else
+    # its seeds a later tuning set aside (192k: the ablations ran at λ 1e-4, paper-exact was tuned to 2.6e-3)
+    def at(r, lr, decay):
+        return {**r, "seeds": [{**x, "hyperparameters": {"lr": lr, "l1_decay": decay}} for x in r["seeds"]]}
+
+    tuned = {**at(row("cast", {0: (40.0, 150.0)}, "CAST (paper-exact)"), 5e-4, 2.6e-3),
+             "superseded": [{"setting": {"lr": 5e-4, "l1_decay": 1e-4},
+                             "seeds": [{"seed": x["seed"], "test": x["heldout"], "wikitext2": x["wikitext2"]}
+                                       for x in cast["seeds"]]}]}
+    lines = table6_lines([tuned, at(no_kd, 5e-4, 1e-4), at(adams, 5e-4, 2.6e-3), at(other, 4e-4, 0.0),
+                          at(row("cast-srste", {0: (1.0, 1.0)}, "SR-STE"), 1e-3, 1e-4)], keys)
+    assert lines[0].startswith("Paper-exact CAST's own seeds at lr 0.0005, l1_decay 0.0001 span 70.00–140.00")
+    assert lines[2].startswith("- CAST w/o KD (against paper-exact at lr 0.0005, l1_decay 0.0001, its seeds before "
+                               "the tuning): test +20.00 (+20.0 %, seed 0 only"), lines
+    assert lines[3].startswith("- Naive + KD + AdamS (against paper-exact at lr 0.0005, l1_decay 0.0026, its row): "
+                               "test +50.00 (+125.0 %, seed 0 only"), lines
+    assert lines[4] == ("- SR-STE: paper-exact CAST has no run at this row's setting (lr 0.001, l1_decay 0.0001): "
+                        "not paired")
+    doc = json.loads(write_json([tuned, at(no_kd, 5e-4, 1e-4)], {"table6": keys}, tmp_path / "u.json").read_text())
+    kd_pair = next(r for r in doc["rows"] if r["name"] == "cast-no-kd")["paired_paper_exact"]
+    assert kd_pair["runs"] == "its seeds before the tuning" and kd_pair["test"]["mean_diff"] == 20.0
 
 
 def test_fresh_redoes_only_the_rows_it_runs(tmp_path):
