@@ -75,6 +75,12 @@ def _describe(rel: Path, row: dict) -> str:
     return " ".join(bits)
 
 
+def _other_run(old: dict, new: dict) -> bool:
+    """Whether row ``new`` comes from another run than the ``old`` row it replaces (another setting, seed or
+    result), not the same run's row written again."""
+    return any(old.get(k) != new.get(k) for k in ("seed", "hyperparameters", "test", "code"))
+
+
 def sync(state: Path, runs: Path, rows: Path | None = None) -> None:
     """Copy each new or changed record of the queue's runs folder into ``rows`` (default
     ``docs/results/compare-rows``) and commit it alone; a row whose run overlapped a pause gets ``queue.json``
@@ -87,7 +93,8 @@ def sync(state: Path, runs: Path, rows: Path | None = None) -> None:
             continue
         dst = rows / rel
         data = src.read_bytes()
-        if dst.is_file() and dst.read_bytes() == data:
+        before = dst.read_bytes() if dst.is_file() else None
+        if before == data:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(data)
@@ -107,9 +114,20 @@ def sync(state: Path, runs: Path, rows: Path | None = None) -> None:
                 paths.append(dst.parent / "queue.json")
             msg = _describe(rel, row) + (f"; paused {q['paused_s']:.0f} s during it (wall time includes it, "
                                          "queue.json)" if hit else "")
+        gone = []
+        if src.name == "compare_row.json" and before is not None and _other_run(json.loads(before), row):
+            # another run's row stood here (a seed set aside and run again at a new setting, the new row landing
+            # before a sync saw the folder empty): its other records (first-windows figure, rescoring, pause
+            # record) are not the new row's, and a restart would copy them back beside it. Removed with it
+            gone = [x for x in _git("ls-files", "--", str(dst.parent.relative_to(REPO))).splitlines()
+                    if x and (REPO / x).parent == dst.parent and (REPO / x) not in paths
+                    and not (src.parent / Path(x).name).is_file()]
+            if gone:
+                _git("rm", "-q", "--", *gone)
+                msg += f"; the replaced run's {', '.join(Path(x).name for x in gone)} removed"
         rels = [str(p.relative_to(REPO)) for p in paths]
         _git("add", "--", *rels)
-        _git("commit", "-q", "--only", "-m", msg, "--", *rels)
+        _git("commit", "-q", "--only", "-m", msg, "--", *rels, *gone)
         print(f"[queue] committed {msg}", flush=True)
     if rows == ROWS:
         drop_set_aside(runs)

@@ -61,6 +61,49 @@ def test_a_seed_set_aside_by_a_new_tuning_leaves_the_committed_rows(monkeypatch,
     assert (row / "seed-1" / "compare_row.json").read_text() == new
 
 
+def test_a_row_replaced_in_its_folder_takes_the_old_runs_other_records_with_it(monkeypatch, tmp_path):
+    """A seed set aside and run again can land its new row before a sync sees the folder empty: the committed
+    folder then held the old run's first_windows.json beside the new row (192k paper-exact seed 0 showed λ 1e-4's
+    figure beside λ 2.6e-3's run). The records the run folder no longer has go with the replaced row."""
+    repo, runs, state = tmp_path / "repo", tmp_path / "runs", tmp_path / "state"
+    state.mkdir()
+    row = repo / "docs" / "results" / "compare-rows" / "b192k" / "cast" / "seed-0"
+    row.mkdir(parents=True)
+    old = json.dumps({"seed": 0, "wall_s": 1.0, "hyperparameters": {"l1_decay": 1e-4}}) + "\n"
+    (row / "compare_row.json").write_text(old)
+    (row / "first_windows.json").write_text('{"windows": 64, "wikitext2_ppl": 384.17}\n')
+    (row / "queue.json").write_text('{"paused_s": 1}\n')
+    (row / "wikitext_rescored.json").write_text('{"row_test_ppl": 98.61}\n')
+    _git(tmp_path, "init", "-q", str(repo))
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "rows")
+    for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+        monkeypatch.setenv(k, "t")
+    for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(k, "t@t")
+    q = _queue(monkeypatch, repo)
+    run = runs / "b192k" / "cast" / "seed-0"
+    run.mkdir(parents=True)
+    new = old.replace("0.0001", "0.0026")
+    (run / "compare_row.json").write_text(new)
+    (run / "wikitext_rescored.json").write_text('{"row_test_ppl": 43.33}\n')  # the new run has its own
+    q.sync(state, runs)
+    assert (row / "compare_row.json").read_text() == new
+    assert not (row / "first_windows.json").exists() and not (row / "queue.json").exists()
+    assert (row / "wikitext_rescored.json").read_text() == '{"row_test_ppl": 43.33}\n'
+    tracked = _git(repo, "ls-files").split()
+    assert "docs/results/compare-rows/b192k/cast/seed-0/first_windows.json" not in tracked
+    assert _git(repo, "status", "--porcelain") == ""
+    assert "first_windows.json, queue.json removed" in _git(repo, "log", "-2", "--format=%s")
+    # the same run's row written again (a field added) keeps the records beside it, the pause record included
+    (row / "queue.json").write_text('{"paused_s": 2}\n')
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "pause record")
+    (run / "compare_row.json").write_text(new.rstrip("\n")[:-1] + ', "x": 1}\n')
+    q.sync(state, runs)
+    assert (row / "queue.json").is_file() and (row / "compare_row.json").read_text() != new
+
+
 def test_a_mask_swap_line_commits_its_rows_and_learned_masks_under_its_own_folder(monkeypatch, tmp_path):
     """A queue line ``mask_swap.py ...`` keeps its runs apart and commits its rows and the learned masks (binary
     files, byte for byte) under ``docs/results/mask-swap-rows``; a one-shot mask (rebuilt from its command) and
