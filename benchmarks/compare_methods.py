@@ -27,6 +27,7 @@ fewer seeds) and says how many each row has.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -301,6 +302,10 @@ class Comparison:
         self.inprocess = opts.tier == "quick"
         if self.inprocess and not opts.threads:
             opts.threads = 1  # tiny matrices: one thread is fastest, and never oversubscribes a CI machine
+        if opts.jobs < 1 or (self.inprocess and opts.jobs > 1):
+            raise SystemExit(f"--jobs {opts.jobs}: give 1 or more" if opts.jobs < 1 else
+                             f"--jobs {opts.jobs}: the quick tier trains in this process, one run at a time; "
+                             "drop --jobs")
         root = Path(opts.runs_dir) if opts.runs_dir else REPO / "runs" / "compare"
         register_runs_folder(root, "runs/compare")  # reports name its runs where a fresh clone puts them
         self.entries = (CORE + (SRSTE_SWEEP if opts.sweeps else []) + (MASKLLM if opts.maskllm else [])
@@ -434,7 +439,9 @@ class Comparison:
                 "--device", t["device"], "--output-dir", str(out), "--overwrite"]
 
     # ------------------------------------------------------------------------------------------ running
-    def _run_cli(self, argv: list[str], log: Path) -> int:
+    def _run_cli(self, argv: list[str], log: Path, cpu: list[float] | None = None) -> int:
+        """``cast-llm argv`` in its own process (the quick tier: in this one), its output to ``log``; the CPU
+        seconds that process used are appended to ``cpu`` (its own, not a run beside it: ``--jobs``)."""
         if self.inprocess:
             from cast_llm.cli import main
 
@@ -445,8 +452,18 @@ class Comparison:
             # CPU: fewer threads and a passive wait policy are much faster there
             env.update(OMP_NUM_THREADS=str(self.opts.threads), OMP_WAIT_POLICY="PASSIVE")
         with log.open("w") as f:
-            return subprocess.run([sys.executable, "-m", "cast_llm.cli", *argv], stdout=f,
-                                  stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+            proc = subprocess.Popen([sys.executable, "-m", "cast_llm.cli", *argv], stdout=f,
+                                    stderr=subprocess.STDOUT, cwd=REPO, env=env)
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)  # this child's own CPU, whatever else this script runs
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        if cpu is not None:
+            cpu.append(usage.ru_utime + usage.ru_stime)
+        return proc.returncode
 
     def evaluator(self):
         """The trainer's Evaluator on the same held-out slice and WikiText-2 windows as the training runs."""
@@ -487,7 +504,21 @@ class Comparison:
                 self.tune(e, values, forecast)
         if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
-        return self.aggregate([self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in seeds or self.seeds])
+        seeds = seeds or self.seeds
+        if e.kind != "train":  # one-shot rows evaluate in this process: one at a time
+            return self.aggregate([self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in seeds])
+        return self.aggregate(self.side_by_side([lambda s=s: self._run_one(e, self.runs / e.key / f"seed-{s}", s)
+                                                 for s in seeds]))
+
+    def side_by_side(self, calls: list) -> list:
+        """The results of ``calls`` (each a training run in its own process), in order, ``--jobs`` of them at a
+        time: the grid points of a tuning stage and the seeds of a row do not depend on each other. Each run keeps
+        its ``--threads`` and records the cores the others kept busy (``machine``), as a row beside any other job
+        does; at one thread a run computes the same whatever runs beside it."""
+        if self.opts.jobs == 1 or len(calls) < 2:
+            return [c() for c in calls]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.opts.jobs) as pool:
+            return list(pool.map(lambda c: c(), calls))
 
     def finished_seeds(self, e: Entry) -> list[int]:
         """The seeds of entry ``e`` whose run finished, whatever ``--seeds`` says (the report keeps them all)."""
@@ -528,7 +559,7 @@ class Comparison:
             return read_row(done)
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        machine = MachineLoad()
+        machine, cpu = MachineLoad(), []  # cpu: the training run's own CPU seconds (its process)
         code = code_version()  # the checkout the row's processes start from (taken at the end, it could be later's)
         row = {"key": e.key, "label": e.label, "kind": e.kind, "kd": e.kd, "weight_update": e.weight_update,
                "mask": e.mask, "tokens": 0, "seed": seed}
@@ -547,7 +578,7 @@ class Comparison:
             row["lr"] = hp["lr"]
             row["hyperparameters"] = hp
             row["command"] = "cast-llm " + shlex.join(argv)
-            if (rc := self._run_cli(argv, out / "log.txt")) != 0:
+            if (rc := self._run_cli(argv, out / "log.txt", cpu)) != 0:
                 return self._failed(row, out, rc)
             res = json.loads(RunDir(out / "model").results.read_text())
             ppl = {split: res["perplexity"].get(split, {}).get("sparse") for split in ("heldout", "validation",
@@ -567,7 +598,7 @@ class Comparison:
         # test = the held-out test split (kept under "heldout" too, the key earlier tables used)
         row.update(heldout=ppl["heldout"], test=ppl["heldout"], validation=ppl.get("validation"),
                    wikitext2=ppl["wikitext2"], wall_s=round(time.perf_counter() - t0, 1), status="ok",
-                   machine=machine.finish(), code=code)
+                   machine=machine.finish(sum(cpu) if cpu else None), code=code)
         if (end := code_version()) != code:  # the checkout moved during the row: a resumed segment may have run it
             row["code_at_end"] = end
         row = whole_run_wall(row)
@@ -701,13 +732,18 @@ class Comparison:
         names = sorted({x["name"] for x in stages} | {name})
         hp = self.entry_train_argv(e, self.runs / e.key, seed)[1]  # the settings as they stand (earlier choices)
         fixed = {k: hp[k] for k in TUNABLE if k != name}
-        results = {}
+        results, points = {}, []
         for v in values:
             point = {**{k: hp[k] for k in names}, name: v}
-            out = self._grid_dir(e.key, point, names, stages, seed)
+            points.append((v, point, self._grid_dir(e.key, point, names, stages, seed)))
+
+        def grid_run(v, point, out):
             print(f"          grid {e.key} {name}={v:g} ({', '.join(f'{k} {x:g}' for k, x in fixed.items())}; seed "
                   f"{seed}) ...", flush=True)
-            r = self._run_one(e, out, seed, point)
+            return self._run_one(e, out, seed, point)
+
+        runs = self.side_by_side([lambda p=p: grid_run(*p) for p in points])
+        for (v, point, out), r in zip(points, runs):
             results[f"{v:g}"] = {"validation": r.get("validation"), "test": r.get("test"),
                                  "wikitext2": r.get("wikitext2"), "status": r.get("status"),
                                  "setting": {k: (r.get("hyperparameters") or point).get(k) for k in TUNABLE},
@@ -1371,10 +1407,13 @@ class MachineLoad:
         return sum(getattr(r.getrusage(who), f) for who in (r.RUSAGE_SELF, r.RUSAGE_CHILDREN)
                    for f in ("ru_utime", "ru_stime"))
 
-    def finish(self) -> dict:
+    def finish(self, own_cpu: float | None = None) -> dict:
+        """``own_cpu``: the row's own CPU seconds where it ran in a child of its own (a training run): runs side
+        by side (``--jobs``) are then each other's other jobs, not this script's own CPU."""
         wall = time.perf_counter() - self.t0
         stat1, cpus = _proc_stat(), os.cpu_count() or 1
-        out = {"cores": cpus, "own_cores": round((self._cpu() - self.cpu0) / wall, 2) if wall > 0 else None}
+        own = self._cpu() - self.cpu0 if own_cpu is None else own_cpu
+        out = {"cores": cpus, "own_cores": round(own / wall, 2) if wall > 0 else None}
         if self.stat0 and stat1 and stat1[1] > self.stat0[1]:
             busy = cpus * (stat1[0] - self.stat0[0]) / (stat1[1] - self.stat0[1])
             out["busy_cores"] = round(busy, 2)
@@ -1457,6 +1496,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                "chart from the rows that already finished")
     p.add_argument("--threads", type=int, help="CPU threads per run (default: torch's); 1 is fastest for the "
                                                "quick tier and on a crowded machine")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once (default 1): a tuning stage's grid points and a row's seeds run this "
+                        "many side by side, each in its own process at --threads (--jobs 2 --threads 1 on 2 cores)")
     p.add_argument("--tune", help="lr=V1,V2,V3 or l1_decay=V1,V2,V3: tune each training row named by --only on this "
                                   "grid at the first seed (choice: lowest validation perplexity), then run its seeds "
                                   "at the choice; l1_decay=forecast:F1,F2,F3: λ at these multiples of the λ the "
@@ -1550,7 +1592,7 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
     # (where this invocation kept its runs and wrote its report is this machine's business: the rerun uses the
     # defaults, runs/compare and docs/results)
     dropped = ("--only", "--seeds", "--tune", "--tune-only", "--tuning-from", "--runs-dir", "--docs-dir",
-               "--first-windows")
+               "--first-windows", "--jobs")
     base, skip = [], False
     for a in argv:
         if skip:

@@ -242,7 +242,7 @@ def test_a_row_stopped_by_a_signal_is_reported_resumable_not_failed(tmp_path, ca
          "--docs-dir", str(tmp_path / "docs")]))
     entry = next(e for e in compare_methods.ALL_ENTRIES if e.key == "naive")
     for rc, status in ((EXIT_PREEMPTED, "stopped"), (1, "failed")):
-        def fake(argv, log, rc=rc):
+        def fake(argv, log, cpu=None, rc=rc):
             log.write_text("training...\nstopped at step 3 of 282 (SIGTERM); checkpoint step-00000003\n")
             return rc
 
@@ -779,6 +779,63 @@ def test_first_windows_scores_the_rows_models_on_the_windows_other_tables_use(tm
     (grid / "config.json").write_text("{}")
     assert cmp.saved_model(e, cmp.runs / "naive-kd-sgpt" / "seed-3", {"from_grid": "lr=0.001"}) == str(grid)
     assert cmp.saved_model(e, cmp.runs / "naive-kd-sgpt" / "seed-4", {}) is None
+
+
+def test_jobs_runs_a_stages_grid_points_and_a_rows_seeds_side_by_side(tmp_path):
+    """``--jobs 2``: the grid points of a tuning stage, then the row's seeds, run two at a time (each a training
+    process of its own), their results taken in order; a row's own CPU is its process's, not the run beside it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import threading
+    import time
+
+    argv = ["--tier", "cpu", "--tokens", "1k", "--only", "naive-sgpt", "--runs-dir", str(tmp_path / "runs"),
+            "--docs-dir", str(tmp_path / "docs")]
+    with pytest.raises(SystemExit, match="the quick tier trains in this process"):
+        compare_methods.Comparison(compare_methods.parse_args(["--tier", "quick", "--jobs", "2"]))
+    with pytest.raises(SystemExit, match="--jobs 0: give 1 or more"):
+        compare_methods.Comparison(compare_methods.parse_args(argv + ["--jobs", "0"]))
+    lock, running, peak, ran = threading.Lock(), [0], [0], []
+
+    def fake(e, out, seed, hp=None):
+        done = out / "compare_row.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+            ran.append((seed, (hp or {}).get("lr")))
+        lr = (hp or cmp.entry_train_argv(e, out, seed)[1])["lr"]  # a seed runs at the tuned choice
+        out.mkdir(parents=True, exist_ok=True)
+        row = {"key": e.key, "seed": seed, "status": "ok", "validation": 40.0 - 1e4 * lr + (seed or 0), "test": 1.0,
+               "wikitext2": 1.0, "heldout": 1.0, "lr": lr, "hyperparameters": {"lr": lr}, "command": "cast-llm train"}
+        done.write_text(json.dumps(row))
+        return row
+
+    cmp = compare_methods.Comparison(compare_methods.parse_args(argv + ["--tune", "lr=1e-4,2e-4,4e-4", "--seeds",
+                                                                        "0,1,2", "--jobs", "2"]))
+    cmp._run_one = fake
+    entry = next(e for e in compare_methods.ALL_ENTRIES if e.key == "naive-sgpt")
+    t0 = time.perf_counter()
+    row = cmp.run_entry(entry)
+    assert peak[0] == 2 and time.perf_counter() - t0 < 4 * 0.3  # 3 points in 2 rounds, seeds 1-2 in one
+    assert sorted(x[1] for x in ran[:3]) == [1e-4, 2e-4, 4e-4] and sorted(x[0] for x in ran[3:]) == [1, 2]
+    assert json.loads((cmp.runs / "naive-sgpt" / "tuning.json").read_text())["chosen"] == {"lr": "0.0004"}
+    assert [x["seed"] for x in row["seeds"]] == [0, 1, 2] and {x["lr"] for x in row["seeds"]} == {4e-4}
+    # a row's own CPU where it ran in a process of its own: the run beside it is another job
+    cpu = []
+    assert cmp._run_cli(["--version"], tmp_path / "version.txt", cpu) == 0 and len(cpu) == 1 and cpu[0] > 0
+    assert (tmp_path / "version.txt").read_text().startswith("cast-llm ")
+    assert cmp._run_cli(["no-such-command"], tmp_path / "bad.txt", cpu) == 2 and len(cpu) == 2
+    load = compare_methods.MachineLoad()
+    time.sleep(0.05)
+    assert load.finish(own_cpu=0.0)["own_cores"] == 0.0
 
 
 def test_a_first_windows_record_is_taken_only_for_the_row_it_was_made_for(tmp_path):
