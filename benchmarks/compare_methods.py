@@ -300,6 +300,7 @@ class Comparison:
         self.tier.setdefault("seed", 0)
         self.budget = int(self.tier["tokens"])
         self.inprocess = opts.tier == "quick"
+        self.unfinished: list[str] = []  # rows this invocation ran that did not finish (main's exit code)
         if self.inprocess and not opts.threads:
             opts.threads = 1  # tiny matrices: one thread is fastest, and never oversubscribes a CI machine
         if opts.jobs < 1 or (self.inprocess and opts.jobs > 1):
@@ -500,8 +501,12 @@ class Comparison:
         """The row of entry ``e``: one run, or (seeded rows) one per seed with the mean and the range."""
         if self.grid and e.kind == "train" and (not self.tune_only or e.key in self.tune_only):
             values, forecast = self.grid_values(e)
-            if self.grid_changed(e.key, values):
-                self.tune(e, values, forecast)
+            if self.grid_changed(e.key, values) and self.tune(e, values, forecast) is None:
+                # a grid point stopped (a signal after its checkpoint): nothing chosen, no seed run at a choice
+                # made without it; the same command resumes the point and then chooses
+                return {"key": e.key, "label": e.label, "kind": e.kind, "status": "stopped", "heldout": None,
+                        "wikitext2": None, "seed": self.seeds[0],
+                        "error": "a grid point of its tuning stopped before it finished; nothing was chosen"}
         if not e.seeded:
             return self._run_one(e, self.runs / e.key, self.seeds[0] if e.kind == "train" else None)
         seeds = seeds or self.seeds
@@ -628,19 +633,26 @@ class Comparison:
 
     def tuning_record(self, key: str) -> dict | None:
         """Row ``key``'s tuning record of this runs folder with its stages (``stages``: one per tuned setting, in
-        the order they were tuned; a record of one lr grid, written before stages existed, is its one stage)."""
+        the order they were tuned; a record of one lr grid, written before stages existed, is its one stage). A
+        record copied from another budget's table (``from``: the choice this budget's rows reuse) is not this
+        budget's tuning: None, so that ``--tune`` here runs its own grid (192k's lr checks of the rows that reuse
+        48k's choice would otherwise see 48k's grid as already run)."""
         local = self.runs / key / "tuning.json"
         if not local.is_file():
             return None
-        return with_stages(json.loads(local.read_text()))
+        rec = json.loads(local.read_text())
+        return None if rec.get("from") else with_stages(rec)
 
     def grid_changed(self, key: str, values: list[float] | None = None) -> bool:
         """Whether ``--tune``'s grid has a value row ``key`` was not tuned over for that setting (or it was not
-        tuned): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points; a grid
+        tuned, or a point of it stopped): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points; a grid
         the recorded one already covers (an earlier, narrower queue line run again) changes nothing."""
         values = self.grid[1] if values is None else values
         stage = stage_named(self.tuning_record(key), self.grid[0])
-        return stage is None or not {f"{v:g}" for v in values} <= set(stage["values"])
+        if stage is None or not {f"{v:g}" for v in values} <= set(stage["values"]):
+            return True
+        # a point recorded as stopped (a record written before a stopped point held the choice back) runs again
+        return any((stage.get("results") or {}).get(f"{v:g}", {}).get("status") == "stopped" for v in values)
 
     def grid_values(self, e: Entry) -> tuple[list[float], dict | None]:
         """The values ``--tune`` runs for row ``e``: the grid given, or (``l1_decay=forecast:F1,F2,...``) the
@@ -716,11 +728,12 @@ class Comparison:
                 print(f"          {key} {d.name}: ran at {name}={float(value):g}, not the new choice {best}: "
                       f"set aside as {target.name}", flush=True)
 
-    def tune(self, e: Entry, values: list[float] | None = None, forecast: dict | None = None) -> dict:
+    def tune(self, e: Entry, values: list[float] | None = None, forecast: dict | None = None) -> dict | None:
         """Run ``--tune``'s grid for training row ``e`` at the first seed, the row's other settings as they stand
         (those earlier stages chose: a coordinate search, one setting at a time), choose the value with the lowest
         validation perplexity, record it as that setting's stage in ``tuning.json``, and make the grid run at
-        the chosen settings the row's run of that seed."""
+        the chosen settings the row's run of that seed. None, with nothing recorded, where a grid point stopped
+        (a signal after its checkpoint): a choice among the other points would not be the grid's."""
         if values is None:
             values, forecast = self.grid_values(e)
         seed = self.seeds[0]
@@ -751,6 +764,10 @@ class Comparison:
             for k in ("sparse_weight_ratio", "prune_validation_before", "prune_validation_after"):
                 if r.get(k) is not None:
                     results[f"{v:g}"][k] = r[k]
+        if stopped := [k for k, r in results.items() if r["status"] == "stopped"]:
+            print(f"          {e.key}: grid point(s) {', '.join(f'{name}={k}' for k in stopped)} stopped (resumable): "
+                  "nothing chosen; the same command resumes them and then chooses", flush=True)
+            return None
         before = stage_named(rec, name)
         if before is not None and before.get("fixed") == fixed:  # points tuned before at the same other settings
             kept = {k: r for k, r in before["results"].items() if k not in results}  # stay in the choice
@@ -1184,6 +1201,8 @@ class Comparison:
             print(f"[{time.perf_counter() - t0:7.0f} s] {e.key} ...", flush=True)
             rows.append(self.run_entry(e))
             r = rows[-1]
+            if r["status"] != "ok":
+                self.unfinished.append(f"{e.key} ({r['status']})")
             r.update(label=e.label, weight_update=e.weight_update, mask=e.mask)
             if r["status"] == "ok":
                 print(f"          held-out {r['heldout']}  WikiText-2 {r['wikitext2']}  ({r['wall_s']:.0f} s)",
@@ -1627,8 +1646,18 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
         base + sources + ["--first-windows", str(n)] for n in first]
 
 
+# the exit code of an invocation whose rows did not all finish (stopped by a signal, or failed): the evidence queue
+# then stops instead of taking the line as done; the same command resumes a stopped row
+EXIT_UNFINISHED = 3
+
+
 def main(argv=None) -> int:
-    Comparison(parse_args(argv)).run()
+    cmp = Comparison(parse_args(argv))
+    cmp.run()
+    if cmp.unfinished:
+        print(f"not finished: {', '.join(cmp.unfinished)} (the same command resumes a stopped row); exit "
+              f"{EXIT_UNFINISHED}", file=sys.stderr, flush=True)
+        return EXIT_UNFINISHED
     return 0
 
 

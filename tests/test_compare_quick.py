@@ -838,6 +838,61 @@ def test_jobs_runs_a_stages_grid_points_and_a_rows_seeds_side_by_side(tmp_path):
     assert load.finish(own_cpu=0.0)["own_cores"] == 0.0
 
 
+def test_a_grid_point_that_stopped_chooses_nothing_and_the_invocation_exits_unfinished(tmp_path, monkeypatch):
+    """A grid point stopped by a signal (resumable) holds the choice back: nothing is recorded, no seed runs at a
+    choice made without it, the row is ``stopped`` and the invocation exits EXIT_UNFINISHED (the queue does not take
+    the line as done); the same command resumes the point, then chooses. A record that holds a stopped point (as
+    older code wrote it) is tuned again."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    argv = ["--tier", "cpu", "--tokens", "1k", "--only", "naive-sgpt", "--runs-dir", str(tmp_path / "runs"),
+            "--docs-dir", str(tmp_path / "docs"), "--tune", "lr=1e-4,2e-4", "--seeds", "0,1"]
+    stop, ran = {2e-4}, []
+
+    def fake(e, out, seed, hp=None):
+        done = out / "compare_row.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        lr = (hp or cmp.entry_train_argv(e, out, seed)[1])["lr"]
+        ran.append((seed, lr))
+        if lr in stop:
+            return {"key": e.key, "seed": seed, "status": "stopped", "error": "SIGTERM", "heldout": None,
+                    "wikitext2": None, "hyperparameters": {"lr": lr}}
+        out.mkdir(parents=True, exist_ok=True)
+        row = {"key": e.key, "seed": seed, "status": "ok", "validation": 40.0 - 1e4 * lr, "test": 1.0,
+               "wikitext2": 1.0, "heldout": 1.0, "lr": lr, "hyperparameters": {"lr": lr}, "command": "cast-llm train"}
+        done.write_text(json.dumps(row))
+        return row
+
+    cmp = compare_methods.Comparison(compare_methods.parse_args(argv))
+    cmp._run_one = fake
+    entry = next(e for e in compare_methods.ALL_ENTRIES if e.key == "naive-sgpt")
+    row = cmp.run_entry(entry)
+    assert row["status"] == "stopped" and "nothing was chosen" in row["error"]
+    assert not (cmp.runs / "naive-sgpt" / "tuning.json").exists() and ran == [(0, 1e-4), (0, 2e-4)]
+    stop.clear()
+    row = cmp.run_entry(entry)  # the stopped point resumes, then the choice and the seeds
+    assert row["status"] == "ok" and [x["lr"] for x in row["seeds"]] == [2e-4, 2e-4]
+    assert ran[2:] == [(0, 2e-4), (1, 2e-4)]
+    rec = json.loads((cmp.runs / "naive-sgpt" / "tuning.json").read_text())
+    assert not cmp.grid_changed("naive-sgpt")
+    rec["stages"][0]["results"]["0.0002"]["status"] = "stopped"  # as older code recorded a stopped point
+    (cmp.runs / "naive-sgpt" / "tuning.json").write_text(json.dumps(rec))
+    assert cmp.grid_changed("naive-sgpt")
+    # a record copied from another budget (the choice this budget reuses) is not this budget's tuning: --tune here
+    # runs its own grid even where the other budget's covered these values
+    rec["stages"][0]["results"]["0.0002"]["status"] = "ok"
+    (cmp.runs / "naive-sgpt" / "tuning.json").write_text(json.dumps({**rec, "from": "runs/compare/tiny-48k"}))
+    assert cmp.grid_changed("naive-sgpt") and cmp.tuned("naive-sgpt")["chosen"] == {"lr": "0.0002"}
+    monkeypatch.setattr(compare_methods.Comparison, "run", lambda self: self.unfinished.append("naive-sgpt (stopped)"))
+    assert compare_methods.main(argv) == compare_methods.EXIT_UNFINISHED
+    monkeypatch.setattr(compare_methods.Comparison, "run", lambda self: None)
+    assert compare_methods.main(argv) == 0
+
+
 def test_a_first_windows_record_is_taken_only_for_the_row_it_was_made_for(tmp_path):
     """``first_windows.json`` names the row's test figure; an older record without it is checked against the row's
     own per-window NLL where the row has one (192k paper-exact seed 0 once read λ 1e-4's 384.17 beside the
