@@ -21,7 +21,9 @@ stopped (Ctrl-C, SIGTERM, a crash after a checkpoint) resumes from its newest ch
 ``--save-every`` sets how often they are written); a failed run is reported in the table and does not stop
 the others. ``--seeds 0,1`` runs the rows marked seeded (CAST, naive retraining and its SparseGPT start) once
 per seed and reports the mean and the range; the report keeps every seed that finished (also of rows run with
-fewer seeds) and says how many each row has.
+fewer seeds) and says how many each row has. ``--jobs 2`` runs a tuning stage's grid points and a row's seeds two
+at a time (each its own process at ``--threads``). An invocation whose rows did not all finish (a run stopped or
+failed, a grid point stopped: nothing is chosen then) exits 3; the same command resumes it.
 """
 
 from __future__ import annotations

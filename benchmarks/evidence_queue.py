@@ -17,6 +17,11 @@ every row's ``code`` is a commit in the history. Its runs folder starts from the
 ``docs/results/compare-rows/<budget>/`` and committed alone (``git commit --only``: nothing else of this
 checkout's index goes with it); a row that was paused gets a ``queue.json`` listing the pauses (its wall time
 includes them). State (pid, log, pauses) lives in ``--state`` (default ``/work/runs/queue``).
+
+A line is done when its invocation exits 0. Any other exit stops the queue with that line not done: a run stopped
+by a signal or failed (exit 3: ``start`` again resumes it), or a line that the clone's code cannot read (exit 2: a
+line edited to use an option newer than the commit the queue started from, since lines are read from this
+checkout while they run; ``start`` again checks out HEAD).
 """
 from __future__ import annotations
 
