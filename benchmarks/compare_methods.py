@@ -647,8 +647,9 @@ class Comparison:
 
     def grid_changed(self, key: str, values: list[float] | None = None) -> bool:
         """Whether ``--tune``'s grid has a value row ``key`` was not tuned over for that setting (or it was not
-        tuned, or a point of it stopped): a wider grid (its choice was the old grid's edge) re-chooses, running only the new points; a grid
-        the recorded one already covers (an earlier, narrower queue line run again) changes nothing."""
+        tuned, or a point of it stopped): a wider grid (its choice was the old grid's edge) re-chooses, running
+        only the new points; a grid the recorded one already covers (an earlier, narrower queue line run again)
+        changes nothing."""
         values = self.grid[1] if values is None else values
         stage = stage_named(self.tuning_record(key), self.grid[0])
         if stage is None or not {f"{v:g}" for v in values} <= set(stage["values"]):
