@@ -68,10 +68,11 @@ def make_comparison(ctx: Ctx, budget: int, save_every: int):
     class KitComparison(cm.Comparison):
         last_rc = 0
 
-        def _run_cli(self, argv, log):
+        def _run_cli(self, argv, log, cpu=None):
             if self.inprocess:
-                self.last_rc = super()._run_cli(argv, log)
+                self.last_rc = super()._run_cli(argv, log, cpu)
                 return self.last_rc
+            # run_subprocess reports no CPU time: the row's machine load is then taken the script's way
             rc, _, timed_out = run_subprocess(["-m", "cast_llm.cli", *argv], ctx.env(), ctx.left() - 10, log)
             self.last_rc = 124 if timed_out else rc
             return self.last_rc
