@@ -10,8 +10,8 @@ row's JSON committed to the repository at once (``runs/`` does not survive a new
 QUEUE_FILE holds one `compare_methods.py` argument line per row group (``#`` comments); a line starting with
 ``mask_swap.py`` runs that benchmark instead (its runs under ``<state>/mask-swap``, its rows and learned masks
 committed under ``docs/results/mask-swap-rows``). The queue runs from its
-own clone of the committed HEAD (``<state>/clone``), so edits in this checkout never change a row under way and
-every row's ``code`` is a commit in the history. Its runs folder starts from the committed rows
+own clone of the committed HEAD (``<state>/clone``), moved to this checkout's HEAD between lines only, so edits in
+this checkout never change a row under way and every row's ``code`` is a commit in the history. Its runs folder starts from the committed rows
 (``docs/results/compare-rows``: a finished grid point or seed is not run again). Every 30 s, a record
 (``RECORDS``: a row, its tuning, its decay forecast, its model scored again) that is new or changed is copied under
 ``docs/results/compare-rows/<budget>/`` and committed alone (``git commit --only``: nothing else of this
@@ -19,9 +19,8 @@ checkout's index goes with it); a row that was paused gets a ``queue.json`` list
 includes them). State (pid, log, pauses) lives in ``--state`` (default ``/work/runs/queue``).
 
 A line is done when its invocation exits 0. Any other exit stops the queue with that line not done: a run stopped
-by a signal or failed (exit 3: ``start`` again resumes it), or a line that the clone's code cannot read (exit 2: a
-line edited to use an option newer than the commit the queue started from, since lines are read from this
-checkout while they run; ``start`` again checks out HEAD).
+by a signal or failed (exit 3: ``start`` again resumes it), or a line the code cannot read (exit 2: an option not
+committed yet — lines are read from this checkout, the code is its last commit).
 """
 from __future__ import annotations
 
@@ -162,6 +161,21 @@ def drop_set_aside(runs: Path) -> None:
         print(f"[queue] committed {msg}", flush=True)
 
 
+def follow_head(clone: Path) -> str | None:
+    """Move the queue's clone to this checkout's HEAD, between lines (nothing under way), where the code differs
+    (``src``, ``benchmarks`` but the queue file, ``pyproject.toml``): a line edited to use an option committed since
+    the queue started, or a fix, runs on that commit; each row records the commit it ran. The queue's own row
+    commits move HEAD without a code change: the clone stays. The new HEAD where it moved, else None."""
+    head = _git("rev-parse", "HEAD").strip()
+    at = _git("rev-parse", "HEAD", cwd=clone).strip()
+    if at == head or not _git("diff", "--name-only", at, head, "--", "src", "benchmarks", "pyproject.toml",
+                              ":(exclude)benchmarks/evidence-queue.txt").strip():
+        return None
+    _git("fetch", "-q", str(REPO), "HEAD", cwd=clone)
+    _git("checkout", "-q", "--detach", head, cwd=clone)
+    return head
+
+
 def run(queue_file: Path, state: Path) -> int:
     clone, runs = state / "clone", state / "runs"
     done_file = state / "done.json"
@@ -172,6 +186,8 @@ def run(queue_file: Path, state: Path) -> int:
         line = next((x for x in lines if x not in done), None)
         if line is None:
             return 0
+        if moved := follow_head(clone):
+            print(f"[queue] {time.strftime('%H:%M:%S')} clone moved to {moved[:12]} (this checkout's HEAD)", flush=True)
         args = shlex.split(line)
         script, line_runs, rows = "compare_methods.py", runs, None
         if args[0] in SCRIPTS:
@@ -182,9 +198,12 @@ def run(queue_file: Path, state: Path) -> int:
                                  "--runs-dir", str(line_runs), "--docs-dir", str(state / "docs")], cwd=clone,
                                 env={**os.environ, "PYTHONPATH": str(clone / "src")})
         print(f"[queue] {time.strftime('%H:%M:%S')} started: {line}", flush=True)
-        while proc.poll() is None:
-            time.sleep(30)
-            sync(state, line_runs, rows)
+        while True:  # every 30 s, and once the line ends: its new records committed
+            try:
+                proc.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                sync(state, line_runs, rows)
         sync(state, line_runs, rows)
         print(f"[queue] {time.strftime('%H:%M:%S')} ended rc {proc.returncode}: {line}", flush=True)
         if proc.returncode != 0:

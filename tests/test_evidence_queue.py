@@ -135,3 +135,40 @@ def test_a_mask_swap_line_commits_its_rows_and_learned_masks_under_its_own_folde
     assert not (dest / "m-48k" / "learners" / "cast" / "seed-0" / "model").exists()
     assert _git(repo, "status", "--porcelain") == ""
     assert len(_git(repo, "log", "--oneline").splitlines()) == 3
+
+
+def test_the_clone_follows_the_checkouts_code_between_lines_only(monkeypatch, tmp_path):
+    """A line runs on the last commit of this checkout's code (a line that uses an option committed after the
+    queue started no longer fails in the older clone); the queue's own row commits, which change no code, leave
+    the clone where it is."""
+    repo, state = tmp_path / "repo", tmp_path / "state"
+    script = repo / "benchmarks" / "compare_methods.py"
+    script.parent.mkdir(parents=True)
+    (repo / "docs" / "results" / "compare-rows").mkdir(parents=True)
+    (repo / "docs" / "results" / "compare-rows" / ".keep").write_text("")
+    body = ("import sys, pathlib\nout = pathlib.Path(sys.argv[sys.argv.index('--runs-dir') + 1]).parent\n"
+            "with open(out / 'ran.txt', 'a') as f:\n    f.write('{v} ' + sys.argv[1] + '\\n')\n")
+    script.write_text(body.replace("{v}", "v1"))
+    queue = repo / "benchmarks" / "evidence-queue.txt"
+    queue.write_text("a\n")
+    _git(tmp_path, "init", "-q", str(repo))
+    for k, v in (("NAME", "t"), ("EMAIL", "t@t")):
+        monkeypatch.setenv(f"GIT_AUTHOR_{k}", v)
+        monkeypatch.setenv(f"GIT_COMMITTER_{k}", v)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "v1")
+    q = _queue(monkeypatch, repo)
+    state.mkdir()
+    _git(state, "clone", "-q", str(repo), str(state / "clone"))
+    assert q.run(queue, state) == 0 and (state / "ran.txt").read_text() == "v1 a\n"
+    (repo / "docs" / "results" / "compare-rows" / "row.json").write_text("{}")  # a row commit: no code
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "row")
+    queue.write_text("a\nb\n")  # the queue file is read from the checkout, never the clone's code
+    assert q.follow_head(state / "clone") is None
+    script.write_text(body.replace("{v}", "v2"))
+    _git(repo, "commit", "-q", "-am", "v2")
+    queue.write_text("a\nb\nc\n")
+    assert q.run(queue, state) == 0
+    assert (state / "ran.txt").read_text() == "v1 a\nv2 b\nv2 c\n"
+    assert q.follow_head(state / "clone") is None
