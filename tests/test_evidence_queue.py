@@ -23,6 +23,18 @@ def _git(repo, *args):
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
 
 
+def _committed(monkeypatch, tmp_path, repo: Path, message: str = "rows"):
+    """``repo`` made a git repository with everything in it committed (the queue's checkout; commits by "t"), and
+    the queue module bound to it."""
+    _git(tmp_path, "init", "-q", str(repo))
+    for k, v in (("NAME", "t"), ("EMAIL", "t@t")):
+        monkeypatch.setenv(f"GIT_AUTHOR_{k}", v)
+        monkeypatch.setenv(f"GIT_COMMITTER_{k}", v)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+    return _queue(monkeypatch, repo)
+
+
 def test_a_seed_set_aside_by_a_new_tuning_leaves_the_committed_rows(monkeypatch, tmp_path):
     repo, runs, state = tmp_path / "repo", tmp_path / "runs", tmp_path / "state"
     state.mkdir()
@@ -32,14 +44,7 @@ def test_a_seed_set_aside_by_a_new_tuning_leaves_the_committed_rows(monkeypatch,
     (row / "seed-1" / "compare_row.json").write_text(old)
     (row / "seed-2").mkdir()
     (row / "seed-2" / "compare_row.json").write_text(old.replace('"seed": 1', '"seed": 2'))
-    _git(tmp_path, "init", "-q", str(repo))
-    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
-    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "rows")
-    monkeypatch.setenv("GIT_AUTHOR_NAME", "t")
-    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@t")
-    monkeypatch.setenv("GIT_COMMITTER_NAME", "t")
-    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@t")
-    q = _queue(monkeypatch, repo)
+    q = _committed(monkeypatch, tmp_path, repo)
     # the queue's runs: seed 1 set aside (its new run still under way, no row yet), seed 2 untouched
     (runs / "b48k" / "row" / "seed-1.superseded-lr-0.0002").mkdir(parents=True)
     (runs / "b48k" / "row" / "seed-1.superseded-lr-0.0002" / "compare_row.json").write_text(old)
@@ -74,14 +79,7 @@ def test_a_row_replaced_in_its_folder_takes_the_old_runs_other_records_with_it(m
     (row / "first_windows.json").write_text('{"windows": 64, "wikitext2_ppl": 384.17}\n')
     (row / "queue.json").write_text('{"paused_s": 1}\n')
     (row / "wikitext_rescored.json").write_text('{"row_test_ppl": 98.61}\n')
-    _git(tmp_path, "init", "-q", str(repo))
-    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
-    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "rows")
-    for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
-        monkeypatch.setenv(k, "t")
-    for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-        monkeypatch.setenv(k, "t@t")
-    q = _queue(monkeypatch, repo)
+    q = _committed(monkeypatch, tmp_path, repo)
     run = runs / "b192k" / "cast" / "seed-0"
     run.mkdir(parents=True)
     new = old.replace("0.0001", "0.0026")
@@ -111,13 +109,7 @@ def test_a_mask_swap_line_commits_its_rows_and_learned_masks_under_its_own_folde
     repo, state = tmp_path / "repo", tmp_path / "state"
     (repo / "docs" / "results" / "compare-rows").mkdir(parents=True)
     (repo / "README").write_text("x\n")
-    _git(tmp_path, "init", "-q", str(repo))
-    for k, v in (("NAME", "t"), ("EMAIL", "t@t")):
-        monkeypatch.setenv(f"GIT_AUTHOR_{k}", v)
-        monkeypatch.setenv(f"GIT_COMMITTER_{k}", v)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "init")
-    q = _queue(monkeypatch, repo)
+    q = _committed(monkeypatch, tmp_path, repo, "init")
     dest = repo / "docs" / "results" / "mask-swap-rows"
     monkeypatch.setattr(q, "SCRIPTS", {"mask_swap.py": ("mask-swap", dest)})
     runs = state / "mask-swap" / "m-48k"
@@ -151,13 +143,7 @@ def test_the_clone_follows_the_checkouts_code_between_lines_only(monkeypatch, tm
     script.write_text(body.replace("{v}", "v1"))
     queue = repo / "benchmarks" / "evidence-queue.txt"
     queue.write_text("a\n")
-    _git(tmp_path, "init", "-q", str(repo))
-    for k, v in (("NAME", "t"), ("EMAIL", "t@t")):
-        monkeypatch.setenv(f"GIT_AUTHOR_{k}", v)
-        monkeypatch.setenv(f"GIT_COMMITTER_{k}", v)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "v1")
-    q = _queue(monkeypatch, repo)
+    q = _committed(monkeypatch, tmp_path, repo, "v1")
     state.mkdir()
     _git(state, "clone", "-q", str(repo), str(state / "clone"))
     assert q.run(queue, state) == 0 and (state / "ran.txt").read_text() == "v1 a\n"
