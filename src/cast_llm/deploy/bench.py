@@ -102,6 +102,14 @@ class BenchReport:
         return d
 
 
+def speedup(dense_v, sparse_v, higher_better: bool = True) -> float | None:
+    """One ratio of the table: 2:4 / dense for a rate (tokens/s), dense / 2:4 for a size (bytes) — above 1 the
+    2:4 model is faster or smaller. None where either value is missing or 0."""
+    if not (dense_v and sparse_v):
+        return None
+    return sparse_v / dense_v if higher_better else dense_v / sparse_v
+
+
 def ratios(report: dict[str, Any]) -> dict[str, float]:
     """The table's ratio columns from a report's dict (:meth:`BenchReport.to_dict`): 2:4 / dense tokens/s for
     prefill and decode, dense / 2:4 target-weight bytes, and where the fp32 dense path was timed the tokens/s
@@ -111,12 +119,12 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
         return {}
     out = {}
     for key, name in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
-        if d[key] and s[key]:
-            out[name] = s[key] / d[key]
+        if (r := speedup(d[key], s[key])) is not None:
+            out[name] = r
             if d32 and d32[key]:
-                out[f"{name}_vs_best_dense"] = s[key] / max(d[key], d32[key])
-    if s["target_weight_bytes"]:
-        out["target_weights"] = d["target_weight_bytes"] / s["target_weight_bytes"]
+                out[f"{name}_vs_best_dense"] = speedup(max(d[key], d32[key]), s[key])
+    if (r := speedup(d["target_weight_bytes"], s["target_weight_bytes"], higher_better=False)) is not None:
+        out["target_weights"] = r
     return out
 
 
@@ -482,9 +490,8 @@ def format_report(r: BenchReport) -> str:
     s, d, d32 = r.sparse, r.dense, r.dense_fp32
 
     def ratio(dense_v, sparse_v, higher_better):
-        if not (dense_v and sparse_v):
-            return float("nan")
-        return sparse_v / dense_v if higher_better else dense_v / sparse_v
+        r = speedup(dense_v, sparse_v, higher_better)
+        return float("nan") if r is None else r
 
     def row(label, key, fmt, scale=1.0, higher_better=True):
         dense_v, sparse_v = getattr(d, key) * scale, s and getattr(s, key) * scale
