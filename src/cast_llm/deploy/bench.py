@@ -490,8 +490,8 @@ def format_report(r: BenchReport) -> str:
     s, d, d32 = r.sparse, r.dense, r.dense_fp32
 
     def ratio(dense_v, sparse_v, higher_better):
-        r = speedup(dense_v, sparse_v, higher_better)
-        return float("nan") if r is None else r
+        x = speedup(dense_v, sparse_v, higher_better)
+        return float("nan") if x is None else x
 
     def row(label, key, fmt, scale=1.0, higher_better=True):
         dense_v, sparse_v = getattr(d, key) * scale, s and getattr(s, key) * scale
