@@ -285,6 +285,9 @@ def test_a_typo_is_refused_before_the_scan_once_an_earlier_scan_remembered_the_n
         z._task_manager(["piqa", "piqaa"], None)
     assert Index.built == 1  # refused without a scan
     path = z._task_names_path()
+    written = path.stat().st_mtime_ns
+    z._task_manager(["piqa"], None)  # the same names scanned again: the file is not rewritten
+    assert Index.built == 2 and path.stat().st_mtime_ns == written
     path.write_text(json.dumps({"names": []}))  # not ours
     assert z.cached_task_names() is None
     z._task_manager(["piqa"], None)

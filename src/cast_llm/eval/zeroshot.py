@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cast_llm.errors import CastError
-from cast_llm.io import atomic_write_json, atomic_write_text, cache_dir
+from cast_llm.io import atomic_write_json, atomic_write_text, cache_dir, read_json
 
 DEFAULT_TASKS = ("hellaswag", "race", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 HEADLINE_METRICS = ("acc", "acc_norm")
@@ -154,25 +154,26 @@ def cached_task_names() -> set[str] | None:
     path = _task_names_path()
     if path.is_symlink() or not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    data = read_json(path)  # {} where unreadable
     if not isinstance(data, dict) or data.get("written_by") != TASK_NAMES_MARKER or not isinstance(
             data.get("names"), list):
         return None
     return set(data["names"])
 
 
-def _remember_task_names(manager) -> None:
-    """Keep the scanned index's names (a typo is then refused at once, not after a ~15 s scan); a file there that
-    cast-llm did not write, or a link, is left alone."""
+def _remember_task_names(manager, known: set[str] | None) -> None:
+    """Keep the scanned index's names (a typo is then refused at once, not after a ~15 s scan); ``known``: what
+    :func:`cached_task_names` read before the scan (the same names: nothing to write). A file there that cast-llm
+    did not write, or a link, is left alone."""
+    names = sorted(manager.all_tasks)
+    if known is not None and known == set(names):
+        return
     path = _task_names_path()
-    if path.is_symlink() or (path.exists() and cached_task_names() is None):
+    if path.is_symlink() or (path.exists() and known is None):
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"written_by": TASK_NAMES_MARKER, "names": sorted(manager.all_tasks)})
+        atomic_write_json(path, {"written_by": TASK_NAMES_MARKER, "names": names})
     except OSError:
         pass  # a read-only cache only costs the next typo its scan
 
@@ -200,7 +201,7 @@ def _task_manager(names: list[str], include_path):
             return local
         return TaskManager(include_path=[str(p) for p in paths])
     manager = TaskManager()
-    _remember_task_names(manager)
+    _remember_task_names(manager, known)
     return manager
 
 
