@@ -279,7 +279,7 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
     out, spreads = [], {}
     for r in present:
         at = paper_exact_at(base, r)
-        setting = _setting({"hyperparameters": _row_setting(r)})
+        setting = _setting((r.get("seeds") or [r])[0])  # the settings _row_setting compares, in words
         if at is None:
             out.append(f"- {r['label']}: paper-exact CAST has no run at this row's setting ({setting}): not "
                        "paired")
