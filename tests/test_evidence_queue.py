@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -158,3 +160,36 @@ def test_the_clone_follows_the_checkouts_code_between_lines_only(monkeypatch, tm
     assert q.run(queue, state) == 0
     assert (state / "ran.txt").read_text() == "v1 a\nv2 b\nv2 c\n"
     assert q.follow_head(state / "clone") is None
+
+
+def _compare_methods():
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import compare_methods
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return compare_methods
+
+
+def _queue_lines() -> list[list[str]]:
+    import shlex
+
+    text = (BENCHMARKS / "evidence-queue.txt").read_text()
+    return [shlex.split(x) for x in text.splitlines() if x.strip() and not x.lstrip().startswith("#")]
+
+
+def test_every_line_of_the_committed_queue_is_a_valid_invocation(tmp_path):
+    """A line the queue reaches hours from now fails then, stopping the queue (a mistyped row key, a tier setting
+    that does not exist, a malformed grid): each compare_methods line is built into its Comparison here."""
+    cm = _compare_methods()
+    lines = [a for a in _queue_lines() if a[0] != "mask_swap.py"]
+    assert lines
+    for args in lines:
+        cm.Comparison(cm.parse_args([*args, "--runs-dir", str(tmp_path / "runs"), "--docs-dir",
+                                     str(tmp_path / "docs")]))
+    for bad in (["--only", "cast-best-norepair"], ["--set", "wikitext_window=0"]):  # the check itself refuses
+        with pytest.raises(SystemExit):
+            cm.Comparison(cm.parse_args([*lines[-1], *bad, "--runs-dir", str(tmp_path / "runs"), "--docs-dir",
+                                         str(tmp_path / "docs")]))
