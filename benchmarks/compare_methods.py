@@ -344,6 +344,17 @@ class Comparison:
         if opts.tune:
             self.grid = parse_tune(opts.tune)
         self.tune_only = set(opts.tune_only.split(",")) if opts.tune_only else None
+        if opts.settings_from:
+            keys = {e.key for e in ALL_ENTRIES if e.kind == "train"}
+            if opts.settings_from not in keys:
+                raise SystemExit(f"--settings-from {opts.settings_from}: not a training row (rows: "
+                                 f"{', '.join(sorted(keys))})")
+            if not self.only or self.only == {opts.settings_from}:
+                raise SystemExit(f"--settings-from {opts.settings_from}: name the rows that take its settings with "
+                                 "--only")
+            if opts.tune:
+                raise SystemExit(f"--settings-from {opts.settings_from}: a row either takes another row's settings "
+                                 "or is tuned (--tune), not both in one invocation")
         self.tuning_from: dict[str, dict] = {}  # row → the tuning record another budget chose (--tuning-from)
         if opts.tier == "quick":
             self._build_quick_model(root)
@@ -645,7 +656,29 @@ class Comparison:
         if not local.is_file():
             return None
         rec = json.loads(local.read_text())
-        return None if rec.get("from") else with_stages(rec)
+        return None if rec.get("from") or rec.get("settings_from") else with_stages(rec)
+
+    def take_settings_from(self, src: str) -> None:
+        """``--settings-from src``: each training row this invocation runs (but ``src``) takes the settings
+        ``src``'s rows run at (its lr and λ: those its own tuning chose at this budget, the others as they stand),
+        recorded as its ``tuning.json`` (``settings_from``: not tuned on the row itself); its seeds made at
+        another value of those settings are set aside."""
+        rec = self.tuning_record(src)
+        if not rec or not rec.get("chosen_setting"):
+            raise SystemExit(f"--settings-from {src}: {src} has no tuning of its own at this budget "
+                             f"({portable(str(self.runs / src / 'tuning.json'))}); run its --tune line first")
+        entry = next(e for e in ALL_ENTRIES if e.key == src)
+        hp = self.entry_train_argv(entry, self.runs / src, self.seeds[0])[1]  # what src's rows run at
+        setting = {k: hp[k] for k in TUNABLE if k in hp}
+        for e in self.entries:
+            if e.kind != "train" or e.key == src or e.key not in self.only:
+                continue
+            (self.runs / e.key).mkdir(parents=True, exist_ok=True)
+            record = {"grid": None, "chosen": {k: f"{v:g}" for k, v in setting.items()}, "chosen_setting": setting,
+                      "metric": f"{src}'s choice ({rec.get('metric')})", "settings_from": src}
+            (self.runs / e.key / "tuning.json").write_text(json.dumps(record, indent=2))
+            for k, v in setting.items():
+                self._set_aside_other_choices(e.key, k, f"{v:g}")
 
     def grid_changed(self, key: str, values: list[float] | None = None) -> bool:
         """Whether ``--tune``'s grid has a value row ``key`` was not tuned over for that setting (or it was not
@@ -1189,6 +1222,8 @@ class Comparison:
         if self.opts.idle_walls:
             self.measure_idle_walls([e for e in ALL_ENTRIES if e.key in finished]
                                     if self.wall_entries is None else self.wall_entries)
+        if self.opts.settings_from:
+            self.take_settings_from(self.opts.settings_from)
         entries = [e for e in ALL_ENTRIES if e in self.entries or e.key in finished]
         rows = []
         for e in entries:
@@ -1232,10 +1267,11 @@ class Comparison:
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
                 ran = (r.get("seeds") or [r])[0].get("hyperparameters") or {}
-                if t.get("from") and any(ran.get(k) != v for k, v in (t.get("chosen_setting") or {}).items()):
-                    t = {}  # another budget's choice this row did not run at (it ran before that tuning)
+                if (t.get("from") or t.get("settings_from")) and any(
+                        ran.get(k) != v for k, v in (t.get("chosen_setting") or {}).items()):
+                    t = {}  # another budget's (or row's) choice this row did not run at (it ran before that tuning)
                 r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "search", "stages",
-                                                  "results", "from")
+                                                  "results", "from", "settings_from")
                                 if k in t} if t else {"grid": None, "chosen": "not retuned", "metric": None,
                                                    "setting": {"lr": r.get("lr")}})
         docs.mkdir(parents=True, exist_ok=True)
@@ -1533,6 +1569,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tune-only", help="comma-separated rows that --tune tunes (default: every training row run)")
     p.add_argument("--tuning-from", help="a compare-*.json, or the runs folder of another budget, whose rows' "
                                          "tuning choices this invocation reuses (192k takes 48k's)")
+    p.add_argument("--settings-from", metavar="ROW",
+                   help="run the training rows --only names at the settings ROW's own tuning chose at this budget "
+                        "(the paper's Table 6: paper-exact CAST's tuned λ and lr with one part changed, "
+                        "--settings-from cast); each row's tuning.json records where its settings came from, and "
+                        "its seeds made at other settings are set aside (kept, reported beside)")
     p.add_argument("--idle-walls", action="store_true",
                    help="measure each row's wall time once (its first seed) on an otherwise idle machine, into "
                         "<runs>/walls/ (rows: --only's, else every finished row); nothing else runs; the table "
@@ -1608,15 +1649,16 @@ def stage_grids(tuning: dict) -> list[str]:
 def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
     """The invocations that run every row of ``rows`` from scratch, in order (joined with ``&&``, one command
     line): the tuning of another budget the rows reuse (``tuning_prerequisites``), one ``--tune`` invocation per
-    distinct grid the rows were tuned over here (seed 0, as tuning runs), then one that runs every row with every
-    seed any row has, each tuned row at its choice.
+    distinct grid the rows were tuned over here (seed 0, as tuning runs), one per row whose settings another row's
+    tuning chose (``--settings-from``), then one that runs every row with every seed any row has, each tuned row at
+    its choice.
 
     A table grown by several ``--only`` invocations is regenerated by these (finished runs are reused, so on
     the same runs directory they run only what is missing, e.g. the seeds a row ran fewer of)."""
     # (where this invocation kept its runs and wrote its report is this machine's business: the rerun uses the
     # defaults, runs/compare and docs/results)
     dropped = ("--only", "--seeds", "--tune", "--tune-only", "--tuning-from", "--runs-dir", "--docs-dir",
-               "--first-windows", "--jobs")
+               "--first-windows", "--jobs", "--settings-from")
     base, skip = [], False
     for a in argv:
         if skip:
@@ -1641,6 +1683,13 @@ def regenerate_argv(argv: list[str], rows: list[dict]) -> list[list[str]]:
         for grid, keys in sorted(grids.items(), key=lambda kv: stage_of[kv[0]])]
     sources = [x for src in sorted({r["tuning"]["from"] for r in rows if (r.get("tuning") or {}).get("from")})
                for x in ("--tuning-from", src)]
+    # the rows that took another row's tuned settings (--settings-from), once that row's tuning has run
+    taken: dict[str, list[str]] = {}
+    for r in rows:
+        if src := (r.get("tuning") or {}).get("settings_from"):
+            taken.setdefault(src, []).append(r["key"])
+    out += [base + sources + ["--settings-from", src, "--seeds", ",".join(map(str, seeds or [0])), "--only",
+                              ",".join(keys)] for src, keys in sorted(taken.items())]
     walls = [r["key"] for r in rows if r.get("idle_wall")]  # then the wall times measured on an idle machine
     # and the rows' models scored on the first windows (--first-windows)
     first = sorted({x["wikitext2_first_windows"] for r in rows for x in r.get("seeds") or [r]

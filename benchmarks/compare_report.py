@@ -266,6 +266,18 @@ def paper_exact_at(base: dict, r: dict) -> tuple[dict, str] | None:
     return None
 
 
+def superseded_pairs(base: dict, r: dict) -> list[tuple[dict, tuple[dict, str] | None]]:
+    """Table 6 row ``r``'s seeds at each setting a later choice replaced (its ``superseded`` groups: the
+    ablations run at paper-exact's untuned setting, then at its tuned one), each as a row with paper-exact CAST's
+    runs at that setting (:func:`paper_exact_at`, None where it has none)."""
+    out = []
+    for group in r.get("superseded") or []:
+        before = {"key": r["key"], "label": r.get("label"), "status": "ok",
+                  "seeds": [{**x, "status": "ok", "hyperparameters": group.get("setting")} for x in group["seeds"]]}
+        out.append((before, paper_exact_at(base, before)))
+    return out
+
+
 def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
     """The paper's Table 6 rows present here against paper-exact CAST at each row's own setting
     (:func:`paper_exact_at`): per split the paired difference (an interval and a verdict from two common seeds
@@ -293,6 +305,14 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
         against = f" (against paper-exact at {setting}, {where})" if setting else ""
         out.append(f"- {r['label']}{against}: " + "; ".join(cells)
                    + f"; masks moved (i_T / groups changed): {movement(r)}")
+        for before, at_before in superseded_pairs(base, r):  # the setting(s) this row ran at before
+            setting = _setting(before["seeds"][0])
+            if at_before is None:
+                out.append(f"  - before, at {setting}: paper-exact CAST has no run there: not paired")
+                continue
+            exact, where = at_before
+            out.append(f"  - before, at {setting} (against paper-exact there, {where}): " + "; ".join(
+                paired_line(before, exact, split) for split in ("test", "wikitext2")))
     head = [f"Paper-exact CAST's own seeds{f' at {k}' if k else ''} span {lo:.2f}–{hi:.2f} on test "
             f"(×{hi / lo:.2f}): one seed's difference inside that spread is not evidence."
             for k, (lo, hi) in spreads.items()]
@@ -325,7 +345,8 @@ def gain_lines(rows: list[dict], gain: list[dict]) -> list[str]:
                            for x in done) + ")" if done else ""))
             continue
         t = r.get("tuning") or {}
-        how = ("chosen on validation" if t.get("chosen") not in (None, "not retuned") else "not retuned")
+        how = (f"{t['settings_from']}'s tuned settings" if t.get("settings_from") else
+               "chosen on validation" if t.get("chosen") not in (None, "not retuned") else "not retuned")
         cells = [paired_line(r, base, split) for split in ("test", "wikitext2")]
         out.append(f"- {g['label']} ({_setting((r.get('seeds') or [r])[0])}, {how}): " + "; ".join(cells)
                    + f"; masks moved (i_T / groups changed): {movement(r)}")
@@ -387,11 +408,20 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
                 row["paired_oneshot"] = {"against": ONESHOT, **pairs}
         exact = by.get(PAPER_EXACT)
         at = None if exact is None else paper_exact_at(exact, r)
-        if at is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok":
+        table6 = exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok"
+        if table6 and at is not None:
             pairs = {split: seed_difference(r, at[0], split) for split in ("test", "wikitext2")}
             if any(pairs.values()):
                 row["paired_paper_exact"] = {"against": PAPER_EXACT, "setting": _row_setting(r), "runs": at[1],
                                              **pairs}
+        if table6:
+            before = []
+            for b, b_at in superseded_pairs(exact, r):
+                pairs = {split: seed_difference(b, b_at[0], split) for split in ("test", "wikitext2")} if b_at else {}
+                if any(pairs.values()):
+                    before.append({"against": PAPER_EXACT, "setting": _row_setting(b), "runs": b_at[1], **pairs})
+            if before:  # the same row at the setting(s) it ran at before (paper-exact's untuned one)
+                row["paired_paper_exact_before"] = before
         for key in ("sparse_weight_ratio", "initial_flip_rate", "changed_groups", "flip_rate_mean",
                     "flipped_fraction"):
             row[key] = r.get(key)
@@ -424,6 +454,11 @@ def tuning_lines(rows: list[dict]) -> list[str]:
             continue
         if t.get("chosen") == "not retuned":
             out.append(f"- {r['label']}: not retuned (lr {format_number(r.get('lr'), '{:g}')})")
+            continue
+        if t.get("settings_from"):  # another row's tuned settings at this budget, not tuned on this row
+            setting = ", ".join(f"{k} **{v}**" for k, v in t["chosen"].items())
+            out.append(f"- {r['label']}: {setting}, the settings `{t['settings_from']}`'s tuning chose at this budget "
+                       f"(`--settings-from {t['settings_from']}`: not tuned on this row)")
             continue
         src = f" (chosen at {portable(t['from'])})" if t.get("from") else ""
         stages = t.get("stages")

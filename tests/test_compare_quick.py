@@ -1043,3 +1043,100 @@ def test_rescore_wikitext_scores_a_row_again_on_its_tables_windows(tmp_path, cap
     (kd / "seed-0" / "compare_row.json").write_text(kept)
     compare_methods.main(every + ["--rescore-wikitext"])  # done once: not scored again
     assert "already" in capsys.readouterr().out
+
+
+def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_reports_both(tmp_path):
+    """``--settings-from cast``: the paper's Table 6 at paper-exact's tuned λ and lr. The rows it names take the
+    settings paper-exact's rows run at (recorded as not tuned on the row), their seeds at the untuned setting are
+    set aside, the table pairs each setting against paper-exact there, and a regeneration runs it again."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import compare_methods
+        from compare_report import table6_lines, tuning_lines, write_json
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    runs = tmp_path / "runs"
+    argv = ["--tier", "cpu", "--tokens", "1k", "--seeds", "0", "--runs-dir", str(runs), "--docs-dir",
+            str(tmp_path / "docs")]
+
+    def comparison(*extra):
+        c = compare_methods.Comparison(compare_methods.parse_args(argv + list(extra)))
+
+        def fake(e, out, seed, override=None):  # a run records the settings its command would carry
+            done = out / "compare_row.json"
+            if done.is_file():
+                return json.loads(done.read_text())
+            hp = c.entry_train_argv(e, out, seed, override)[1]
+            out.mkdir(parents=True, exist_ok=True)
+            row = {"key": e.key, "seed": seed, "status": "ok", "validation": 40.0 - 1e4 * hp["lr"], "test": 1.0,
+                   "wikitext2": 1.0, "lr": hp["lr"], "hyperparameters": {k: hp[k] for k in ("lr", "l1_decay")}}
+            done.write_text(json.dumps(row))
+            return row
+
+        c._run_one = fake
+        return c
+
+    with pytest.raises(SystemExit, match="not a training row"):
+        comparison("--settings-from", "sparsegpt", "--only", "cast-srste")
+    with pytest.raises(SystemExit, match="--only"):
+        comparison("--settings-from", "cast")
+    with pytest.raises(SystemExit, match="not both"):
+        comparison("--settings-from", "cast", "--only", "cast-srste", "--tune", "lr=1e-4,2e-4")
+    with pytest.raises(SystemExit, match="has no tuning of its own"):
+        comparison("--settings-from", "cast", "--only", "cast-srste").take_settings_from("cast")
+    entries = {e.key: e for e in compare_methods.ALL_ENTRIES}
+    tuned = comparison("--tune", "lr=1e-4,2e-4", "--only", "cast")
+    assert tuned.tune(entries["cast"])["chosen"] == {"lr": "0.0002"}
+    runs = tuned.runs  # this budget's folder
+    old = runs / "cast-srste" / "seed-0"  # the ablation's seed at paper-exact's untuned setting
+    old.mkdir(parents=True)
+    (old / "compare_row.json").write_text(json.dumps({"status": "ok", "hyperparameters": {"lr": 5e-4,
+                                                                                          "l1_decay": 1e-4}}))
+    c = comparison("--settings-from", "cast", "--only", "cast-srste")
+    c.take_settings_from("cast")
+    rec = json.loads((runs / "cast-srste" / "tuning.json").read_text())
+    assert rec["settings_from"] == "cast" and rec["chosen_setting"] == {"lr": 2e-4, "l1_decay": 1e-4}
+    assert c.tuning_record("cast-srste") is None  # not this row's own tuning: a --tune here runs its grid
+    assert sorted(p.parent.name for p in runs.glob("*/tuning.json")) == ["cast", "cast-srste"]  # --only's rows
+    assert c.entry_train_argv(entries["cast-srste"], runs / "cast-srste", 0)[1]["lr"] == 2e-4
+    assert sorted(p.name for p in (runs / "cast-srste").glob("seed-*")) == ["seed-0.superseded-lr-0.0005"]
+    assert c.run_entry(entries["cast-srste"])["seeds"][0]["hyperparameters"] == {"lr": 2e-4, "l1_decay": 1e-4}
+
+    # the report: the row's settings said to be paper-exact's, and Table 6 at both settings it ran at
+    def seeds(vals, lr):
+        return [{"seed": i, "status": "ok", "heldout": t, "wikitext2": w, "test": t,
+                 "hyperparameters": {"lr": lr, "l1_decay": 1e-4}} for i, (t, w) in vals.items()]
+
+    exact = {"key": "cast", "label": "CAST (paper-exact)", "kind": "train", "status": "ok",
+             "seeds": seeds({0: (40.0, 150.0), 1: (42.0, 152.0)}, 2e-4),
+             "superseded": [{"setting": {"lr": 5e-4, "l1_decay": 1e-4},
+                             "seeds": [{"seed": 0, "test": 100.0, "wikitext2": 400.0},
+                                       {"seed": 1, "test": 120.0, "wikitext2": 420.0}]}]}
+    srste = {"key": "cast-srste", "label": "CAST, SR-STE", "kind": "train", "status": "ok",
+             "seeds": seeds({0: (45.0, 160.0), 1: (47.0, 161.0)}, 2e-4),
+             "tuning": {"grid": None, "chosen": {"lr": "0.0002", "l1_decay": "0.0001"}, "settings_from": "cast"},
+             "superseded": [{"setting": {"lr": 5e-4, "l1_decay": 1e-4},
+                             "seeds": [{"seed": 0, "test": 90.0, "wikitext2": 300.0},
+                                       {"seed": 1, "test": 100.0, "wikitext2": 330.0}]}]}
+    keys = [e.key for e in compare_methods.ABLATIONS]
+    lines = table6_lines([exact, srste], keys)
+    now = next(x for x in lines if x.startswith("- CAST, SR-STE"))
+    assert "l1_decay 0.0001, lr 0.0002" in now or "lr 0.0002, l1_decay 0.0001" in now
+    assert "test +5.00" in now, now
+    before = next(x for x in lines if x.startswith("  - before, at "))
+    assert "its seeds before the tuning" in before and "test −15.00" in before.replace("-", "−"), before
+    assert tuning_lines([srste])[0].startswith("- CAST, SR-STE: lr **0.0002**, l1_decay **0.0001**, the settings "
+                                               "`cast`'s tuning chose at this budget")
+    doc = json.loads(write_json([exact, srste], {"table6": keys}, tmp_path / "t.json").read_text())
+    row = next(r for r in doc["rows"] if r["name"] == "cast-srste")
+    assert row["paired_paper_exact"]["test"]["mean_diff"] == 5.0
+    assert row["paired_paper_exact_before"][0]["test"]["mean_diff"] == -15.0
+    assert row["paired_paper_exact_before"][0]["setting"] == {"lr": 5e-4, "l1_decay": 1e-4}
+    # a regeneration of the table runs the row again the same way, after paper-exact's tuning
+    regen = compare_methods.regenerate_argv(["--tier", "cpu", "--tokens", "1k"], [
+        {"key": "cast", "tuning": {"grid": {"lr": ["0.0001", "0.0002"]}, "chosen": {"lr": "0.0002"}},
+         "seeds": [{"seed": 0}]}, {**srste, "seeds": [{"seed": 0}, {"seed": 1}]}])
+    tune_at = next(i for i, a in enumerate(regen) if "--tune" in a)
+    take_at = next(i for i, a in enumerate(regen) if "--settings-from" in a)
+    assert tune_at < take_at and regen[take_at][-4:] == ["--seeds", "0,1", "--only", "cast-srste"]
+    assert "--settings-from" not in regen[-1]
