@@ -344,6 +344,7 @@ class Comparison:
         if opts.tune:
             self.grid = parse_tune(opts.tune)
         self.tune_only = set(opts.tune_only.split(",")) if opts.tune_only else None
+        self.ran_ahead: dict[tuple[str, int], dict] = {}  # (row, seed) → its run's result (run_seeds_ahead)
         if opts.settings_from:
             keys = {e.key for e in ALL_ENTRIES if e.kind == "train"}
             if opts.settings_from not in keys:
@@ -527,8 +528,26 @@ class Comparison:
         seeds = seeds or self.seeds
         if e.kind != "train":  # one-shot rows evaluate in this process: one at a time
             return self.aggregate([self._run_one(e, self.runs / e.key / f"seed-{s}", s) for s in seeds])
-        return self.aggregate(self.side_by_side([lambda s=s: self._run_one(e, self.runs / e.key / f"seed-{s}", s)
-                                                 for s in seeds]))
+        return self.aggregate(self.side_by_side([
+            lambda s=s: self.ran_ahead.pop((e.key, s), None) or self._run_one(e, self.runs / e.key / f"seed-{s}", s)
+            for s in seeds]))
+
+    def run_seeds_ahead(self, entries: list[Entry]) -> None:
+        """With ``--jobs`` above 1, the seed runs of every seeded training row in ``entries`` whose settings are
+        already fixed (not tuned by this invocation) run in one pool, so that no core waits for a row's last seed
+        while the next row's seeds could run (two rows of three seeds: three rounds of two, not four); each row
+        then takes its results in order (``ran_ahead``)."""
+        if self.opts.jobs < 2:
+            return
+        ahead = [(e, s) for e in entries if e.kind == "train" and e.seeded
+                 and not (self.grid and (not self.tune_only or e.key in self.tune_only)) for s in self.seeds]
+        if len({e.key for e, _ in ahead}) < 2:
+            return  # one row: its own seeds already run side by side
+        print(f"          {len(ahead)} seed runs of {len({e.key for e, _ in ahead})} rows, {self.opts.jobs} at a "
+              "time ...", flush=True)
+        results = self.side_by_side([lambda e=e, s=s: self._run_one(e, self.runs / e.key / f"seed-{s}", s)
+                                     for e, s in ahead])
+        self.ran_ahead.update({(e.key, s): r for (e, s), r in zip(ahead, results)})
 
     def side_by_side(self, calls: list) -> list:
         """The results of ``calls`` (each a training run in its own process), in order, ``--jobs`` of them at a
@@ -1225,6 +1244,7 @@ class Comparison:
         if self.opts.settings_from:
             self.take_settings_from(self.opts.settings_from)
         entries = [e for e in ALL_ENTRIES if e in self.entries or e.key in finished]
+        self.run_seeds_ahead([e for e in entries if e in self.entries and (not self.only or e.key in self.only)])
         rows = []
         for e in entries:
             if (self.only and e.key not in self.only) or e not in self.entries:  # reused, never run here

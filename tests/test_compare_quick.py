@@ -828,6 +828,26 @@ def test_jobs_runs_a_stages_grid_points_and_a_rows_seeds_side_by_side(tmp_path):
     assert sorted(x[1] for x in ran[:3]) == [1e-4, 2e-4, 4e-4] and sorted(x[0] for x in ran[3:]) == [1, 2]
     assert json.loads((cmp.runs / "naive-sgpt" / "tuning.json").read_text())["chosen"] == {"lr": "0.0004"}
     assert [x["seed"] for x in row["seeds"]] == [0, 1, 2] and {x["lr"] for x in row["seeds"]} == {4e-4}
+    # two rows whose settings are fixed: their six seed runs share one pool (three rounds, not four), each row
+    # then takes its own results in order, none run twice
+    two = compare_methods.Comparison(compare_methods.parse_args(
+        argv[:5] + ["naive-sgpt,naive-kd-sgpt"] + argv[6:] + ["--seeds", "0,1,2", "--jobs", "2"]))
+    two.runs = tmp_path / "two"
+    cmp = two  # the fake reads the settings through cmp
+    two._run_one = fake
+    ran.clear()
+    rows = [e for e in compare_methods.ALL_ENTRIES if e.key in ("naive-sgpt", "naive-kd-sgpt")]
+    t0 = time.perf_counter()
+    two.run_seeds_ahead(rows)
+    assert time.perf_counter() - t0 < 3.6 * 0.3 and len(ran) == 6 and peak[0] == 2
+    got = [two.run_entry(e) for e in rows]
+    assert len(ran) == 6 and not two.ran_ahead
+    assert [[x["seed"] for x in r["seeds"]] for r in got] == [[0, 1, 2], [0, 1, 2]]
+    assert [r["key"] for r in got] == ["naive-sgpt", "naive-kd-sgpt"]
+    one = compare_methods.Comparison(compare_methods.parse_args(argv + ["--seeds", "0,1", "--jobs", "2"]))
+    one._run_one = fake
+    one.run_seeds_ahead(rows[:1])  # one row: nothing ahead (its own seeds run side by side in run_entry)
+    assert not one.ran_ahead and len(ran) == 6
     # a row's own CPU where it ran in a process of its own: the run beside it is another job
     cpu = []
     assert cmp._run_cli(["--version"], tmp_path / "version.txt", cpu) == 0 and len(cpu) == 1 and cpu[0] > 0
