@@ -37,8 +37,9 @@ KNOWN = {
     # a text source with the embedded default, against finetune's required records (JSONL / CSV, labels) that
     # pair with its --eval-data
     "data": {"CalibrationSettings", "FinetuneConfig"},
-    # five lists: export's written dtype (auto = as stored), quantize's and bench's fp16 / bf16 / fp32 for the
-    # stored tensors and for the kernels, generate's auto = bf16, zeroshot's torch names (float32, ...)
+    # five lists and defaults (export's written dtype, auto = as stored; quantize's and bench's fp16 / bf16 / fp32
+    # for the stored tensors and for the kernels; generate's auto = bf16; zeroshot's fp32), one spelling:
+    # config.dtype_option (test_every_dtype_flag_is_spelled_one_way)
     "dtype": {"ExportConfig", "QuantizeConfig", "BenchInferenceConfig", "GenerateConfig", "ZeroShotOptions"},
 }
 
@@ -216,3 +217,24 @@ def test_the_torch_free_copies_of_library_names_agree():
 
     assert BACKENDS == tuple(bench.BACKENDS)
     assert prune_config.METHODS == oneshot.METHODS and set(quant_config.METHODS) == set(quantize.METHODS)
+
+
+def test_every_dtype_flag_is_spelled_one_way():
+    """Each command's --dtype (and train's --teacher-dtype) takes the same names (fp32 / bf16 / fp16, plus auto where
+    the command has one) and torch's spellings for them: `eval zeroshot --dtype bf16` once refused what every other
+    command takes, and asked for `bfloat16`."""
+    from cast_llm.config import coerce, dtype_name
+    from cast_llm.errors import CastError
+
+    fields = [(cls, f) for cls in config_classes() for f in dataclasses.fields(cls)
+              if f.name == "dtype" or f.name.endswith("_dtype")]
+    assert len({cls.__name__ for cls, _ in fields}) >= 5
+    for cls, f in fields:
+        assert f.metadata.get("parse") is dtype_name, f"{cls.__name__}.{f.name}: declare it with config.dtype_option"
+        assert set(f.metadata["choices"]) <= {"auto", "fp32", "bf16", "fp16"}, (cls.__name__, f.metadata["choices"])
+        for name in f.metadata["choices"]:
+            assert coerce(cls, f.name, name.upper(), "test") == name
+        if "bf16" in f.metadata["choices"]:
+            assert coerce(cls, f.name, "bfloat16", "test") == "bf16"
+        with pytest.raises(CastError, match="must be one of"):
+            coerce(cls, f.name, "int8", "test")

@@ -54,6 +54,22 @@ def option(default: Any, help: str, *, choices: tuple | None = None, parse=None,
     return dataclasses.field(default=default, metadata=md)
 
 
+# --dtype as every command spells it (fp32 / bf16 / fp16, each command with its own choices and default); torch's
+# names are taken as the same (parse=dtype_name): `eval zeroshot --dtype bf16` and `export --dtype bfloat16` both work
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def dtype_name(value: Any) -> str:
+    """A dtype as cast-llm's commands spell it (``bfloat16`` → ``bf16``); other text as given, for ``choices``."""
+    text = str(value).strip().lower()
+    return DTYPE_ALIASES.get(text, text)
+
+
+def dtype_option(default: str, help: str, choices: tuple[str, ...], **kw):
+    """A command's ``--dtype``: its own choices and default, in the one spelling (torch's names accepted)."""
+    return option(default, help, choices=choices, parse=dtype_name, **kw)
+
+
 # --kernels: cast_llm.kernels.MODES, kept here so that `cast-llm --help` imports no torch
 KERNEL_MODES = ("auto", "reference")
 KERNELS_HELP = ("auto: every custom kernel (Triton, torch.compile, cuSPARSELt, CUDA graphs) checks itself against "

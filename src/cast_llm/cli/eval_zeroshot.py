@@ -20,13 +20,14 @@ from cast_llm.config import (
     ModelSettings,
     OutputDirSettings,
     SeedSettings,
+    dtype_option,
     option,
 )
 from cast_llm.errors import CastError
 
 # kept here (not imported from cast_llm.eval.zeroshot) so that `cast-llm --help` does not import lm-eval
 DEFAULT_TASKS = "hellaswag,race,piqa,winogrande,arc_easy,arc_challenge,openbookqa"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _parse_limit(value) -> int | float:
@@ -69,7 +70,7 @@ class ZeroShotOptions(OutputDirSettings, DeviceSettings, JsonSettings, SeedSetti
         parse=_parse_limit, section=TASKS,
     )
     batch_size: str = option("8", "items per forward pass, or 'auto'", parse=_parse_batch_size, section=TASKS)
-    dtype: str = option("float32", "dtype the model is loaded in", choices=DTYPES, section=MODEL)
+    dtype: str = dtype_option("fp32", "dtype the model is loaded in", choices=DTYPES, section=MODEL)
     max_length: int | None = option(None, "longest context in tokens (default: the model's maximum)", section=MODEL)
     include_path: str | None = option(None, "a folder of extra lm-eval task YAML files (local tasks)", section=TASKS)
     # the current folder by default (the command writes two report files, no run folder)
@@ -97,9 +98,8 @@ def pick_device(name: str) -> str:
 
 
 def run(args) -> int:
-    import torch
-
     from cast_llm import kernels
+    from cast_llm.deploy.checkpoint import DTYPES as TORCH_DTYPES
     from cast_llm.eval.zeroshot import evaluate_zeroshot, load_tasks
     from cast_llm.models import load_model, load_tokenizer
 
@@ -111,7 +111,7 @@ def run(args) -> int:
         raise CastError(f"--output-dir {out} exists and is not a folder")
     log = sys.stderr if cfg.json else sys.stdout  # keep stdout pure JSON with --json
     tasks = load_tasks(cfg.tasks, cfg.include_path, verbose=cfg.verbose)  # before the (slow) model load
-    model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=device)
+    model = load_model(cfg.model, dtype=TORCH_DTYPES[cfg.dtype], device=device)
     tokenizer = load_tokenizer(cfg.model)
     result = evaluate_zeroshot(
         model,

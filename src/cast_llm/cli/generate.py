@@ -16,7 +16,15 @@ import sys
 from dataclasses import dataclass
 
 from cast_llm.cli.options import add_config_command, resolve_options, summary
-from cast_llm.config import JsonSettings, KernelSettings, ModelSettings, SeedSettings, ThreadSettings, option
+from cast_llm.config import (
+    JsonSettings,
+    KernelSettings,
+    ModelSettings,
+    SeedSettings,
+    ThreadSettings,
+    dtype_option,
+    option,
+)
 from cast_llm.errors import CastError
 
 MODEL, TEXT, OUTPUT = "model", "text", "output"
@@ -38,9 +46,9 @@ class GenerateConfig(JsonSettings, SeedSettings, KernelSettings, ThreadSettings,
     top_p: float = option(1.0, "nucleus sampling mass (with --sample)", min=0.0, max=1.0, min_exclusive=True,
                           section=TEXT)
     dense: bool = option(False, "run every layer dense (torch F.linear) instead of the 2:4 layers", section=MODEL)
-    dtype: str = option("auto", "weights and activations dtype: auto (bf16; a compressed fp32 export stays fp32, "
-                                "an fp16 one loads as fp32), bf16 or fp32", choices=("auto", "bf16", "fp32"),
-                        section=MODEL)
+    dtype: str = dtype_option("auto", "weights and activations dtype: auto (bf16; a compressed fp32 export stays "
+                                      "fp32, an fp16 one loads as fp32), bf16 or fp32", choices=("auto", "bf16", "fp32"),
+                              section=MODEL)
 
     def validate(self) -> None:
         if not self.prompt:

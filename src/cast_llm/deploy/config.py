@@ -19,6 +19,7 @@ from cast_llm.config import (
     OutputSettings,
     PlotSettings,
     SeedSettings,
+    dtype_option,
     option,
 )
 from cast_llm.errors import CastError
@@ -32,8 +33,8 @@ class ExportConfig(OutputSettings, NMSettings, ModelSettings):
 
     format: str = option("hf", "hf (safetensors with exact zeros), compressed (kept values + 2-bit positions), "
                          "compressed-tensors (vLLM's legacy sparse-24-bitmask)", choices=FORMATS)
-    dtype: str = option("auto", "dtype of the written weights: auto (as stored in MODEL), fp32, fp16, bf16",
-                        choices=("auto", "fp32", "fp16", "bf16"))
+    dtype: str = dtype_option("auto", "dtype of the written weights: auto (as stored in MODEL), fp32, fp16, bf16",
+                              choices=("auto", "fp32", "fp16", "bf16"))
     encoding: str = option("auto", "compressed: how kept positions are stored: index (ceil(log2 m) bits per kept "
                            "value), bitmask (1 bit per weight), auto (the smaller)",
                            choices=("auto", "index", "bitmask"))
@@ -96,8 +97,8 @@ class BenchInferenceConfig(DeviceSettings, JsonSettings, PlotSettings, SeedSetti
 
     batch_sizes: str = option("", "several batch sizes, one run each on the same model (e.g. 1,4,16; overrides "
                                   "--batch-size): the tables one after another, --json a list", section=WORKLOAD)
-    dtype: str = option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
-                        choices=("fp16", "bf16", "fp32"), section=MODEL)
+    dtype: str = dtype_option("fp16", "weights and activations dtype (semi-structured kernels: fp16 or bf16)",
+                              choices=("fp16", "bf16", "fp32"), section=MODEL)
     json_out: str | None = option(None, "also write the report as JSON to this file", section=OUTPUT)
 
     OPTION_TEXT = {

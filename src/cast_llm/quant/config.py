@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_llm.config import ModelSettings, NMSettings, OutputSettings, SeedSettings, option
+from cast_llm.config import ModelSettings, NMSettings, OutputSettings, SeedSettings, dtype_option, option
 from cast_llm.data.config import BlockCalibrationSettings, EvalWindowSettings
 from cast_llm.errors import CastError
 
@@ -27,8 +27,8 @@ class QuantizeConfig(OutputSettings, SeedSettings, NMSettings, BlockCalibrationS
     grid: int = option(20, "AWQ: alpha grid points on [0, 1] beyond 0 (alpha = i / grid)", section=CALIB)
     search_tokens: int = option(4096, "AWQ: calibration tokens (a seeded random subset) on which the output "
                                 "error of each alpha is measured; mean |x| uses all tokens", section=CALIB)
-    dtype: str = option("fp16", "dtype of the non-quantized tensors and of fake-quant/ (the search runs in fp32)",
-                        choices=("fp16", "bf16", "fp32"), section=OUTPUT)
+    dtype: str = dtype_option("fp16", "dtype of the non-quantized tensors and of fake-quant/ (the search runs in "
+                              "fp32)", choices=("fp16", "bf16", "fp32"), section=OUTPUT)
     eval_windows: int = option(0, "if > 0: WikiText-2 perplexity before and after, on the first this many windows",
                                section=EVAL)
 

@@ -26,6 +26,7 @@ from cast_llm.config import (
     SeedSettings,
     ThreadSettings,
     check_ranges,
+    dtype_option,
     option,
     parse_count,
     parse_hist_steps,
@@ -306,9 +307,9 @@ class TrainConfig(RunConfig, CastSettings, DataSettings, EvalWindowSettings):
                                          "all-gathers, bf16 autocast as without --fsdp); auto: policy. results.json "
                                          "records which ran", choices=FSDP_PRECISIONS, section=MEMORY,
                                          resume="free")
-    teacher_dtype: str = option("auto", "the frozen teacher's weights: auto (bf16 when training in bf16, else "
-                                        "fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY,
-                                        resume="free")
+    teacher_dtype: str = dtype_option("auto", "the frozen teacher's weights: auto (bf16 when training in bf16, "
+                                              "else fp32), bf16 or fp32", choices=TEACHER_DTYPES, section=MEMORY,
+                                      resume="free")
     fused_head: bool = option(False, "LM head and loss (KD or CE) together, --kd-chunk-size tokens at a time: the "
                                      "full tokens × vocabulary logits of student and teacher never exist (128k "
                                      "vocabularies; same FLOPs)", section=MEMORY, resume="free")
