@@ -688,16 +688,28 @@ class Comparison:
                              f"({portable(str(self.runs / src / 'tuning.json'))}); run its --tune line first")
         entry = next(e for e in ALL_ENTRIES if e.key == src)
         hp = self.entry_train_argv(entry, self.runs / src, self.seeds[0])[1]  # what src's rows run at
-        setting = {k: hp[k] for k in TUNABLE if k in hp}
+        full = {k: hp[k] for k in TUNABLE if k in hp}
         for e in self.entries:
             if e.kind != "train" or e.key == src or e.key not in self.only:
                 continue
+            # only what the row's training reads: SR-STE in place of AdamS has no λ (a λ passed to it would set
+            # its seeds aside for runs identical to them)
+            setting = {k: v for k, v in full.items() if self.reads_setting(e, k)}
             (self.runs / e.key).mkdir(parents=True, exist_ok=True)
             record = {"grid": None, "chosen": {k: f"{v:g}" for k, v in setting.items()}, "chosen_setting": setting,
-                      "metric": f"{src}'s choice ({rec.get('metric')})", "settings_from": src}
+                      "metric": f"{src}'s choice ({rec.get('metric')})", "settings_from": src,
+                      "source_setting": full}
             (self.runs / e.key / "tuning.json").write_text(json.dumps(record, indent=2))
             for k, v in setting.items():
                 self._set_aside_other_choices(e.key, k, f"{v:g}")
+
+    def reads_setting(self, e: Entry, name: str) -> bool:
+        """Whether training row ``e`` reads setting ``name``: the lr always; λ (``l1_decay``) only where AdamS
+        learns the masks (``--method cast`` with ``--mask-learner adams``)."""
+        if name != "l1_decay":
+            return True
+        cfg = self.train_config(self.budget, e.args, self.runs / "_settings")
+        return cfg.method == "cast" and cfg.mask_learner == "adams"
 
     def grid_changed(self, key: str, values: list[float] | None = None) -> bool:
         """Whether ``--tune``'s grid has a value row ``key`` was not tuned over for that setting (or it was not
@@ -1291,7 +1303,7 @@ class Comparison:
                         ran.get(k) != v for k, v in (t.get("chosen_setting") or {}).items()):
                     t = {}  # another budget's (or row's) choice this row did not run at (it ran before that tuning)
                 r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "search", "stages",
-                                                  "results", "from", "settings_from")
+                                                  "results", "from", "settings_from", "source_setting")
                                 if k in t} if t else {"grid": None, "chosen": "not retuned", "metric": None,
                                                    "setting": {"lr": r.get("lr")}})
         docs.mkdir(parents=True, exist_ok=True)

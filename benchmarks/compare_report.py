@@ -257,6 +257,13 @@ def paper_exact_at(base: dict, r: dict) -> tuple[dict, str] | None:
         shared = set(want) & set(setting or {})
         return all(want[k] == setting[k] for k in shared)
 
+    t = r.get("tuning") or {}
+    took = t.get("source_setting") if t.get("settings_from") == base.get("key") else None
+    if took and all(_row_setting(base).get(k) == v for k, v in took.items()) and all(
+            want.get(k) == v for k, v in (t.get("chosen_setting") or {}).items()):
+        # the row ran at the settings paper-exact runs at (--settings-from), those it reads: SR-STE in place of
+        # AdamS takes the lr and has no λ to take
+        return base, "its row, whose settings this row took"
     if not want or same(_row_setting(base)):
         return base, "its row"
     for group in base.get("superseded") or []:
@@ -297,6 +304,8 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
                        "paired")
             continue
         exact, where = at
+        if where.endswith("this row took"):  # paper-exact's settings, of which the row reads some
+            setting = _setting((exact.get("seeds") or [exact])[0])
         test = [v for v in (_value(x, "test") for x in exact.get("seeds") or [exact]
                             if x.get("status", "ok") == "ok") if v is not None]
         if len(test) >= 2:

@@ -1108,19 +1108,37 @@ def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_repo
     tuned = comparison("--tune", "lr=1e-4,2e-4", "--only", "cast")
     assert tuned.tune(entries["cast"])["chosen"] == {"lr": "0.0002"}
     runs = tuned.runs  # this budget's folder
-    old = runs / "cast-srste" / "seed-0"  # the ablation's seed at paper-exact's untuned setting
-    old.mkdir(parents=True)
-    (old / "compare_row.json").write_text(json.dumps({"status": "ok", "hyperparameters": {"lr": 5e-4,
-                                                                                          "l1_decay": 1e-4}}))
-    c = comparison("--settings-from", "cast", "--only", "cast-srste")
+    for key in ("cast-sgpt-fixed", "cast-srste"):  # each row's seed at paper-exact's untuned setting
+        old = runs / key / "seed-0"
+        old.mkdir(parents=True)
+        (old / "compare_row.json").write_text(json.dumps({"status": "ok", "hyperparameters": {"lr": 5e-4,
+                                                                                              "l1_decay": 1e-4}}))
+    c = comparison("--settings-from", "cast", "--only", "cast-sgpt-fixed,cast-srste")
     c.take_settings_from("cast")
-    rec = json.loads((runs / "cast-srste" / "tuning.json").read_text())
+    rec = json.loads((runs / "cast-sgpt-fixed" / "tuning.json").read_text())
     assert rec["settings_from"] == "cast" and rec["chosen_setting"] == {"lr": 2e-4, "l1_decay": 1e-4}
-    assert c.tuning_record("cast-srste") is None  # not this row's own tuning: a --tune here runs its grid
-    assert sorted(p.parent.name for p in runs.glob("*/tuning.json")) == ["cast", "cast-srste"]  # --only's rows
-    assert c.entry_train_argv(entries["cast-srste"], runs / "cast-srste", 0)[1]["lr"] == 2e-4
-    assert sorted(p.name for p in (runs / "cast-srste").glob("seed-*")) == ["seed-0.superseded-lr-0.0005"]
-    assert c.run_entry(entries["cast-srste"])["seeds"][0]["hyperparameters"] == {"lr": 2e-4, "l1_decay": 1e-4}
+    assert rec["source_setting"] == {"lr": 2e-4, "l1_decay": 1e-4}
+    # SR-STE in place of AdamS reads no λ: it takes the lr only
+    assert json.loads((runs / "cast-srste" / "tuning.json").read_text())["chosen_setting"] == {"lr": 2e-4}
+    assert c.reads_setting(entries["cast-sgpt-fixed"], "l1_decay") and c.reads_setting(entries["naive"], "lr")
+    assert not c.reads_setting(entries["cast-srste"], "l1_decay") and not c.reads_setting(entries["naive"],
+                                                                                            "l1_decay")
+    assert c.tuning_record("cast-sgpt-fixed") is None  # not this row's own tuning: a --tune here runs its grid
+    assert sorted(p.parent.name for p in runs.glob("*/tuning.json")) == ["cast", "cast-sgpt-fixed", "cast-srste"]
+    assert c.entry_train_argv(entries["cast-sgpt-fixed"], runs / "cast-sgpt-fixed", 0)[1]["lr"] == 2e-4
+    assert sorted(p.name for p in (runs / "cast-sgpt-fixed").glob("seed-*")) == ["seed-0.superseded-lr-0.0005"]
+    got = c.run_entry(entries["cast-sgpt-fixed"])["seeds"][0]["hyperparameters"]
+    assert got == {"lr": 2e-4, "l1_decay": 1e-4}
+    # paper-exact re-tuned to another λ: the row that reads λ is set aside again; SR-STE's seeds at the same lr stay
+    (runs / "cast" / "tuning.json").write_text(json.dumps({**json.loads((runs / "cast" / "tuning.json").read_text()),
+                                                           "chosen_setting": {"lr": 2e-4, "l1_decay": 4e-3}}))
+    (runs / "cast-srste" / "seed-0").mkdir(exist_ok=True)
+    (runs / "cast-srste" / "seed-0" / "compare_row.json").write_text(json.dumps(
+        {"status": "ok", "hyperparameters": {"lr": 2e-4, "l1_decay": 1e-4}}))
+    again = comparison("--settings-from", "cast", "--only", "cast-sgpt-fixed,cast-srste")
+    again.take_settings_from("cast")
+    assert (runs / "cast-sgpt-fixed" / "seed-0.superseded-l1_decay-0.0001").is_dir()
+    assert (runs / "cast-srste" / "seed-0" / "compare_row.json").is_file()
 
     # the report: the row's settings said to be paper-exact's, and Table 6 at both settings it ran at
     def seeds(vals, lr):
@@ -1132,23 +1150,35 @@ def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_repo
              "superseded": [{"setting": {"lr": 5e-4, "l1_decay": 1e-4},
                              "seeds": [{"seed": 0, "test": 100.0, "wikitext2": 400.0},
                                        {"seed": 1, "test": 120.0, "wikitext2": 420.0}]}]}
-    srste = {"key": "cast-srste", "label": "CAST, SR-STE", "kind": "train", "status": "ok",
+    srste = {"key": "cast-sgpt-fixed", "label": "CAST, fixed mask", "kind": "train", "status": "ok",
              "seeds": seeds({0: (45.0, 160.0), 1: (47.0, 161.0)}, 2e-4),
-             "tuning": {"grid": None, "chosen": {"lr": "0.0002", "l1_decay": "0.0001"}, "settings_from": "cast"},
+             "tuning": {"grid": None, "chosen": {"lr": "0.0002", "l1_decay": "0.0001"}, "settings_from": "cast",
+                        "chosen_setting": {"lr": 2e-4, "l1_decay": 1e-4},
+                        "source_setting": {"lr": 2e-4, "l1_decay": 1e-4}},
              "superseded": [{"setting": {"lr": 5e-4, "l1_decay": 1e-4},
                              "seeds": [{"seed": 0, "test": 90.0, "wikitext2": 300.0},
                                        {"seed": 1, "test": 100.0, "wikitext2": 330.0}]}]}
     keys = [e.key for e in compare_methods.ABLATIONS]
     lines = table6_lines([exact, srste], keys)
-    now = next(x for x in lines if x.startswith("- CAST, SR-STE"))
+    now = next(x for x in lines if x.startswith("- CAST, fixed mask"))
     assert "l1_decay 0.0001, lr 0.0002" in now or "lr 0.0002, l1_decay 0.0001" in now
     assert "test +5.00" in now, now
     before = next(x for x in lines if x.startswith("  - before, at "))
     assert "its seeds before the tuning" in before and "test −15.00" in before.replace("-", "−"), before
-    assert tuning_lines([srste])[0].startswith("- CAST, SR-STE: lr **0.0002**, l1_decay **0.0001**, the settings "
+    assert tuning_lines([srste])[0].startswith("- CAST, fixed mask: lr **0.0002**, l1_decay **0.0001**, the settings "
                                                "`cast`'s tuning chose at this budget")
+    # a row that reads no λ, run at paper-exact's lr, is held against paper-exact's own row at its λ
+    no_decay = {**srste, "key": "cast-srste", "label": "SR-STE for AdamS", "superseded": [],
+                "seeds": [{**x, "hyperparameters": {"lr": 2e-4, "l1_decay": 1e-4}} for x in srste["seeds"]],
+                "tuning": {**srste["tuning"], "chosen_setting": {"lr": 2e-4},
+                           "source_setting": {"lr": 2e-4, "l1_decay": 2.6e-3}}}
+    decayed = {**exact, "seeds": [{**x, "hyperparameters": {"lr": 2e-4, "l1_decay": 2.6e-3}}
+                                  for x in exact["seeds"]]}
+    line = next(x for x in table6_lines([decayed, no_decay], keys) if x.startswith("- SR-STE for AdamS"))
+    assert "against paper-exact at lr 0.0002, l1_decay 0.0026, its row, whose settings this row took" in line, line
+    assert "no run at this row's setting" in table6_lines([decayed, {**no_decay, "tuning": {}}], keys)[-1]
     doc = json.loads(write_json([exact, srste], {"table6": keys}, tmp_path / "t.json").read_text())
-    row = next(r for r in doc["rows"] if r["name"] == "cast-srste")
+    row = next(r for r in doc["rows"] if r["name"] == "cast-sgpt-fixed")
     assert row["paired_paper_exact"]["test"]["mean_diff"] == 5.0
     assert row["paired_paper_exact_before"][0]["test"]["mean_diff"] == -15.0
     assert row["paired_paper_exact_before"][0]["setting"] == {"lr": 5e-4, "l1_decay": 1e-4}
@@ -1158,5 +1188,5 @@ def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_repo
          "seeds": [{"seed": 0}]}, {**srste, "seeds": [{"seed": 0}, {"seed": 1}]}])
     tune_at = next(i for i, a in enumerate(regen) if "--tune" in a)
     take_at = next(i for i, a in enumerate(regen) if "--settings-from" in a)
-    assert tune_at < take_at and regen[take_at][-4:] == ["--seeds", "0,1", "--only", "cast-srste"]
+    assert tune_at < take_at and regen[take_at][-4:] == ["--seeds", "0,1", "--only", "cast-sgpt-fixed"]
     assert "--settings-from" not in regen[-1]
