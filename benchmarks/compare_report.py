@@ -421,8 +421,9 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
         if table6 and at is not None:
             pairs = {split: seed_difference(r, at[0], split) for split in ("test", "wikitext2")}
             if any(pairs.values()):
-                row["paired_paper_exact"] = {"against": PAPER_EXACT, "setting": _row_setting(r), "runs": at[1],
-                                             **pairs}
+                took = at[1].endswith("this row took")  # paired at paper-exact's settings (some not read here)
+                row["paired_paper_exact"] = {"against": PAPER_EXACT, "setting": _row_setting(at[0] if took else r),
+                                             "runs": at[1], **pairs}
         if table6:
             before = []
             for b, b_at in superseded_pairs(exact, r):
@@ -466,8 +467,8 @@ def tuning_lines(rows: list[dict]) -> list[str]:
             continue
         if t.get("settings_from"):  # another row's tuned settings at this budget, not tuned on this row
             setting = ", ".join(f"{k} **{v}**" for k, v in t["chosen"].items())
-            out.append(f"- {r['label']}: {setting}, the settings `{t['settings_from']}`'s tuning chose at this budget "
-                       f"(`--settings-from {t['settings_from']}`: not tuned on this row)")
+            out.append(f"- {r['label']}: {setting}, `{t['settings_from']}`'s settings at this budget as its tuning "
+                       f"left them (`--settings-from {t['settings_from']}`: not tuned on this row)")
             continue
         src = f" (chosen at {portable(t['from'])})" if t.get("from") else ""
         stages = t.get("stages")

@@ -1165,8 +1165,8 @@ def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_repo
     assert "test +5.00" in now, now
     before = next(x for x in lines if x.startswith("  - before, at "))
     assert "its seeds before the tuning" in before and "test −15.00" in before.replace("-", "−"), before
-    assert tuning_lines([srste])[0].startswith("- CAST, fixed mask: lr **0.0002**, l1_decay **0.0001**, the settings "
-                                               "`cast`'s tuning chose at this budget")
+    assert tuning_lines([srste])[0].startswith("- CAST, fixed mask: lr **0.0002**, l1_decay **0.0001**, `cast`'s "
+                                               "settings at this budget as its tuning left them")
     # a row that reads no λ, run at paper-exact's lr, is held against paper-exact's own row at its λ
     no_decay = {**srste, "key": "cast-srste", "label": "SR-STE for AdamS", "superseded": [],
                 "seeds": [{**x, "hyperparameters": {"lr": 2e-4, "l1_decay": 1e-4}} for x in srste["seeds"]],
@@ -1177,6 +1177,9 @@ def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_repo
     line = next(x for x in table6_lines([decayed, no_decay], keys) if x.startswith("- SR-STE for AdamS"))
     assert "against paper-exact at lr 0.0002, l1_decay 0.0026, its row, whose settings this row took" in line, line
     assert "no run at this row's setting" in table6_lines([decayed, {**no_decay, "tuning": {}}], keys)[-1]
+    pair = next(r for r in json.loads(write_json([decayed, no_decay], {"table6": keys}, tmp_path / "n.json")
+                                      .read_text())["rows"] if r["name"] == "cast-srste")["paired_paper_exact"]
+    assert pair["setting"] == {"lr": 2e-4, "l1_decay": 2.6e-3} and pair["runs"].endswith("this row took")
     doc = json.loads(write_json([exact, srste], {"table6": keys}, tmp_path / "t.json").read_text())
     row = next(r for r in doc["rows"] if r["name"] == "cast-sgpt-fixed")
     assert row["paired_paper_exact"]["test"]["mean_diff"] == 5.0
