@@ -1255,7 +1255,11 @@ class Comparison:
                                     if self.wall_entries is None else self.wall_entries)
         if self.opts.settings_from:
             self.take_settings_from(self.opts.settings_from)
-        entries = [e for e in ALL_ENTRIES if e in self.entries or e.key in finished]
+        # rows whose every seed a new setting set aside, none finished at it yet (--settings-from, a tuning that
+        # moved): kept in the report as pending, with what they measured before
+        pending = {e.key for e in ALL_ENTRIES if e.kind == "train" and e.key not in finished
+                   and any((self.runs / e.key).glob("seed-*.superseded-*/compare_row.json"))}
+        entries = [e for e in ALL_ENTRIES if e in self.entries or e.key in finished | pending]
         self.run_seeds_ahead([e for e in entries if e in self.entries and (not self.only or e.key in self.only)])
         rows = []
         for e in entries:
@@ -1267,6 +1271,11 @@ class Comparison:
                     # the seeds that finished, aggregated without running (--fresh redoes only the rows it runs)
                     rows.append(self.aggregate([read_row(self.runs / e.key / f"seed-{x}" / "compare_row.json")
                                                 for x in seeds]))
+                elif e.key in pending:
+                    rows.append({"key": e.key, "kind": "train", "kd": e.kd, "tokens": 0, "seed": None,
+                                 "status": "pending", "heldout": None, "wikitext2": None,
+                                 "error": "none of its seeds at its current setting has finished; those at the "
+                                          "settings before are under \"Before the tuning\""})
                 if rows and rows[-1]["key"] == e.key:  # the entry describes the row; its runs give the numbers
                     rows[-1].update(label=e.label, weight_update=e.weight_update, mask=e.mask)
                 continue
@@ -1299,7 +1308,7 @@ class Comparison:
             if r.get("kind") == "train":
                 t = self.tuned(r["key"])
                 ran = (r.get("seeds") or [r])[0].get("hyperparameters") or {}
-                if (t.get("from") or t.get("settings_from")) and any(
+                if (t.get("from") or t.get("settings_from")) and r.get("status") != "pending" and any(
                         ran.get(k) != v for k, v in (t.get("chosen_setting") or {}).items()):
                     t = {}  # another budget's (or row's) choice this row did not run at (it ran before that tuning)
                 r["tuning"] = ({k: t[k] for k in ("grid", "chosen", "chosen_setting", "metric", "search", "stages",

@@ -273,6 +273,10 @@ def paper_exact_at(base: dict, r: dict) -> tuple[dict, str] | None:
     return None
 
 
+# how the table names a row that has no finished figures (status other than "ok")
+WHY_NOT_FINISHED = {"stopped": "stopped, resumable", "pending": "pending, its seeds set aside for a new setting"}
+
+
 def superseded_pairs(base: dict, r: dict) -> list[tuple[dict, tuple[dict, str] | None]]:
     """Table 6 row ``r``'s seeds at each setting a later choice replaced (its ``superseded`` groups: the
     ablations run at paper-exact's untuned setting, then at its tuned one), each as a row with paper-exact CAST's
@@ -285,6 +289,20 @@ def superseded_pairs(base: dict, r: dict) -> list[tuple[dict, tuple[dict, str] |
     return out
 
 
+def _before_lines(base: dict, r: dict) -> list[str]:
+    """Table 6 row ``r`` at each setting it ran at before (:func:`superseded_pairs`), one line each."""
+    out = []
+    for before, at_before in superseded_pairs(base, r):
+        setting = _setting(before["seeds"][0])
+        if at_before is None:
+            out.append(f"  - before, at {setting}: paper-exact CAST has no run there: not paired")
+            continue
+        exact, where = at_before
+        out.append(f"  - before, at {setting} (against paper-exact there, {where}): " + "; ".join(
+            paired_line(before, exact, split) for split in ("test", "wikitext2")))
+    return out
+
+
 def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
     """The paper's Table 6 rows present here against paper-exact CAST at each row's own setting
     (:func:`paper_exact_at`): per split the paired difference (an interval and a verdict from two common seeds
@@ -292,11 +310,16 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
     one-seed difference has to beat."""
     by = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = by.get(PAPER_EXACT)
-    present = [r for r in rows if r["key"] in keys and r["key"] in by]
+    present = [r for r in rows if r["key"] in keys and (r["key"] in by or (r.get("status") == "pending"
+                                                                          and r.get("superseded")))]
     if base is None or not present:
         return []
     out, spreads = [], {}
     for r in present:
+        if r.get("status") == "pending":  # its seeds at a new setting under way: what it measured before
+            out.append(f"- {r['label']}: its seeds at its current setting have not finished")
+            out += _before_lines(base, r)
+            continue
         at = paper_exact_at(base, r)
         setting = _setting((r.get("seeds") or [r])[0])  # the settings _row_setting compares, in words
         if at is None:
@@ -314,14 +337,7 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
         against = f" (against paper-exact at {setting}, {where})" if setting else ""
         out.append(f"- {r['label']}{against}: " + "; ".join(cells)
                    + f"; masks moved (i_T / groups changed): {movement(r)}")
-        for before, at_before in superseded_pairs(base, r):  # the setting(s) this row ran at before
-            setting = _setting(before["seeds"][0])
-            if at_before is None:
-                out.append(f"  - before, at {setting}: paper-exact CAST has no run there: not paired")
-                continue
-            exact, where = at_before
-            out.append(f"  - before, at {setting} (against paper-exact there, {where}): " + "; ".join(
-                paired_line(before, exact, split) for split in ("test", "wikitext2")))
+        out += _before_lines(base, r)
     head = [f"Paper-exact CAST's own seeds{f' at {k}' if k else ''} span {lo:.2f}–{hi:.2f} on test "
             f"(×{hi / lo:.2f}): one seed's difference inside that spread is not evidence."
             for k, (lo, hi) in spreads.items()]
@@ -417,8 +433,9 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
                 row["paired_oneshot"] = {"against": ONESHOT, **pairs}
         exact = by.get(PAPER_EXACT)
         at = None if exact is None else paper_exact_at(exact, r)
-        table6 = exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") == "ok"
-        if table6 and at is not None:
+        table6 = exact is not None and r.get("key") in (meta.get("table6") or []) and r.get("status") in (
+            "ok", "pending")
+        if table6 and at is not None and r.get("status") == "ok":
             pairs = {split: seed_difference(r, at[0], split) for split in ("test", "wikitext2")}
             if any(pairs.values()):
                 took = at[1].endswith("this row took")  # paired at paper-exact's settings (some not read here)
@@ -628,7 +645,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
         head = (f"| {r['label']} | {kind} | {r['weight_update']} | {r['mask']} | {'yes' if r['kd'] else 'no'} "
                 f"| {format_number(r.get('lr'), '{:g}')} | {tokens} ")
         if r.get("status") != "ok":
-            word = "stopped" if r.get("status") == "stopped" else "failed"
+            word = r.get("status") if r.get("status") in ("stopped", "pending") else "failed"
             lines.append(head + f"| {word} | {word} | — | — | — | — |")
             continue
         src = {x.get("recovered_from") or x.get("recorded_in") for x in (r.get("seeds") or [r])} - {None}
@@ -735,7 +752,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         lines += ["", "## Runs that did not finish", ""] + [
-            f"- {r['label']} ({'stopped, resumable' if r.get('status') == 'stopped' else 'failed'}): "
+            f"- {r['label']} ({WHY_NOT_FINISHED.get(r.get('status'), 'failed')}): "
             f"{r.get('error', '')}" for r in failed]
     cv = meta.get("code_versions") or {}
     if cv.get("recorded"):
@@ -748,7 +765,7 @@ def write_report(rows: list[dict], meta: dict, path: Path, png: Path | None) -> 
                                 "since), so the code those runs ran cannot be checked out" + (f" ({', '.join(f'`{c}`' for c in gone)})" if gone else ""))
                   + (f"; {len(dirty)} were run with uncommitted changes (`+dirty`)" if dirty else "") + "."]
     lines += ["", "## Commands", "", "Every row, as run (from the repository root):", ""]
-    lines += [f"- {r['label']}: `{portable(r.get('command', ''))}`" for r in rows]
+    lines += [f"- {r['label']}: `{portable(r['command'])}`" for r in rows if r.get("command")]
     # hand-written discussion below the marker survives a regeneration (e.g. --only adding rows)
     old = path.read_text() if path.is_file() else ""
     notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""

@@ -283,6 +283,17 @@ def test_report_only_runs_nothing_and_keeps_every_finished_row(tmp_path):
     head = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text().splitlines()[2]
     assert f"from scratch (one command line; on the same runs folder it runs only what is missing): " \
            f"`{data['regenerate']}`" in head  # the table names the command that runs all its rows
+    # a row whose every seed a new setting set aside (none finished at it yet) stays, pending, with its figures
+    # from before (the table regenerated while --settings-from's seeds run)
+    (cmp.runs / "cast-srste" / "seed-0.superseded-lr-0.0005").mkdir(parents=True)
+    (cmp.runs / "cast-srste" / "seed-0.superseded-lr-0.0005" / "compare_row.json").write_text(json.dumps(
+        {"key": "cast-srste", "kind": "train", "seed": 0, "status": "ok", "test": 50.0, "heldout": 50.0,
+         "wikitext2": 150.0, "hyperparameters": {"lr": 5e-4}, "command": "cast-llm train"}))
+    cmp.run()
+    rows = {r["name"]: r for r in json.loads((tmp_path / "docs" / "compare-smollm2-135m-1k.json").read_text())["rows"]}
+    assert rows["cast-srste"]["status"] == "pending" and rows["cast-srste"]["superseded"][0]["test"] == 50.0
+    md = (tmp_path / "docs" / "compare-smollm2-135m-1k.md").read_text()
+    assert "(pending, its seeds set aside for a new setting)" in md and "| pending | pending |" in md
 
 
 def test_commands_read_from_the_repository_root_whichever_checkout_ran_them():
@@ -1180,6 +1191,16 @@ def test_settings_from_runs_the_ablations_at_paper_exacts_tuned_setting_and_repo
     pair = next(r for r in json.loads(write_json([decayed, no_decay], {"table6": keys}, tmp_path / "n.json")
                                       .read_text())["rows"] if r["name"] == "cast-srste")["paired_paper_exact"]
     assert pair["setting"] == {"lr": 2e-4, "l1_decay": 2.6e-3} and pair["runs"].endswith("this row took")
+    # while its seeds at the new setting run, the row is pending: what it measured before stays paired
+    pending = {"key": "cast-sgpt-fixed", "label": "CAST, fixed mask", "kind": "train", "status": "pending",
+               "superseded": srste["superseded"]}
+    lines = table6_lines([exact, pending], keys)
+    assert lines[-2:][0] == "- CAST, fixed mask: its seeds at its current setting have not finished", lines
+    assert lines[-1].startswith("  - before, at lr 0.0005, l1_decay 0.0001 (against paper-exact there, its seeds "
+                                "before the tuning): test -15.00"), lines
+    kept = next(r for r in json.loads(write_json([exact, pending], {"table6": keys}, tmp_path / "p.json")
+                                      .read_text())["rows"] if r["name"] == "cast-sgpt-fixed")
+    assert "paired_paper_exact" not in kept and kept["paired_paper_exact_before"][0]["test"]["mean_diff"] == -15.0
     doc = json.loads(write_json([exact, srste], {"table6": keys}, tmp_path / "t.json").read_text())
     row = next(r for r in doc["rows"] if r["name"] == "cast-sgpt-fixed")
     assert row["paired_paper_exact"]["test"]["mean_diff"] == 5.0
