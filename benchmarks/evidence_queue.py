@@ -4,6 +4,7 @@ row's JSON committed to the repository at once (``runs/`` does not survive a new
     python benchmarks/evidence_queue.py start QUEUE_FILE      # clone HEAD, restore the committed rows, run
     python benchmarks/evidence_queue.py pause | resume         # stop / continue it (kill -STOP / -CONT)
     python benchmarks/evidence_queue.py quiet CMD ...          # run CMD with the queue stopped, pauses recorded
+    python benchmarks/evidence_queue.py status [QUEUE_FILE]    # running or not, lines done, each run's progress
 
 (``--state DIR`` goes before the action.)
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -258,9 +260,60 @@ def resume(state: Path) -> None:
     _signal(state, signal.SIGCONT)
 
 
+def _alive(state: Path) -> bool:
+    try:
+        os.killpg(int((state / "queue.pgid").read_text()), 0)
+        return True
+    except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
+        return False
+
+
+def run_progress(run: Path, now: float | None = None) -> str | None:
+    """One line on a training run under way (``<run>/log.txt`` and ``<run>/model/metrics.jsonl``): its step of
+    the total, its tokens/s and when its training ends at that rate; None where the run has finished (its
+    ``compare_row.json``) or has written nothing in 15 minutes (stopped)."""
+    metrics, log = run / "model" / "metrics.jsonl", run / "log.txt"
+    if not metrics.is_file() or (run / "compare_row.json").is_file():
+        return None
+    now = time.time() if now is None else now
+    if now - metrics.stat().st_mtime > 900:
+        return None
+    lines = metrics.read_text().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    found = re.search(r"(\d+) steps × (\d+) tokens", log.read_text(errors="replace")) if log.is_file() else None
+    step, rate = last.get("step"), last.get("tokens_per_s")
+    if step is None or found is None:
+        return "starting"
+    total, per_step = int(found.group(1)), int(found.group(2))
+    if step >= total:
+        return f"step {step} / {total}: its final evaluation"
+    left = (total - step) * per_step / rate / 60 if rate else None
+    return (f"step {step} / {total} ({100 * step / total:.0f} %), {rate:.0f} tokens/s"
+            + (f": training ends in ~{left:.0f} min, then its final evaluation" if left is not None else ""))
+
+
+def status(queue_file: Path, state: Path) -> str:
+    """Where the queue stands: running or not (paused), the lines done of the file's, the line under way with each
+    of its training runs' progress, and the lines after it."""
+    done = json.loads((state / "done.json").read_text()) if (state / "done.json").is_file() else []
+    lines = [x.strip() for x in queue_file.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    todo = [x for x in lines if x not in done]
+    pauses = _pauses(state)
+    how = ("paused" if pauses and "to" not in pauses[-1] else "running") if _alive(state) else "not running"
+    out = [f"queue: {how}; {len(lines) - len(todo)} of {len(lines)} lines done ({queue_file})"]
+    if todo:
+        out.append(f"{'now' if how != 'not running' else 'next'}: {todo[0]}")
+        runs = sorted({p.parent.parent for p in (state / "runs").glob("**/model/metrics.jsonl")})
+        for run in runs:
+            if (line := run_progress(run)) is not None:
+                out.append(f"  {run.relative_to(state / 'runs')}: {line}")
+        out += [f"then: {x}" for x in todo[1:]]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=["start", "pause", "resume", "quiet", "_run"])
+    p.add_argument("action", choices=["start", "pause", "resume", "quiet", "status", "_run"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.add_argument("--state", type=Path, default=Path("/work/runs/queue"))
     opts = p.parse_args(argv)
@@ -268,6 +321,8 @@ def main(argv=None) -> int:
         start(Path(opts.rest[0]), opts.state)
     elif opts.action == "_run":
         return run(Path(opts.rest[0]), opts.state)
+    elif opts.action == "status":
+        print(status(Path(opts.rest[0]) if opts.rest else REPO / "benchmarks" / "evidence-queue.txt", opts.state))
     elif opts.action == "pause":
         pause(opts.state)
     elif opts.action == "resume":
