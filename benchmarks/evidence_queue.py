@@ -268,17 +268,30 @@ def _alive(state: Path) -> bool:
         return False
 
 
-def run_progress(run: Path, now: float | None = None) -> str | None:
+def _holder_alive(run: Path) -> bool:
+    """Whether the job that locked ``<run>/model`` (its ``.cast-llm.lock`` names the pid) is still that job: the
+    pid is alive and its command line names the folder (read only: taking the lock, even for a moment, could
+    refuse a job starting on it)."""
+    try:
+        pid = int(json.loads((run / "model" / ".cast-llm.lock").read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return False
+    try:
+        return str(run / "model") in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return True  # no /proc: the pid alone
+
+
+def run_progress(run: Path) -> str | None:
     """One line on a training run under way (``<run>/log.txt`` and ``<run>/model/metrics.jsonl``): its step of
-    the total, its tokens/s and when its training ends at that rate; None where the run has finished (its
-    ``compare_row.json``) or has written nothing in 15 minutes (stopped)."""
+    the total, its tokens/s and when its training ends at that rate, or that it is in its final evaluation (which
+    writes nothing for many minutes); None where the run has finished (its ``compare_row.json``) or its job is
+    gone (stopped)."""
     metrics, log = run / "model" / "metrics.jsonl", run / "log.txt"
-    if not metrics.is_file() or (run / "compare_row.json").is_file():
+    if (run / "compare_row.json").is_file() or not _holder_alive(run):
         return None
-    now = time.time() if now is None else now
-    if now - metrics.stat().st_mtime > 900:
-        return None
-    lines = metrics.read_text().splitlines()
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
     last = json.loads(lines[-1]) if lines else {}
     found = re.search(r"(\d+) steps × (\d+) tokens", log.read_text(errors="replace")) if log.is_file() else None
     step, rate = last.get("step"), last.get("tokens_per_s")

@@ -197,10 +197,9 @@ def test_every_line_of_the_committed_queue_is_a_valid_invocation(tmp_path):
 
 def test_status_says_what_runs_how_far_each_run_is_and_what_follows(monkeypatch, tmp_path):
     """``evidence_queue.py status``: the queue's lines done, the line under way with each training run's step of
-    its total and when its training ends at its rate, and the lines after it; finished and stopped runs are
-    not listed as under way."""
-    import os
-    import time
+    its total and when its training ends at its rate (or its final evaluation, which writes nothing for many
+    minutes), and the lines after it; a finished run, and one whose job is gone, are not listed as under way."""
+    import sys
 
     q = _queue(monkeypatch, tmp_path)
     state = tmp_path / "state"
@@ -209,27 +208,41 @@ def test_status_says_what_runs_how_far_each_run_is_and_what_follows(monkeypatch,
     (state / "runs").mkdir(parents=True)
     (state / "done.json").write_text(json.dumps(["--tokens 48k --only a"]))
 
-    def run(name, step, finished=False, age=0.0):
+    jobs = []
+
+    def run(name, step, finished=False, alive=True):
         d = state / "runs" / "smollm2-135m-192k" / name / "seed-0"
         (d / "model").mkdir(parents=True)
+        # the job holding the folder: a process whose command line names it, as `cast-llm train --output-dir` does
+        job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(d / "model")])
+        jobs.append(job)
+        if not alive:
+            job.kill()
+            job.wait()
+        (d / "model" / ".cast-llm.lock").write_text(json.dumps({"pid": job.pid, "host": "vm"}))
         (d / "log.txt").write_text("model smollm2-135m: ...; 282 steps × 512 tokens on 1 process(es), cpu\n")
         (d / "model" / "metrics.jsonl").write_text(json.dumps({"step": step - 10, "tokens_per_s": 60.0}) + "\n"
                                                    + json.dumps({"step": step, "tokens_per_s": 64.0}) + "\n")
         if finished:
             (d / "compare_row.json").write_text("{}")
-        t = time.time() - age
-        os.utime(d / "model" / "metrics.jsonl", (t, t))
         return d
 
     run("b", 180)
     run("done", 282, finished=True)
-    run("stopped", 90, age=3600)
-    last = run("evaluating", 282)
-    out = q.status(queue, state).splitlines()
+    run("stopped", 90, alive=False)
+    run("evaluating", 282)
+    (state / "runs" / "other" / "seed-0" / "model").mkdir(parents=True)  # a lock naming another folder's job
+    (state / "runs" / "other" / "seed-0" / "model" / ".cast-llm.lock").write_text(json.dumps({"pid": jobs[0].pid}))
+    (state / "runs" / "other" / "seed-0" / "model" / "metrics.jsonl").write_text("{}\n")
+    try:
+        out = q.status(queue, state).splitlines()
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
     assert out[0].startswith("queue: not running; 1 of 3 lines done")
     assert out[1] == "next: --tokens 192k --only b"
     assert out[2:4] == ["  smollm2-135m-192k/b/seed-0: step 180 / 282 (64 %), 64 tokens/s: training ends in ~14 min, "
                         "then its final evaluation",
                         "  smollm2-135m-192k/evaluating/seed-0: step 282 / 282: its final evaluation"], out
     assert out[4:] == ["then: --tokens 384k --only c"]
-    assert q.run_progress(last, now=time.time() + 1000) is None  # nothing written for 15 minutes: stopped
