@@ -200,6 +200,7 @@ def test_status_says_what_runs_how_far_each_run_is_and_what_follows(monkeypatch,
     its total and when its training ends at its rate (or its final evaluation, which writes nothing for many
     minutes), and the lines after it; a finished run, and one whose job is gone, are not listed as under way."""
     import sys
+    import time
 
     q = _queue(monkeypatch, tmp_path)
     state = tmp_path / "state"
@@ -216,6 +217,11 @@ def test_status_says_what_runs_how_far_each_run_is_and_what_follows(monkeypatch,
         # the job holding the folder: a process whose command line names it, as `cast-llm train --output-dir` does
         job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(d / "model")])
         jobs.append(job)
+        cmdline = Path(f"/proc/{job.pid}/cmdline")
+        for _ in range(500):  # until it has exec'd (between fork and exec it shows this process's command line)
+            if str(d / "model").encode() in cmdline.read_bytes():
+                break
+            time.sleep(0.01)
         if not alive:
             job.kill()
             job.wait()
