@@ -316,7 +316,7 @@ def status(queue_file: Path, state: Path) -> str:
     out = [f"queue: {how}; {len(lines) - len(todo)} of {len(lines)} lines done ({queue_file})"]
     if todo:
         out.append(f"{'now' if how != 'not running' else 'next'}: {todo[0]}")
-        runs = sorted({p.parent.parent for p in (state / "runs").glob("**/model/metrics.jsonl")})
+        runs = sorted({p.parent.parent for p in (state / "runs").glob("**/model/.cast-llm.lock")})  # every job's
         for run in runs:
             if (line := run_progress(run)) is not None:
                 out.append(f"  {run.relative_to(state / 'runs')}: {line}")

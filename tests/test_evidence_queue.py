@@ -237,6 +237,8 @@ def test_status_says_what_runs_how_far_each_run_is_and_what_follows(monkeypatch,
     run("done", 282, finished=True)
     run("stopped", 90, alive=False)
     run("evaluating", 282)
+    starting = run("starting", 0)  # a job still in its start-up (a one-shot warm start): no metrics yet
+    (starting / "model" / "metrics.jsonl").unlink()
     (state / "runs" / "other" / "seed-0" / "model").mkdir(parents=True)  # a lock naming another folder's job
     (state / "runs" / "other" / "seed-0" / "model" / ".cast-llm.lock").write_text(json.dumps({"pid": jobs[0].pid}))
     (state / "runs" / "other" / "seed-0" / "model" / "metrics.jsonl").write_text("{}\n")
@@ -251,4 +253,4 @@ def test_status_says_what_runs_how_far_each_run_is_and_what_follows(monkeypatch,
     assert out[2:4] == ["  smollm2-135m-192k/b/seed-0: step 180 / 282 (64 %), 64 tokens/s: training ends in ~14 min, "
                         "then its final evaluation",
                         "  smollm2-135m-192k/evaluating/seed-0: step 282 / 282: its final evaluation"], out
-    assert out[4:] == ["then: --tokens 384k --only c"]
+    assert out[4:] == ["  smollm2-135m-192k/starting/seed-0: starting", "then: --tokens 384k --only c"], out
