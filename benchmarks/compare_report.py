@@ -245,6 +245,10 @@ def _row_setting(r: dict) -> dict:
     return dict((r.get("seeds") or [r])[0].get("hyperparameters") or {})
 
 
+# paper_exact_at's word for a pairing with paper-exact's row at the settings the row took from it (--settings-from)
+TOOK_SETTINGS = "its row, whose settings this row took"
+
+
 def paper_exact_at(base: dict, r: dict) -> tuple[dict, str] | None:
     """Paper-exact CAST's runs at Table 6 row ``r``'s own setting, and where they come from: ``base`` itself where
     it ran at that setting (on every setting both record), else its seeds at that setting that a later tuning set
@@ -263,7 +267,7 @@ def paper_exact_at(base: dict, r: dict) -> tuple[dict, str] | None:
             want.get(k) == v for k, v in (t.get("chosen_setting") or {}).items()):
         # the row ran at the settings paper-exact runs at (--settings-from), those it reads: SR-STE in place of
         # AdamS takes the lr and has no λ to take
-        return base, "its row, whose settings this row took"
+        return base, TOOK_SETTINGS
     if not want or same(_row_setting(base)):
         return base, "its row"
     for group in base.get("superseded") or []:
@@ -327,7 +331,7 @@ def table6_lines(rows: list[dict], keys: list[str]) -> list[str]:
                        "paired")
             continue
         exact, where = at
-        if where.endswith("this row took"):  # paper-exact's settings, of which the row reads some
+        if where == TOOK_SETTINGS:  # paper-exact's settings, of which the row reads some
             setting = _setting((exact.get("seeds") or [exact])[0])
         test = [v for v in (_value(x, "test") for x in exact.get("seeds") or [exact]
                             if x.get("status", "ok") == "ok") if v is not None]
@@ -438,7 +442,7 @@ def write_json(rows: list[dict], meta: dict, path: Path) -> Path:
         if table6 and at is not None and r.get("status") == "ok":
             pairs = {split: seed_difference(r, at[0], split) for split in ("test", "wikitext2")}
             if any(pairs.values()):
-                took = at[1].endswith("this row took")  # paired at paper-exact's settings (some not read here)
+                took = at[1] == TOOK_SETTINGS  # paired at paper-exact's settings (some not read here)
                 row["paired_paper_exact"] = {"against": PAPER_EXACT, "setting": _row_setting(at[0] if took else r),
                                              "runs": at[1], **pairs}
         if table6:

@@ -178,13 +178,23 @@ def follow_head(clone: Path) -> str | None:
     return head
 
 
+def queue_lines(queue_file: Path) -> list[str]:
+    """The queue file's lines to run, in order (``#`` comments and blank lines left out)."""
+    return [x.strip() for x in queue_file.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+
+
+def lines_done(state: Path) -> list[str]:
+    """The lines this queue state has finished (``done.json``)."""
+    f = state / "done.json"
+    return json.loads(f.read_text()) if f.is_file() else []
+
+
 def run(queue_file: Path, state: Path) -> int:
     clone, runs = state / "clone", state / "runs"
     done_file = state / "done.json"
-    done = json.loads(done_file.read_text()) if done_file.is_file() else []
+    done = lines_done(state)
     while True:  # the file is read again after each line: lines may be added or edited while the queue runs
-        lines = [x.strip() for x in queue_file.read_text().splitlines()
-                 if x.strip() and not x.lstrip().startswith("#")]
+        lines = queue_lines(queue_file)
         line = next((x for x in lines if x not in done), None)
         if line is None:
             return 0
@@ -308,8 +318,7 @@ def run_progress(run: Path) -> str | None:
 def status(queue_file: Path, state: Path) -> str:
     """Where the queue stands: running or not (paused), the lines done of the file's, the line under way with each
     of its training runs' progress, and the lines after it."""
-    done = json.loads((state / "done.json").read_text()) if (state / "done.json").is_file() else []
-    lines = [x.strip() for x in queue_file.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    done, lines = lines_done(state), queue_lines(queue_file)
     todo = [x for x in lines if x not in done]
     pauses = _pauses(state)
     how = ("paused" if pauses and "to" not in pauses[-1] else "running") if _alive(state) else "not running"
