@@ -242,11 +242,19 @@ def test_the_cpu_per_linear_table_times_dense_and_the_kernels_together(monkeypat
 
     def fake(kernels, out_f, in_f, dtype, tokens, mode, device):
         calls.append((tuple(kernels), out_f, in_f, tokens, mode))
-        return {"dense": (2e-3, None), "cpu-avx2": (1e-3, None), "cpu-avx512": (float("inf"), "RuntimeError: wrong")}
+        # at 4 tokens the 2:4 kernel is faster by the median but slower in two of five paired rounds
+        avx2 = [1e-3] * 5 if tokens == 1 else [1e-3, 1e-3, 1e-3, 3e-3, 3e-3]
+        return {"dense": (2e-3, None, [2e-3] * 5), "cpu-avx2": (1e-3, None, avx2),
+                "cpu-avx512": (float("inf"), "RuntimeError: wrong", None)}
 
-    monkeypatch.setattr(timing, "measure_gemms", fake)
+    monkeypatch.setattr(timing, "measure_gemms_rounds", fake)
     rows = bench.bench_linears({(8, 16): ["q_proj"]}, {"prefill": 4, "decode": 1}, dtype=torch.float32,
                                device=torch.device("cpu"), kernels=["cpu-avx512", "cpu-avx2"])
     assert calls == [(("dense", "cpu-avx512", "cpu-avx2"), 8, 16, 4, "eager"),
                      (("dense", "cpu-avx512", "cpu-avx2"), 8, 16, 1, "eager")]
     assert [(r["kernel"], r["speedup"]) for r in rows] == [("cpu-avx2", 2.0), ("cpu-avx2", 2.0)]
+    # the dispatcher's paired rule on the same rounds, in the row and in the table
+    assert [(r["rounds_won"], r["rounds"], r["dispatch_runs_it"]) for r in rows] == [(3, 5, False), (5, 5, True)]
+    text = "\n".join(bench.linear_line(r) for r in rows)
+    assert "faster in 3/5 rounds: the dispatcher runs dense" in text
+    assert "faster in 5/5 rounds: the dispatcher's rule takes it" in text

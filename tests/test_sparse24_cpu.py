@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -798,6 +799,15 @@ def test_the_candidates_of_one_key_are_timed_interleaved_and_a_failing_one_is_in
         if k == "dense" or (k == "dense-careful" and cpu24.dense_unavailable_reason() is None) or \
                 k.removeprefix("cpu-") in PATHS:
             assert got[k][1] is None and 0 < got[k][0] < 0.1, (k, got[k])
+    # the dispatcher's form: each candidate's seconds in every interleaved round, the median of them reported
+    from cast_llm.deploy.sparse24 import cycles
+
+    paired = ["dense", *(f"cpu-{p}" for p in PATHS if p != "amx-bf16"), "cusparselt"]
+    got = timing.measure_gemms_rounds(paired, 256, 512, torch.bfloat16, 1, "eager", torch.device("cpu"))
+    for k in paired[:-1]:
+        sec, note, rounds = got[k]
+        assert note is None and len(rounds) == cycles.REPEATS and sec == statistics.median(rounds), (k, got[k])
+    assert math.isinf(got["cusparselt"][0]) and got["cusparselt"][2] is None
 
 
 # ------------------------------------------------------------------ 4. a compressed checkpoint, no dense copy
@@ -964,6 +974,8 @@ def generate_env(monkeypatch, tmp_path):
 
     monkeypatch.setattr(timing, "measure_gemm", fake_measure)
     monkeypatch.setattr(timing, "measure_gemms", lambda kernels, *a: {k: fake_measure(k, *a) for k in kernels})
+    monkeypatch.setattr(timing, "measure_gemms_rounds",
+                        lambda kernels, *a: {k: (*fake_measure(k, *a), None) for k in kernels})
     monkeypatch.setenv("CAST_LLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(cast_kernels.MODE_ENV, "auto")
     threads = torch.get_num_threads()

@@ -15,6 +15,7 @@ from cast_llm.deploy.sparse24.dispatch import (
     Dispatcher,
     choose_kernel,
     token_bucket,
+    wins_needed,
 )
 from cast_llm.errors import CastError
 
@@ -162,3 +163,55 @@ def test_the_real_measurement_times_and_rejects_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(KERNELS["emulated"], "mm", lambda x2d, state, bias, out_f: x2d.new_zeros(x2d.shape[0], out_f))
     seconds, note = measure_gemm("emulated", 64, 128, torch.float32, 8, "eager", cpu)
     assert math.isinf(seconds) and note.startswith("RuntimeError: wrong results")
+
+
+# ------------------------------------------------------------------ the paired sign rule (CPU timings)
+def test_wins_needed_allows_one_lost_round_in_five():
+    assert [wins_needed(n) for n in (1, 3, 4, 5, 8, 10, 20)] == [1, 3, 4, 4, 7, 8, 16]
+
+
+def test_paired_rule_needs_the_margin_and_a_win_in_nearly_every_round():
+    dense = [10.0, 10.0, 10.0, 10.0, 10.0]
+    lucky = [7.0, 7.0, 8.0, 11.0, 11.0]  # median ratio 1.25, but slower than dense in 2 of 5 rounds
+    steady = [8.6, 8.7, 8.8, 8.9, 8.5]  # median ratio 1.14, faster in every round
+    close = [9.4, 9.3, 9.5, 9.2, 9.4]  # faster in every round, by less than the margin
+    outlier = [7.0, 7.5, 8.0, 8.2, 11.5]  # median ratio 1.25, one round lost (the VM's outlier): taken
+    med = {"dense": 10.0, "a": 8.0, "b": 8.7, "c": 9.4, "d": 8.0}
+    assert choose_kernel(med, ["dense", "a"], 1.10) == "a"  # medians alone: the lucky one passes
+    assert choose_kernel(med, ["dense", "a"], 1.10, {"dense": dense, "a": lucky}) == "dense"
+    assert choose_kernel(med, ["dense", "b"], 1.10, {"dense": dense, "b": steady}) == "b"
+    assert choose_kernel(med, ["dense", "c"], 1.10, {"dense": dense, "c": close}) == "dense"
+    assert choose_kernel(med, ["dense", "d"], 1.10, {"dense": dense, "d": outlier}) == "d"
+    # of the candidates that pass, the fastest by median; one that fails the sign test does not hide one that passes
+    both = {"dense": dense, "a": lucky, "b": steady}
+    assert choose_kernel(med, ["dense", "a", "b"], 1.10, both) == "b"
+    # rounds of another length (timed apart) are not a pairing: the medians decide
+    assert choose_kernel(med, ["dense", "a"], 1.10, {"dense": dense, "a": lucky[:4]}) == "a"
+
+
+def test_a_paired_timer_s_rounds_decide_and_round_trip_through_the_cache(tmp_path):
+    rounds = {"dense": [10.0, 10.0, 10.0, 10.0, 10.0], "cpu-a": [7.0, 7.0, 8.0, 11.0, 11.0],
+              "cpu-b": [8.6, 8.7, 8.8, 8.9, 8.5]}
+    calls = []
+
+    def timer(kernel, *a):
+        calls.append(kernel)
+        return sorted(rounds[kernel])[2], None, rounds[kernel]
+
+    d = Dispatcher(measure=timer, device="cpu", gpu="cpu", versions="v", cache_path=tmp_path / "d.json")
+    dec = d.decide(64, 64, BF16, 16, "eager", ["dense", "cpu-a"])
+    assert dec.kernel == "dense" and dec.rounds["cpu-a"] == rounds["cpu-a"]
+    d.save()
+    back = Dispatcher(measure=timer, device="cpu", gpu="cpu", versions="v", cache_path=tmp_path / "d.json")
+    assert back.decide(64, 64, BF16, 16, "eager", ["dense", "cpu-a"]).rounds == dec.rounds
+    assert calls == ["dense", "cpu-a"]  # read back, not measured again
+    # a candidate that appears later: every candidate timed again, so that its rounds pair with dense's
+    assert back.decide(64, 64, BF16, 16, "eager", ["dense", "cpu-a", "cpu-b"]).kernel == "cpu-b"
+    assert calls == ["dense", "cpu-a", "dense", "cpu-a", "cpu-b"]
+
+
+def test_cpu_decisions_are_keyed_by_the_paired_rule():
+    """Decisions cached before the rule kept no rounds: a CPU's key names the rule, so they are measured again."""
+    from cast_llm.deploy.sparse24.dispatch import CPU_RULE
+
+    assert CPU_RULE in Dispatcher(measure=FakeTimer(), device="cpu").versions

@@ -52,6 +52,7 @@ from cast_llm.deploy.sparse24 import (
     to_sparse24_,
 )
 from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
+from cast_llm.deploy.sparse24.dispatch import CPU_MIN_SPEEDUP, beats_dense, paired_ratios
 from cast_llm.deploy.sparse24.kernels import KERNELS, default_kernels
 from cast_llm.deploy.sparse24.timing import DENSE_FP32, gemm_fn, random_24_weight, rel_err
 from cast_llm.errors import CastError
@@ -301,11 +302,13 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 # memory falls on one column only (measured: a table at 0.75x where its dispatcher, and a rerun
                 # of the table, saw 1.14x; docs/results/cpu24-notes.md §18)
                 baselines = ["dense", DENSE_FP32] if dense_fp32 else ["dense"]
-                secs = {k: sec for k, (sec, _) in timing.measure_gemms([*baselines, *kernels], out_f, in_f, dtype, tokens,
-                                                                "eager", device).items()}
+                got = timing.measure_gemms_rounds([*baselines, *kernels], out_f, in_f, dtype, tokens, "eager", device)
+                secs = {k: sec for k, (sec, _, _) in got.items()}
+                rounds = {k: r for k, (_, _, r) in got.items() if r}
             else:
                 x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype)
                 secs = {k: timed(gemm_fn(k, w, x), device, warmup=warmup, repeats=repeats) for k in ["dense", *kernels]}
+                rounds = {}
             dense_s = secs["dense"]
             dense_bytes = w.numel() * w.element_size()
             row = {"layers": ",".join(names), "out": out_f, "in": in_f, "regime": regime, "tokens": tokens,
@@ -324,6 +327,10 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                            sparse_gbps=held / best[1] / 1e9, byte_limit=dense_bytes / held)
                 if "dense_fp32_us" in row:
                     row["speedup_vs_fp32"] = secs[DENSE_FP32] / best[1]
+                if (ratios := paired_ratios(rounds, best[0])) is not None:
+                    # the dispatcher's paired rule on these rounds: faster in how many, and whether it would choose it
+                    row.update(rounds_won=sum(r > 1 for r in ratios), rounds=len(ratios),
+                               dispatch_runs_it=beats_dense(best[0], secs, CPU_MIN_SPEEDUP, rounds))
             rows.append(row)
     return rows
 
@@ -539,16 +546,23 @@ def format_report(r: BenchReport) -> str:
                  "the byte limit (dense bytes / 2:4 bytes)"
                  + ("; then the layer in fp32 (weight and input upcast) and 2:4's speed-up over it"
                     if any("dense_fp32_us" in p for p in r.per_linear) else ""))
-    for p in r.per_linear:
-        sp = (f"{p['sparse_us']:>10.1f} {p.get('sparse_gbps', 0):>6.1f} GB/s {p['speedup']:>6.2f}x "
-              f"(limit {p.get('byte_limit', float('nan')):.2f}x) {p['kernel']}" if "sparse_us" in p
-              else f"{'skipped':>10}")
-        if "speedup_vs_fp32" in p:
-            sp += f"; dense fp32 {p['dense_fp32_us']:.1f} us, 2:4 {p['speedup_vs_fp32']:.2f}x it"
-        lines.append(f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
-                     f"{p['dense_us']:>10.1f} {p.get('dense_gbps', 0):>6.1f} GB/s {sp}")
+    lines += [linear_line(p) for p in r.per_linear]
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(lines)
+
+
+def linear_line(p: dict[str, Any]) -> str:
+    """One row of the per-linear table (a row of :func:`bench_linears`) as text."""
+    sp = (f"{p['sparse_us']:>10.1f} {p.get('sparse_gbps', 0):>6.1f} GB/s {p['speedup']:>6.2f}x "
+          f"(limit {p.get('byte_limit', float('nan')):.2f}x) {p['kernel']}" if "sparse_us" in p
+          else f"{'skipped':>10}")
+    if "rounds" in p:
+        sp += (f", faster in {p['rounds_won']}/{p['rounds']} rounds: "
+               + ("the dispatcher's rule takes it" if p["dispatch_runs_it"] else "the dispatcher runs dense"))
+    if "speedup_vs_fp32" in p:
+        sp += f"; dense fp32 {p['dense_fp32_us']:.1f} us, 2:4 {p['speedup_vs_fp32']:.2f}x it"
+    return (f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
+            f"{p['dense_us']:>10.1f} {p.get('dense_gbps', 0):>6.1f} GB/s {sp}")
 
 
 def plot_report(r: BenchReport, path: str) -> None:

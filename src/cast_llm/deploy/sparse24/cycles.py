@@ -16,7 +16,8 @@ import torch
 
 from cast_llm.errors import CastError
 
-__all__ = ["MAX_COPIES", "MIN_TIME", "REPEATS", "cold_bytes", "cycled", "cycled_many", "l3_bytes", "nbytes"]
+__all__ = ["MAX_COPIES", "MIN_TIME", "REPEATS", "cold_bytes", "cycled", "cycled_many", "cycled_rounds", "l3_bytes",
+           "nbytes"]
 
 MAX_COPIES = 512  # tiny layers (tests) would need thousands of copies to fill the cache: their timing is host-bound
 # what a timing spends by default: REPEATS rounds of every candidate, each round MIN_TIME seconds of calls (read
@@ -145,12 +146,19 @@ def cycled(fn: Callable[[object], object], held, *, place: Callable[[torch.Tenso
 
 
 def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time: float | None = None) -> list[float]:
+    """Median seconds per call of each case over :func:`cycled_rounds`' rounds, in order."""
+    return [statistics.median(t) for t in cycled_rounds(cases, repeats=repeats, min_time=min_time)]
+
+
+def cycled_rounds(cases: Sequence[tuple], *, repeats: int | None = None,
+                  min_time: float | None = None) -> list[list[float]]:
     """:func:`cycled` for several ``(fn, held)`` candidates at once, **interleaved**: each of the ``repeats``
     runs one round (``min_time`` of calls, at least one) of every candidate in turn, so a slow spell of the
     memory system (a CPU's bandwidth moves by ±30 % over tenths of a second, docs/results/cpu24-notes.md §11)
     falls on all of them alike and their comparison is paired. A case is ``(fn, held)`` or ``(fn, held, place)``:
-    ``place`` lays out each copy's tensors as the running layer's are (:func:`_clone`). Median seconds per call of
-    each, in order (``repeats`` / ``min_time``: :data:`REPEATS` / :data:`MIN_TIME` where None).
+    ``place`` lays out each copy's tensors as the running layer's are (:func:`_clone`). Seconds per call of each
+    case in each round: ``out[i][r]`` is case ``i`` in round ``r``, and ``out[i][r] / out[j][r]`` a paired ratio
+    (``repeats`` / ``min_time``: :data:`REPEATS` / :data:`MIN_TIME` where None).
 
     The copies form rings walked from where the last round stopped, so a copy is called again only after every
     other copy of its ring was (cold, as in a model's forward) while a round costs ``min_time``, not a pass over
@@ -189,4 +197,4 @@ def cycled_many(cases: Sequence[tuple], *, repeats: int | None = None, min_time:
                 fn(copies[(at + j) % len(copies)])
             times[i].append((time.perf_counter() - t0) / calls)
             ring[1] = (at + calls) % len(copies)
-    return [statistics.median(t) for t in times]
+    return times

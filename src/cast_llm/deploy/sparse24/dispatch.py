@@ -11,8 +11,11 @@ change kernel speed) — and remembers the winner:
 * **mode** — ``eager`` (host time counts: timed as back-to-back calls) or ``graph`` (inside a CUDA graph only
   the GPU time counts: timed by replaying a captured graph). A kernel with a high per-call host cost (torch's
   ``_cslt_sparse_mm`` builds a plan per call) can lose in eager mode and win in a graph;
-* **rule** — the fastest sparse kernel wins if it is at least ``min_speedup`` × faster than dense (1.02 on a
-  GPU, 1.10 on a CPU, whose timings are noisier), else the layer runs dense (:func:`choose_kernel`). A candidate that failed or gave wrong results is timed ``inf``.
+* **rule** — the fastest sparse kernel that is at least ``min_speedup`` × faster than dense (1.02 on a GPU, 1.10
+  on a CPU, whose timings are noisier) wins, else the layer runs dense (:func:`choose_kernel`). On a CPU the
+  candidates are timed in interleaved rounds, and "faster" is paired: the median of the per-round ratios above the
+  margin, and the kernel faster than dense in all rounds but one in five (:func:`beats_dense`), so a margin that
+  lucky rounds carry while the kernel lost two rounds of five does not put a layer on it. A candidate that failed or gave wrong results is timed ``inf``.
 
 Decisions live in memory and, with ``cache_path``, in a small JSON file (``{"written_by": CACHE_MARKER,
 "format": 1, "entries": {key: decision}}``). A file that exists without that marker is never read as a cache
@@ -24,6 +27,7 @@ timed interleaved, a paired comparison).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,19 +55,53 @@ DENSE = "dense"
 DENSE_CAREFUL = "dense-careful"
 DENSE_FORMS = (DENSE, DENSE_CAREFUL)  # the candidates that run the held dense weight
 CPU_MIN_SPEEDUP = 1.10  # a 2:4 kernel on a CPU must measure 10 % faster than dense to be chosen over it
+CPU_RULE = "paired sign rule"  # part of a CPU decision's key (default_identity): the rule its rounds are kept for
 
 # measure(kernel, out_features, in_features, dtype, tokens, mode) -> (seconds per call, note or None)
 Measure = Callable[[str, int, int, torch.dtype, int, str], tuple[float, "str | None"]]
 
 
-def choose_kernel(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float = 1.02) -> str:
-    """The kernel to run: the fastest sparse candidate if it beats ``dense`` by ``min_speedup``, else
-    ``dense`` (when it is a candidate). Ties between sparse kernels go to the earlier candidate."""
+def wins_needed(rounds: int) -> int:
+    """Rounds of ``rounds`` paired ones a candidate must win against dense: all but one in five (5 of 5 rounds
+    lost by at most one: 4; 3 of 3; 8 of 10). A sign test at 5 % would need all 5 of 5, and on a VM whose memory
+    moves ±30 % within a second one outlier round then refused kernels 1.23-1.37× faster by the median in 3 of 36
+    fresh timings of TinyLlama's shapes, the same key choosing differently between timings (cpu24-notes.md §52);
+    two lost rounds of five, with the median margin still met, is what this rule refuses."""
+    return rounds - rounds // 5
+
+
+def paired_ratios(rounds: dict[str, list[float]] | None, kernel: str) -> list[float] | None:
+    """Dense's seconds over ``kernel``'s in each paired round (> 1: the kernel was faster in that round), None
+    where the two were not timed in the same rounds."""
+    if not rounds or not rounds.get(DENSE) or not rounds.get(kernel) or len(rounds[DENSE]) != len(rounds[kernel]):
+        return None
+    return [d / k if k > 0 else math.inf for d, k in zip(rounds[DENSE], rounds[kernel])]
+
+
+def beats_dense(kernel: str, seconds: dict[str, float], min_speedup: float,
+                rounds: dict[str, list[float]] | None = None) -> bool:
+    """Whether ``kernel`` is clearly faster than ``dense``. Timed in paired rounds (``rounds``, the CPU's
+    interleaved timing): the median of the paired ratios above ``min_speedup`` **and** faster in
+    :func:`wins_needed` of the rounds (all but one in five), so a median margin that lucky rounds carry while two
+    of five are lost does not count. Otherwise: its median seconds × ``min_speedup`` below dense's."""
+    ratios = paired_ratios(rounds, kernel)
+    if ratios is None:
+        return seconds.get(kernel, math.inf) * min_speedup < seconds.get(DENSE, math.inf)
+    return (statistics.median(ratios) > min_speedup
+            and sum(r > 1 for r in ratios) >= wins_needed(len(ratios)))
+
+
+def choose_kernel(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float = 1.02,
+                  rounds: dict[str, list[float]] | None = None) -> str:
+    """The kernel to run: of the sparse candidates that beat ``dense`` clearly (:func:`beats_dense`; all of them
+    where dense is not a candidate) the fastest by median, else ``dense``. Ties between sparse kernels go to the
+    earlier candidate."""
     sparse = [c for c in candidates if c != DENSE]
+    if DENSE in candidates:
+        sparse = [c for c in sparse if beats_dense(c, seconds, min_speedup, rounds)]
+        if not sparse:
+            return DENSE
     best = min(sparse, key=lambda c: seconds.get(c, math.inf), default=None)
-    best_s = math.inf if best is None else seconds.get(best, math.inf)
-    if DENSE in candidates and (best is None or not best_s * min_speedup < seconds.get(DENSE, math.inf)):
-        return DENSE
     if best is None:
         raise ValueError("no candidate kernel to choose from")
     return best
@@ -74,15 +112,20 @@ class Decision:
     kernel: str
     seconds: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    # seconds per call of each candidate in each paired round (the CPU's interleaved timing; absent elsewhere)
+    rounds: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"kernel": self.kernel, "seconds": {k: (None if math.isinf(v) else v) for k, v in self.seconds.items()},
-                "notes": self.notes}
+        out = {"kernel": self.kernel,
+               "seconds": {k: (None if math.isinf(v) else v) for k, v in self.seconds.items()}, "notes": self.notes}
+        if self.rounds:
+            out["rounds"] = self.rounds
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> Decision:
         return cls(d["kernel"], {k: (math.inf if v is None else float(v)) for k, v in d["seconds"].items()},
-                   dict(d.get("notes", {})))
+                   dict(d.get("notes", {})), {k: [float(x) for x in v] for k, v in d.get("rounds", {}).items()})
 
 
 def default_identity(device: torch.device) -> tuple[str, str]:
@@ -92,8 +135,9 @@ def default_identity(device: torch.device) -> tuple[str, str]:
         gpu = torch.cuda.get_device_name(device)
     else:
         # a CPU's choice depends on its model and on the threads torch runs (bandwidth per core, GEMM speed)
+        # (CPU_RULE: decisions measured before the paired sign rule kept no rounds to apply it to: measured again)
         return (f"cpu {cpu_model()} x{torch.get_num_threads()} threads",
-                f"torch {torch.__version__}, {cpu24.build_key()}")
+                f"torch {torch.__version__}, {cpu24.build_key()}, {CPU_RULE}")
     cslt = torch.backends.cusparselt.version() if torch.backends.cusparselt.is_available() else None
     return gpu, f"torch {torch.__version__}, cuSPARSELt {cslt}"
 
@@ -134,21 +178,29 @@ class Dispatcher:
     def measure(self, kernel, out_features, in_features, dtype, tokens, mode) -> tuple[float, str | None]:
         if self._measure is None:
             return timing.measure_gemm(kernel, out_features, in_features, dtype, tokens, mode, self.device)
-        return self._measure(kernel, out_features, in_features, dtype, tokens, mode)
+        return self._measure(kernel, out_features, in_features, dtype, tokens, mode)[:2]
 
-    def measure_all(self, kernels, out_features, in_features, dtype, tokens, mode) -> dict[str, tuple[float, str | None]]:
-        """Every candidate of ``kernels`` measured: the real timer takes them together (on a CPU interleaved, a
-        paired comparison: :func:`~cast_llm.deploy.sparse24.timing.measure_gemms`), an injected one by one."""
+    def measure_all(self, kernels, out_features, in_features, dtype, tokens,
+                    mode) -> dict[str, tuple[float, str | None, list[float] | None]]:
+        """Every candidate of ``kernels`` measured, as ``(seconds, note, rounds)``: the real timer takes them
+        together (on a CPU interleaved, a paired comparison whose ``rounds`` are each round's seconds per call:
+        :func:`~cast_llm.deploy.sparse24.timing.measure_gemms_rounds`), an injected one by one (it may return
+        ``(seconds, note)`` or ``(seconds, note, rounds)``)."""
         if not kernels:
             return {}
         if self._measure is None:
-            return timing.measure_gemms(kernels, out_features, in_features, dtype, tokens, mode, self.device)
-        return {k: self._measure(k, out_features, in_features, dtype, tokens, mode) for k in kernels}
+            return timing.measure_gemms_rounds(kernels, out_features, in_features, dtype, tokens, mode, self.device)
+        out = {}
+        for k in kernels:
+            sec, note, *rounds = self._measure(k, out_features, in_features, dtype, tokens, mode)
+            out[k] = (sec, note, rounds[0] if rounds else None)
+        return out
 
     def decide(self, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
                candidates: Sequence[str]) -> Decision:
         """The decision for ``tokens`` rows in ``mode`` among ``candidates`` (``"dense"`` and kernel names),
-        measuring the candidates this key has no time for yet."""
+        measuring the candidates this key has no time for yet (all of them again where the others' times are
+        paired rounds, so that every pair the rule compares comes from the same rounds)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         bucket = token_bucket(tokens)
@@ -156,13 +208,24 @@ class Dispatcher:
         found = self.decisions.get(key)
         seconds = dict(found.seconds) if found else {}
         notes = dict(found.notes) if found else {}
+        rounds = dict(found.rounds) if found else {}
         missing = [c for c in candidates if c not in seconds]
-        for c, (sec, note) in self.measure_all(missing, out_features, in_features, dtype, bucket, mode).items():
+        # paired rounds compare only candidates timed together: a new candidate beside ones timed in rounds times
+        # them all again (rare: a kernel that became available after the key was decided)
+        timed = missing
+        if missing and rounds:
+            timed, rounds = list(candidates), {}
+        for c, (sec, note, per_round) in self.measure_all(timed, out_features, in_features, dtype, bucket,
+                                                          mode).items():
             seconds[c] = sec
+            notes.pop(c, None)
             if note:
                 notes[c] = note
-        kernel = choose_kernel(seconds, candidates, self.min_speedup)
-        decision = Decision(kernel, seconds, notes)
+            rounds.pop(c, None)
+            if per_round:
+                rounds[c] = list(per_round)
+        kernel = choose_kernel(seconds, candidates, self.min_speedup, rounds)
+        decision = Decision(kernel, seconds, notes, rounds)
         if missing or found is None or found.kernel != kernel:
             self.decisions[key] = decision
             self._dirty = True

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cast_llm.deploy.sparse24 import cpu
-from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, l3_bytes
+from cast_llm.deploy.sparse24.cycles import cycled, cycled_many, cycled_rounds, l3_bytes
 from cast_llm.deploy.sparse24.kernels import KERNELS, bound_call
 from cast_llm.sparsity.mask import nm_mask
 
@@ -32,7 +32,8 @@ DENSE_CAREFUL = "dense-careful"  # = dispatch.DENSE_CAREFUL (dispatch imports th
 # bench-inference times where the CPU does not multiply bf16 natively, never a dispatch candidate
 DENSE_FP32 = "dense-fp32"
 
-__all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "measure_gemms", "random_24_weight", "time_call"]
+__all__ = ["cycled_seconds", "l3_bytes", "measure_gemm", "measure_gemms", "measure_gemms_rounds", "random_24_weight",
+           "time_call"]
 
 WRONG_RESULT_TOL = 0.02  # max|Δ|/max|y| of a bf16 GEMM vs F.linear is ~0.4 %; 2 % means a wrong kernel
 
@@ -167,9 +168,18 @@ def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dty
     """:func:`measure_gemm` for several candidates. On the CPU in eager mode they are checked one by one and then
     timed **interleaved** (:func:`.cycles.cycled_many`: a paired comparison, robust to the memory system's slow
     spells); elsewhere one after another."""
+    return {k: (sec, note) for k, (sec, note, _) in
+            measure_gemms_rounds(kernels, out_features, in_features, dtype, tokens, mode, device).items()}
+
+
+def measure_gemms_rounds(kernels, out_features: int, in_features: int, dtype: torch.dtype, tokens: int, mode: str,
+                         device: torch.device) -> dict[str, tuple[float, str | None, list[float] | None]]:
+    """:func:`measure_gemms` with each candidate's seconds per call in every interleaved round
+    (:func:`.cycles.cycled_rounds`; round ``r`` of two candidates is a pair), None where the candidates were not
+    timed together (off the CPU or outside eager mode, or a candidate that failed or was timed alone)."""
     device = torch.device(device)
     if device.type != "cpu" or mode != "eager":
-        return {k: measure_gemm(k, out_features, in_features, dtype, tokens, mode, device) for k in kernels}
+        return {k: (*measure_gemm(k, out_features, in_features, dtype, tokens, mode, device), None) for k in kernels}
     weight, x = _cpu_inputs(out_features, in_features, dtype, tokens)
     ref = F.linear(x, weight)
     results, cases, states = {}, {}, {}
@@ -180,15 +190,16 @@ def measure_gemms(kernels, out_features: int, in_features: int, dtype: torch.dty
                 raise RuntimeError(why)
             cases[k] = (fn, held, place)
         except Exception as e:  # noqa: BLE001 - any failure of a candidate only removes that candidate
-            results[k] = (math.inf, _why(e))
+            results[k] = (math.inf, _why(e), None)
     try:
-        results.update((k, (sec, None)) for k, sec in zip(cases, cycled_many(list(cases.values()))))
+        results.update((k, (statistics.median(r), None, r))
+                       for k, r in zip(cases, cycled_rounds(list(cases.values()))))
     except Exception:  # noqa: BLE001 - a failure while timing them together: each alone, a failing one inf
         for k, case in cases.items():
             try:
-                results[k] = (cycled_many([case])[0], None)
+                results[k] = (cycled_many([case])[0], None, None)
             except Exception as e:  # noqa: BLE001
-                results[k] = (math.inf, _why(e))
+                results[k] = (math.inf, _why(e), None)
     return {k: results[k] for k in kernels}
 
 
