@@ -16,9 +16,11 @@ def t(label):
         print(f"{label} {o}x{i} 128 tok: dense {d[0]*1e6:.0f} us amx {a[0]*1e6:.0f} us ratio {d[0]/a[0]:.2f} rounds {[round(x,2) for x in rr]}", flush=True)
 print("huge pages:", huge_pages_reason())
 t("fresh")
-held = [torch.randn(5632, 2048).bfloat16() for _ in range(2 * 1100 * 10**6 // (5632 * 2048))]  # ~4.4 GB bf16 held, as two models
+# ~4.4 GB of bf16 held, as two models
+held = [torch.randn(5632, 2048).bfloat16() for _ in range(2 * 1100 * 10**6 // (5632 * 2048))]
 x = torch.randn(128, 2048).bfloat16()
-for w in held: torch.nn.functional.linear(x, w)
+for w in held:
+    torch.nn.functional.linear(x, w)
 t("with 4.4 GB held")
 del held
 t("after freeing it")
