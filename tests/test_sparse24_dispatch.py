@@ -206,8 +206,39 @@ def test_a_paired_timer_s_rounds_decide_and_round_trip_through_the_cache(tmp_pat
     assert back.decide(64, 64, BF16, 16, "eager", ["dense", "cpu-a"]).rounds == dec.rounds
     assert calls == ["dense", "cpu-a"]  # read back, not measured again
     # a candidate that appears later: every candidate timed again, so that its rounds pair with dense's
-    assert back.decide(64, 64, BF16, 16, "eager", ["dense", "cpu-a", "cpu-b"]).kernel == "cpu-b"
-    assert calls == ["dense", "cpu-a", "dense", "cpu-a", "cpu-b"]
+    again = back.decide(64, 64, BF16, 16, "eager", ["dense", "cpu-a", "cpu-b"])
+    # ... and the kernel ahead of dense among three timed against dense alone, where it wins too
+    assert calls == ["dense", "cpu-a", "dense", "cpu-a", "cpu-b", "dense", "cpu-b"]
+    assert again.kernel == "cpu-b" and set(again.head_to_head) == {"cpu-b"}
+
+
+def test_a_kernel_ahead_among_many_must_beat_dense_head_to_head(tmp_path):
+    """Among many candidates dense reads slower than beside one (cpu24-notes.md §53): the winner there is timed
+    against dense alone, the next winner tried where it loses, dense where all do; the pair's rounds are cached."""
+    dense_many, dense_alone = [10.0] * 5, [8.0] * 5
+    fast = {"cpu-a": [8.0, 8.1, 8.2, 8.0, 8.1], "cpu-b": [6.5, 6.6, 6.4, 6.5, 6.6], "cpu-c": [9.9] * 5}
+    calls = []
+
+    def timer(kernel, *a):
+        calls.append(kernel)
+        r = (dense_many if calls.count("dense") == 1 else dense_alone) if kernel == "dense" else fast[kernel]
+        return sorted(r)[2], None, r
+
+    d = Dispatcher(measure=timer, device="cpu", gpu="cpu", versions="v", cache_path=tmp_path / "d.json")
+    dec = d.decide(64, 64, BF16, 128, "eager", ["dense", "cpu-a", "cpu-b", "cpu-c"])
+    # cpu-a and cpu-b beat dense among four (1.23x, 1.54x); head to head cpu-b still wins (1.23x), cpu-a is not tried
+    assert dec.kernel == "cpu-b" and calls == ["dense", "cpu-a", "cpu-b", "cpu-c", "dense", "cpu-b"]
+    fast["cpu-b"] = [7.6, 7.7, 7.5, 7.6, 7.8]  # 1.32x among four, 1.05x against dense alone: the next winner, then dense
+    calls.clear()
+    dec = d.decide(64, 64, BF16, 256, "eager", ["dense", "cpu-a", "cpu-b", "cpu-c"])
+    assert calls == ["dense", "cpu-a", "cpu-b", "cpu-c", "dense", "cpu-b", "dense", "cpu-a"]
+    assert dec.kernel == "dense" and set(dec.head_to_head) == {"cpu-a", "cpu-b"}
+    d.save()
+    calls.clear()
+    back = Dispatcher(measure=timer, device="cpu", gpu="cpu", versions="v", cache_path=tmp_path / "d.json")
+    assert back.decide(64, 64, BF16, 256, "eager", ["dense", "cpu-a", "cpu-b", "cpu-c"]).kernel == "dense"
+    assert back.decide(64, 64, BF16, 128, "eager", ["dense", "cpu-a", "cpu-b", "cpu-c"]).kernel == "cpu-b"
+    assert calls == []  # the head-to-head rounds came from the cache
 
 
 def test_cpu_decisions_are_keyed_by_the_paired_rule():

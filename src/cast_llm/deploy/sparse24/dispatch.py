@@ -114,18 +114,27 @@ class Decision:
     notes: dict[str, str] = field(default_factory=dict)
     # seconds per call of each candidate in each paired round (the CPU's interleaved timing; absent elsewhere)
     rounds: dict[str, list[float]] = field(default_factory=dict)
+    # {kernel: {"dense": rounds, kernel: rounds}}: a kernel that beat dense among many candidates, timed again
+    # against dense alone (Dispatcher.decide)
+    head_to_head: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {"kernel": self.kernel,
                "seconds": {k: (None if math.isinf(v) else v) for k, v in self.seconds.items()}, "notes": self.notes}
         if self.rounds:
             out["rounds"] = self.rounds
+        if self.head_to_head:
+            out["head_to_head"] = self.head_to_head
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> Decision:
+        def rounds(r: dict) -> dict[str, list[float]]:
+            return {k: [float(x) for x in v] for k, v in r.items()}
+
         return cls(d["kernel"], {k: (math.inf if v is None else float(v)) for k, v in d["seconds"].items()},
-                   dict(d.get("notes", {})), {k: [float(x) for x in v] for k, v in d.get("rounds", {}).items()})
+                   dict(d.get("notes", {})), rounds(d.get("rounds", {})),
+                   {k: rounds(v) for k, v in d.get("head_to_head", {}).items()})
 
 
 def default_identity(device: torch.device) -> tuple[str, str]:
@@ -200,7 +209,13 @@ class Dispatcher:
                candidates: Sequence[str]) -> Decision:
         """The decision for ``tokens`` rows in ``mode`` among ``candidates`` (``"dense"`` and kernel names),
         measuring the candidates this key has no time for yet (all of them again where the others' times are
-        paired rounds, so that every pair the rule compares comes from the same rounds)."""
+        paired rounds, so that every pair the rule compares comes from the same rounds).
+
+        Where paired rounds of more than two candidates put a kernel ahead of dense, that kernel and dense are
+        timed again **head to head** and the rule applied to those rounds: on a CPU torch's GEMM read 8-30 %
+        slower with nine other candidates' rounds between its own than beside one (the kernel's time unchanged;
+        cpu24-notes.md §53), a bias toward the 2:4 kernels about the size of the margin. Failing that, the next
+        kernel that beat dense among many is tried the same way, else dense."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         bucket = token_bucket(tokens)
@@ -209,12 +224,13 @@ class Dispatcher:
         seconds = dict(found.seconds) if found else {}
         notes = dict(found.notes) if found else {}
         rounds = dict(found.rounds) if found else {}
+        head = dict(found.head_to_head) if found else {}
         missing = [c for c in candidates if c not in seconds]
         # paired rounds compare only candidates timed together: a new candidate beside ones timed in rounds times
         # them all again (rare: a kernel that became available after the key was decided)
         timed = missing
         if missing and rounds:
-            timed, rounds = list(candidates), {}
+            timed, rounds, head = list(candidates), {}, {}
         for c, (sec, note, per_round) in self.measure_all(timed, out_features, in_features, dtype, bucket,
                                                           mode).items():
             seconds[c] = sec
@@ -224,14 +240,43 @@ class Dispatcher:
             rounds.pop(c, None)
             if per_round:
                 rounds[c] = list(per_round)
-        kernel = choose_kernel(seconds, candidates, self.min_speedup, rounds)
-        decision = Decision(kernel, seconds, notes, rounds)
-        if missing or found is None or found.kernel != kernel:
+        measured_head = False
+
+        def head_to_head(kernel: str) -> dict[str, list[float]] | None:
+            nonlocal measured_head
+            if kernel not in head:
+                got = self.measure_all([DENSE, kernel], out_features, in_features, dtype, bucket, mode)
+                if not (got[DENSE][2] and got[kernel][2]):
+                    return None
+                head[kernel] = {DENSE: list(got[DENSE][2]), kernel: list(got[kernel][2])}
+                measured_head = True
+            return head[kernel]
+
+        kernel = self._rule(seconds, candidates, rounds, head_to_head)
+        decision = Decision(kernel, seconds, notes, rounds, head)
+        if missing or measured_head or found is None or found.kernel != kernel:
             self.decisions[key] = decision
             self._dirty = True
             if missing:
                 self.measured.append(key)
         return decision
+
+    def _rule(self, seconds, candidates, rounds, head_to_head) -> str:
+        """:func:`choose_kernel` on the rounds of all candidates, then, where more than two were timed together,
+        each kernel that beat dense there (fastest first) against dense alone (``head_to_head(kernel)``: the
+        pair's rounds), the first that beats dense in those too; dense where none does."""
+        kernel = choose_kernel(seconds, candidates, self.min_speedup, rounds)
+        if kernel == DENSE or DENSE not in candidates or kernel not in rounds or len(rounds) <= 2:
+            return kernel
+        winners = sorted((c for c in candidates if c != DENSE and beats_dense(c, seconds, self.min_speedup, rounds)),
+                         key=lambda c: seconds.get(c, math.inf))
+        for c in winners:
+            pair = head_to_head(c)
+            if pair is None:  # not timed in rounds: the many-candidate rule stands
+                return kernel
+            if beats_dense(c, {k: statistics.median(v) for k, v in pair.items()}, self.min_speedup, pair):
+                return c
+        return DENSE
 
     def save(self) -> Path | None:
         """Write the decisions to ``cache_path`` (merged with what is there), if any were made."""
