@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 
 import pytest
 import tiny
@@ -151,12 +152,19 @@ def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch
     assert report.dense.decode_tokens_per_s > 0 and report.sparse.decode_tokens_per_s > 0
     assert order[-6:] == ["dense", "sparse", "sparse", "dense", "dense", "sparse"]  # a pair a repeat, order alternating
     assert report.logits_rel_err < 1e-5  # fp32: the twin's and the 2:4 model's prompt logits agree
+    # each pair's ratio, in the JSON and the table: dense's seconds over 2:4's of the same repeat
+    pairs = report.to_dict()["pair_ratios"]
+    assert set(pairs) == {"prefill", "decode"} and all(len(v) == 3 for v in pairs.values())
+    assert pairs["decode"][1] == pytest.approx(report.dense.decode_s[1] / report.sparse.decode_s[1])
+    assert statistics.median(report.sparse.prefill_s) * 1e3 == pytest.approx(report.sparse.prefill_ms)
+    assert "decode 2:4 / dense in each pair: " in format_report(report)
 
     order.clear()
     monkeypatch.setattr(bench.machine, "available_memory", lambda: 0)
     models.append(sparse_model("llama"))
     report = run_bench(models[-1], name="tiny", cfg=cfg)
     assert report.timing.startswith("sequential") and "does not fit" in report.timing
+    assert report.to_dict()["pair_ratios"] == {} and "in each pair" not in format_report(report)
     assert order == ["sparse"] * 8  # one model only (no twin): its dense warm-up and repeats, then its 2:4 ones
 
 

@@ -70,6 +70,10 @@ class PathResult:
     all_weight_bytes: int
     cuda_allocated_bytes: int | None = None
     cuda_peak_bytes: int | None = None
+    # each repeat's prefill seconds and whole-decode seconds, in order (repeat i of two paths is a pair when the
+    # report's timing is paired)
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +104,7 @@ class BenchReport:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ratios"] = ratios(d)
+        d["pair_ratios"] = pair_ratios(d)
         return d
 
 
@@ -126,6 +131,21 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
                 out[f"{name}_vs_best_dense"] = speedup(max(d[key], d32[key]), s[key])
     if (r := speedup(d["target_weight_bytes"], s["target_weight_bytes"], higher_better=False)) is not None:
         out["target_weights"] = r
+    return out
+
+
+def pair_ratios(report: dict[str, Any]) -> dict[str, list[float]]:
+    """Where the two paths were timed paired: each repeat's 2:4 / dense tokens/s ratio (dense seconds over 2:4
+    seconds of the same pair), for prefill and decode — the spread the table's median ratio hides. Empty where the
+    timing was sequential or the 2:4 path did not run."""
+    d, s = report.get("dense"), report.get("sparse")
+    if not d or not s or not str(report.get("timing", "")).startswith("paired"):
+        return {}
+    out = {}
+    for key, name in (("prefill_s", "prefill"), ("decode_s", "decode")):
+        dense_s, sparse_s = d.get(key) or [], s.get(key) or []
+        if dense_s and len(dense_s) == len(sparse_s) and all(x > 0 for x in sparse_s):
+            out[name] = [a / b for a, b in zip(dense_s, sparse_s)]
     return out
 
 
@@ -265,6 +285,8 @@ def _path_result(model, prompt: torch.Tensor, cfg: BenchConfig, fqns, runs) -> P
         decode_ms_per_step=decode * 1e3 / max(cfg.gen_len, 1),
         target_weight_bytes=_target_bytes(model, fqns),
         all_weight_bytes=sparse24_memory(model)["total"],
+        prefill_s=[r[0] for r in runs],
+        decode_s=[r[1] for r in runs],
     )
     if device.type == "cuda":
         result.cuda_allocated_bytes = torch.cuda.memory_allocated(device)
@@ -532,6 +554,9 @@ def format_report(r: BenchReport) -> str:
         lines.append(f"  sparse path skipped: {r.sparse_skipped}")
     if r.timing:
         lines.append(f"  timing: {r.timing}")
+    for name, rs in pair_ratios(r.to_dict()).items():
+        lines.append(f"  {name} 2:4 / dense in each pair: " + " ".join(f"{x:.2f}" for x in rs)
+                     + f" (range {min(rs):.2f}-{max(rs):.2f}x: the spread of this machine over the run)")
     if r.max_abs_logit_diff is not None:
         line = (f"  logits on the prompt: max|dense - 2:4| = {r.max_abs_logit_diff:.4g}, "
                 f"/ max|logit| = {r.logits_rel_err:.3g}")
