@@ -174,10 +174,13 @@ def _compare_methods():
 
 
 def _queue_lines() -> list[list[str]]:
+    """The committed queue's lines as the queue reads them (its ``queue_lines``), each split into arguments."""
     import shlex
 
-    text = (BENCHMARKS / "evidence-queue.txt").read_text()
-    return [shlex.split(x) for x in text.splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    spec = importlib.util.spec_from_file_location("evidence_queue_lines", BENCHMARKS / "evidence_queue.py")
+    q = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q)
+    return [shlex.split(x) for x in q.queue_lines(BENCHMARKS / "evidence-queue.txt")]
 
 
 def test_every_line_of_the_committed_queue_is_a_valid_invocation(tmp_path):
