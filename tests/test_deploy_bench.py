@@ -262,7 +262,7 @@ def test_the_cpu_per_linear_table_times_dense_and_the_kernels_together(monkeypat
                      (("dense", "cpu-avx512", "cpu-avx2"), 8, 16, 1, "eager")]
     assert [(r["kernel"], r["speedup"]) for r in rows] == [("cpu-avx2", 2.0), ("cpu-avx2", 2.0)]
     # the dispatcher's paired rule on the same rounds, in the row and in the table
-    assert [(r["rounds_won"], r["rounds"], r["dispatch_runs_it"]) for r in rows] == [(3, 5, False), (5, 5, True)]
+    assert [(r["rounds_won"], r["rounds"], r["paired_rule_takes_it"]) for r in rows] == [(3, 5, False), (5, 5, True)]
     text = "\n".join(bench.linear_line(r) for r in rows)
-    assert "faster in 3/5 rounds: the dispatcher runs dense" in text
-    assert "faster in 5/5 rounds: the dispatcher's rule takes it" in text
+    assert "faster in 3/5 rounds: the paired rule keeps dense" in text
+    assert "faster in 5/5 rounds: the paired rule takes it" in text

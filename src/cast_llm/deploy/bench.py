@@ -352,7 +352,7 @@ def bench_linears(shapes: dict[tuple[int, int], list[str]], token_counts: dict[s
                 if (ratios := paired_ratios(rounds, best[0])) is not None:
                     # the dispatcher's paired rule on these rounds: faster in how many, and whether it would choose it
                     row.update(rounds_won=sum(r > 1 for r in ratios), rounds=len(ratios),
-                               dispatch_runs_it=beats_dense(best[0], secs, CPU_MIN_SPEEDUP, rounds))
+                               paired_rule_takes_it=beats_dense(best[0], secs, CPU_MIN_SPEEDUP, rounds))
             rows.append(row)
     return rows
 
@@ -583,7 +583,7 @@ def linear_line(p: dict[str, Any]) -> str:
           else f"{'skipped':>10}")
     if "rounds" in p:
         sp += (f", faster in {p['rounds_won']}/{p['rounds']} rounds: "
-               + ("the dispatcher's rule takes it" if p["dispatch_runs_it"] else "the dispatcher runs dense"))
+               + ("the paired rule takes it" if p["paired_rule_takes_it"] else "the paired rule keeps dense"))
     if "speedup_vs_fp32" in p:
         sp += f"; dense fp32 {p['dense_fp32_us']:.1f} us, 2:4 {p['speedup_vs_fp32']:.2f}x it"
     return (f"    {p['layers']:<28} {p['out']:>6}x{p['in']:<6} {p['regime']:<8} {p['tokens']:>6} tok "
