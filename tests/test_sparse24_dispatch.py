@@ -241,6 +241,30 @@ def test_a_kernel_ahead_among_many_must_beat_dense_head_to_head(tmp_path):
     assert calls == []  # the head-to-head rounds came from the cache
 
 
+def test_a_kernel_that_fails_against_dense_alone_is_not_chosen(tmp_path):
+    """A kernel ahead among many that fails when timed again (its check, a crash) is never run: the next one that
+    beat dense, else dense; the failure is cached as null, not as a number."""
+    fails = {"n": 0}
+
+    def timer(kernel, *a):
+        if kernel == "cpu-b":
+            fails["n"] += 1
+            if fails["n"] > 1:
+                return math.inf, "RuntimeError: wrong results", None
+            return 6.5, None, [6.5] * 5
+        return {"dense": (10.0, None, [10.0] * 5), "cpu-a": (8.0, None, [8.0] * 5),
+                "cpu-c": (20.0, None, [20.0] * 5)}[kernel]
+
+    d = Dispatcher(measure=timer, device="cpu", gpu="cpu", versions="v", cache_path=tmp_path / "d.json")
+    dec = d.decide(64, 64, BF16, 128, "eager", ["dense", "cpu-a", "cpu-b", "cpu-c"])
+    assert dec.kernel == "cpu-a" and "wrong results" in dec.notes["cpu-b"]
+    d.save()
+    text = (tmp_path / "d.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    back = Dispatcher(measure=timer, device="cpu", gpu="cpu", versions="v", cache_path=tmp_path / "d.json")
+    assert back.decide(64, 64, BF16, 128, "eager", ["dense", "cpu-a", "cpu-b", "cpu-c"]).kernel == "cpu-a"
+
+
 def test_cpu_decisions_are_keyed_by_the_paired_rule():
     """Decisions cached before the rule kept no rounds: a CPU's key names the rule, so they are measured again."""
     from cast_llm.deploy.sparse24.dispatch import CPU_RULE

@@ -15,7 +15,9 @@ change kernel speed) — and remembers the winner:
   on a CPU, whose timings are noisier) wins, else the layer runs dense (:func:`choose_kernel`). On a CPU the
   candidates are timed in interleaved rounds, and "faster" is paired: the median of the per-round ratios above the
   margin, and the kernel faster than dense in all rounds but one in five (:func:`beats_dense`), so a margin that
-  lucky rounds carry while the kernel lost two rounds of five does not put a layer on it. A candidate that failed or gave wrong results is timed ``inf``.
+  lucky rounds carry while the kernel lost two rounds of five does not put a layer on it; and a kernel ahead of
+  dense among many candidates is timed again against dense alone (:meth:`Dispatcher.decide`). A candidate that
+  failed or gave wrong results is timed ``inf``.
 
 Decisions live in memory and, with ``cache_path``, in a small JSON file (``{"written_by": CACHE_MARKER,
 "format": 1, "entries": {key: decision}}``). A file that exists without that marker is never read as a cache
@@ -55,7 +57,7 @@ DENSE = "dense"
 DENSE_CAREFUL = "dense-careful"
 DENSE_FORMS = (DENSE, DENSE_CAREFUL)  # the candidates that run the held dense weight
 CPU_MIN_SPEEDUP = 1.10  # a 2:4 kernel on a CPU must measure 10 % faster than dense to be chosen over it
-CPU_RULE = "paired sign rule"  # part of a CPU decision's key (default_identity): the rule its rounds are kept for
+CPU_RULE = "paired rule, head to head"  # part of a CPU decision's key (default_identity): the rule it was made by
 
 # measure(kernel, out_features, in_features, dtype, tokens, mode) -> (seconds per call, note or None)
 Measure = Callable[[str, int, int, torch.dtype, int, str], tuple[float, "str | None"]]
@@ -119,18 +121,21 @@ class Decision:
     head_to_head: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        def rounds(r: dict[str, list[float]]) -> dict:  # inf (a failed call) as null, as in "seconds"
+            return {k: [None if math.isinf(x) else x for x in v] for k, v in r.items()}
+
         out = {"kernel": self.kernel,
                "seconds": {k: (None if math.isinf(v) else v) for k, v in self.seconds.items()}, "notes": self.notes}
         if self.rounds:
-            out["rounds"] = self.rounds
+            out["rounds"] = rounds(self.rounds)
         if self.head_to_head:
-            out["head_to_head"] = self.head_to_head
+            out["head_to_head"] = {k: rounds(v) for k, v in self.head_to_head.items()}
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> Decision:
         def rounds(r: dict) -> dict[str, list[float]]:
-            return {k: [float(x) for x in v] for k, v in r.items()}
+            return {k: [math.inf if x is None else float(x) for x in v] for k, v in r.items()}
 
         return cls(d["kernel"], {k: (math.inf if v is None else float(v)) for k, v in d["seconds"].items()},
                    dict(d.get("notes", {})), rounds(d.get("rounds", {})),
@@ -144,7 +149,7 @@ def default_identity(device: torch.device) -> tuple[str, str]:
         gpu = torch.cuda.get_device_name(device)
     else:
         # a CPU's choice depends on its model and on the threads torch runs (bandwidth per core, GEMM speed)
-        # (CPU_RULE: decisions measured before the paired sign rule kept no rounds to apply it to: measured again)
+        # (CPU_RULE: decisions made by an earlier rule, e.g. before rounds were kept, are measured again)
         return (f"cpu {cpu_model()} x{torch.get_num_threads()} threads",
                 f"torch {torch.__version__}, {cpu24.build_key()}, {CPU_RULE}")
     cslt = torch.backends.cusparselt.version() if torch.backends.cusparselt.is_available() else None
@@ -246,9 +251,13 @@ class Dispatcher:
             nonlocal measured_head
             if kernel not in head:
                 got = self.measure_all([DENSE, kernel], out_features, in_features, dtype, bucket, mode)
-                if not (got[DENSE][2] and got[kernel][2]):
+                if math.isinf(got[kernel][0]):  # it failed this time (its check, or a crash): never chosen
+                    notes[kernel] = got[kernel][1] or "failed when timed against dense alone"
+                    head[kernel] = {DENSE: [1.0], kernel: [math.inf]}
+                elif not (got[DENSE][2] and got[kernel][2]):
                     return None
-                head[kernel] = {DENSE: list(got[DENSE][2]), kernel: list(got[kernel][2])}
+                else:
+                    head[kernel] = {DENSE: list(got[DENSE][2]), kernel: list(got[kernel][2])}
                 measured_head = True
             return head[kernel]
 
