@@ -139,18 +139,28 @@ def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch
     if cpu24.extension_reason() is not None:
         pytest.skip("no CPU 2:4 extension here: there is no 2:4 path to pair with")
     order, real, models = [], bench._generate, []
+    real_flusher = bench.cache_flusher
 
     def recording(model, prompt, gen_len):  # the model run_bench was given is the one swapped to 2:4 in place
         order.append("sparse" if model is models[-1] else "dense")
         return real(model, prompt, gen_len)
 
+    def flusher(device):  # the caches flushed before every timed generation (the warm-ups need none)
+        flush, nbytes = real_flusher(device)
+        assert nbytes == bench.flush_bytes() > 0
+        return (lambda: order.append("flush")), nbytes
+
     monkeypatch.setattr(bench, "_generate", recording)
+    monkeypatch.setattr(bench, "cache_flusher", flusher)
     cfg = BenchConfig(batch_size=1, prompt_len=8, gen_len=2, warmup=1, repeats=3, linear_repeats=1)
     models.append(sparse_model("llama"))
     report = run_bench(models[-1], name="tiny", cfg=cfg)
     assert report.timing.startswith("paired") and "timing: paired" in format_report(report)
     assert report.dense.decode_tokens_per_s > 0 and report.sparse.decode_tokens_per_s > 0
-    assert order[-6:] == ["dense", "sparse", "sparse", "dense", "dense", "sparse"]  # a pair a repeat, order alternating
+    timed = order[order.index("flush"):]
+    assert timed == ["flush", "dense", "flush", "sparse", "flush", "sparse", "flush", "dense", "flush", "dense",
+                     "flush", "sparse"]  # a pair a repeat, the order alternating, each after a flush
+    assert "every generation starts after a read of" in report.timing
     assert report.logits_rel_err < 1e-5  # fp32: the twin's and the 2:4 model's prompt logits agree
     # each pair's ratio, in the JSON and the table: dense's seconds over 2:4's of the same repeat
     pairs = report.to_dict()["pair_ratios"]
@@ -165,7 +175,8 @@ def test_the_cpu_report_times_the_two_paths_paired_where_a_twin_fits(monkeypatch
     report = run_bench(models[-1], name="tiny", cfg=cfg)
     assert report.timing.startswith("sequential") and "does not fit" in report.timing
     assert report.to_dict()["pair_ratios"] == {} and "in each pair" not in format_report(report)
-    assert order == ["sparse"] * 8  # one model only (no twin): its dense warm-up and repeats, then its 2:4 ones
+    assert [x for x in order if x != "flush"] == ["sparse"] * 8  # one model only: its dense warm-up and repeats,
+    assert order.count("flush") == 6  # then its 2:4 ones, each timed one after a flush
 
 
 def test_the_dense_fp32_baseline_is_timed_where_the_cpu_does_not_multiply_bf16_natively(monkeypatch, tmp_path):

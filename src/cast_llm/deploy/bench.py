@@ -51,6 +51,7 @@ from cast_llm.deploy.sparse24 import (
     timing,
     to_sparse24_,
 )
+from cast_llm.deploy.sparse24.cycles import cold_bytes
 from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
 from cast_llm.deploy.sparse24.dispatch import CPU_MIN_SPEEDUP, beats_dense, paired_ratios
 from cast_llm.deploy.sparse24.kernels import KERNELS, default_kernels
@@ -215,13 +216,34 @@ def _target_bytes(model, fqns) -> int:
     return total
 
 
+def cache_flusher(device: torch.device) -> tuple[Callable[[], object], int]:
+    """``(flush, bytes)``: on a CPU a read of twice the cache a cold timing must overflow
+    (:func:`~cast_llm.deploy.sparse24.cycles.cold_bytes`), run before every timed generation so that no path's
+    prefill finds weights the generation before left in the cache; elsewhere nothing. Without it the paired order
+    favoured dense: its prefill followed its own decode (a pass over the same weights) in two of five repeats, the
+    2:4 model's prefill (dense copies) never did, since its decode reads the compressed form (§55)."""
+    if device.type != "cpu":
+        return (lambda: None), 0
+    buf = torch.ones(flush_bytes() // 4)
+    return buf.sum, flush_bytes()
+
+
+def flush_bytes() -> int:
+    """What :func:`cache_flusher` reads on a CPU: twice :func:`~cast_llm.deploy.sparse24.cycles.cold_bytes`."""
+    return 2 * cold_bytes()
+
+
 def measure_path(model, prompt: torch.Tensor, cfg: BenchConfig, fqns) -> PathResult:
     device = prompt.device
+    flush, _ = cache_flusher(device)
     for _ in range(cfg.warmup):
         _generate(model, prompt, min(cfg.gen_len, 4))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs = [_generate(model, prompt, cfg.gen_len) for _ in range(cfg.repeats)]
+    runs = []
+    for _ in range(cfg.repeats):
+        flush()
+        runs.append(_generate(model, prompt, cfg.gen_len))
     return _path_result(model, prompt, cfg, fqns, runs)
 
 
@@ -231,16 +253,18 @@ def measure_paired(dense_model, sparse_model, prompt: torch.Tensor, cfg: BenchCo
     given) and once with the 2:4 model, so a slow spell of the host falls on all of them (a CPU's memory bandwidth
     drifts by ±30 % within seconds), in the order dense, (fp32,) 2:4 on even repeats and the reverse on odd ones,
     because on the CPU the first generation of a pair measured 8-10 % faster than the second whichever model it
-    was (docs/results/cpu24-notes.md §11).
+    was (docs/results/cpu24-notes.md §11). Every generation starts with the caches flushed (:func:`cache_flusher`).
     (dense result, 2:4 result, fp32 dense result or None)."""
     models = {"dense": dense_model, "dense_fp32": fp32_model, "sparse": sparse_model}
     models = {k: m for k, m in models.items() if m is not None}
+    flush, _ = cache_flusher(prompt.device)
     for _ in range(cfg.warmup):
         for m in models.values():
             _generate(m, prompt, min(cfg.gen_len, 4))
     runs = {k: [] for k in models}
     for r in range(cfg.repeats):
         for path in (list(models) if r % 2 == 0 else list(models)[::-1]):
+            flush()
             runs[path].append(_generate(models[path], prompt, cfg.gen_len))
     results = {k: _path_result(models[k], prompt, cfg, fqns, runs[k]) for k in models}
     return results["dense"], results["sparse"], results.get("dense_fp32")
@@ -459,6 +483,9 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     else:
         report.sparse = measure_path(model, prompt, cfg, fqns)
         report.timing = f"sequential: the dense path's repeats, then the 2:4 path's ({why_not_paired})"
+    if device.type == "cpu":
+        report.timing += (f"; every generation starts after a read of {flush_bytes() / 2**20:,.0f} MiB "
+                          "(no weights left in a cache by the one before)")
     sparse_logits = prompt_logits(model, prompt)
     diff = (sparse_logits.float() - dense_logits.float()).abs().max()
     report.max_abs_logit_diff = float(diff)
