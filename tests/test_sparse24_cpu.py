@@ -40,6 +40,7 @@ from cast_llm.deploy.sparse24.kernels import (
     default_kernels,
     sparse_linear,
 )
+from cast_llm.errors import CastError
 
 WHY = cpu24.extension_reason()
 PATHS = cpu24.available_paths()
@@ -547,6 +548,51 @@ def test_dispatch_picks_the_fastest_and_never_a_slower_kernel_than_dense():
         assert bitwise_equal(layer(x[3]), cpu24.sparse24_mm(PATHS[-1], x[3], layer.states["cpu24"], lin.bias))
         assert bitwise_equal(layer(x[64]), F.linear(x[64], lin.weight, lin.bias))
         assert all(rel(layer(v), ref[t]) <= BOUND[torch.bfloat16] for t, v in x.items())
+
+
+def test_a_plan_that_slows_the_whole_model_is_put_back_on_dense_for_that_count():
+    """plan_sparse24_(forward=...): a prefill count whose plan puts layers holding their dense weight on a 2:4
+    kernel is timed on the whole model against the same layers dense; where the model is not faster with the plan
+    in all pairs but one in five, those layers run dense at that count (the decode count is not checked), and
+    release_ keeps what the corrected plan uses."""
+    from cast_llm.deploy.sparse24 import plan_sparse24_
+
+    def table(kernel, tokens):  # every layer: the fastest 2:4 path by its own timing, at 1 and at 64 tokens
+        return 1.0 if kernel in ("dense", "dense-careful") else 0.3
+
+    best = None
+    for plan_faster in (False, True):
+        dispatcher = Dispatcher(measure=FakeTimes(table), device="cpu")
+        model = nn.Sequential(*(Sparse24Linear.from_linear(lin, dispatcher=dispatcher, name=name)
+                                for name, lin in (("0", bf16_linear()), ("1", bf16_linear(48, 64)))))
+        layers = list(model)
+        assert len(layers) == 2
+        flushes = []
+
+        def forward(n, layers=layers, model=model, plan_faster=plan_faster):  # slower (or faster) with the plan
+            on_dense = all(m.kernel_for(n) == "dense" for m in layers)
+            time.sleep(0.004 if on_dense == plan_faster else 0.001)
+            return model[1](torch.relu(model[0](torch.randn(n, 64).bfloat16())))
+
+        checks = []
+        plan = plan_sparse24_(model, [1, 64], release=True, forward=forward, flush=lambda f=flushes: f.append(1),
+                              checks=checks)
+        best = plan["0"]["eager:1"]
+        assert best.startswith("cpu-") and all(p["eager:1"] == best for p in plan.values())  # decode: unchecked
+        assert len(checks) == 1 and checks[0]["tokens"] == 64 and checks[0]["layers"] == 2
+        assert len(checks[0]["ratios"]) == 5 and len(flushes) == 12  # two first runs, then five pairs
+        assert checks[0]["reverted"] is (not plan_faster)
+        at64 = best if plan_faster else "dense"
+        assert all(p["eager:64"] == at64 for p in plan.values())
+        assert all(m.kernel_for(64) == at64 for m in layers)
+        with torch.no_grad():
+            x = torch.randn(64, 64).bfloat16()
+            y = model[1](torch.relu(model[0](x)))  # runs on what the check left, the forms it needs kept
+            if not plan_faster:
+                ref = model[1].to_linear()(torch.relu(model[0].to_linear()(x)))
+                assert bitwise_equal(y, ref)
+    with pytest.raises(CastError, match="not one of its kernels"):
+        layers[0].set_choice_(64, "eager", "cusparselt")
 
 
 def test_the_careful_dense_gemm_is_a_candidate_for_a_held_dense_weight_and_runs_where_fastest():

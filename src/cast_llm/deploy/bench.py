@@ -100,6 +100,8 @@ class BenchReport:
     logits_noise_floor: float | None = None
     logits_within_noise: bool | None = None  # logits_rel_err <= max(0.01, 3 x floor), the GPU path's rule
     plan: dict[str, dict[str, int]] = field(default_factory=dict)  # "<mode>:<tokens>" -> {kernel: layers}
+    # the whole-model checks of the plan (plan_sparse24_'s forward): tokens, layers, ratios, reverted
+    plan_checks: list[dict[str, Any]] = field(default_factory=list)
     timing: str = ""  # how the two paths' generations were ordered (paired where a dense twin fits, see run_bench)
 
     def to_dict(self) -> dict[str, Any]:
@@ -464,8 +466,23 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     skipped = getattr(model, "_sparse24_skipped", [])
     if skipped:
         notes.append(f"{len(skipped)} target(s) stayed dense: {'; '.join(skipped[:3])}")
-    # decide every layer for exactly this run's token counts, then keep only the forms those choices use
-    report.plan = _plan_summary(plan_sparse24_(model, list(tokens.values()), modes=("eager",), release=True))
+    # decide every layer for exactly this run's token counts, then keep only the forms those choices use; on a CPU
+    # with the dense copies kept, the prefill's plan is checked on the whole model against those layers dense
+    checks: list[dict] = []
+    check = device.type == "cpu" and cfg.dense_copy
+    keep = _keep_last(model)
+    report.plan = _plan_summary(plan_sparse24_(
+        model, list(tokens.values()), modes=("eager",), release=True, checks=checks,
+        forward=(lambda n: model(input_ids=prompt[:, : n // prompt.shape[0]], use_cache=True, **keep)) if check
+        else None, flush=cache_flusher(device)[0] if check else None))
+    report.plan_checks = checks
+    for c in checks:
+        if c["layers"]:
+            notes.append(
+                f"whole-model check at {c['tokens']} tokens: the plan ({c['layers']} layers on other kernels than "
+                f"dense F.linear) against the same model with them dense, dense / plan in each pair "
+                + " ".join(f"{r:.2f}" for r in c["ratios"])
+                + (": those layers run dense at that count" if c["reverted"] else ": the plan is kept"))
     notes.append(f"{len(swapped)} target(s) swapped to 2:4 layers; {len(sparse24_layers(model))} of them run a 2:4 "
                  f"kernel for some token count of this run, the others run dense (2:4 measured no faster here)")
     if device.type == "cpu":  # the dense head too, where the careful GEMV measures faster (its own check)

@@ -189,6 +189,16 @@ class Sparse24Linear(nn.Module):
             self._choices[key] = kernel
         return kernel
 
+    def set_choice_(self, tokens: int, mode: str, kernel: str) -> None:
+        """Run ``kernel`` for ``tokens``'s token bucket in ``mode`` from now on, in this process (the dispatcher's
+        cached decision is not changed): what a whole-model check decides
+        (:func:`~cast_llm.deploy.sparse24.model.check_plan_against_dense_`)."""
+        if kernel not in self.candidates(mode):
+            raise CastError(f"{self.name or 'Sparse24Linear'}: {kernel!r} is not one of its kernels here "
+                            f"({', '.join(self.candidates(mode))})")
+        self._choices[(token_bucket(tokens), mode)] = kernel
+        self._runs.clear()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the hot path costs a dtype check, a dict lookup and (when dispatching) a capture query: a model
         # decoding eagerly is host-bound, so every microsecond here is paid ~200 times per token
