@@ -4,7 +4,10 @@ weights allocated alike, ``to_sparse24_`` with the dense copy kept, planned at 1
 then 128-token prefills (head on the last position, as ``generate``) of the two in alternating order, each after
 reading a 1 GB buffer (no model's weights left in a cache), and torch's profiler over one prefill of each.
 
-    python benchmarks/dev/prefill_all_dense.py [pairs]
+    python benchmarks/dev/prefill_all_dense.py [pairs] [model] [kernel to leave out]
+
+``model``: ``smollm2-135m`` (the default) or ``random:tinyllama-1.1b``; a kernel left out (e.g. ``cpu-amx-bf16``)
+is not offered to the dispatcher (§56: does the 2:4 model lose its prefill on the layers given to it?).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from cast_llm.deploy.bench import _keep_last, allocate_alike
 from cast_llm.deploy.sparse24 import Dispatcher, plan_sparse24_, to_sparse24_
 from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
+from cast_llm.deploy.sparse24.kernels import available_kernels, default_kernels
 from cast_llm.models import load_model
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
@@ -26,14 +30,25 @@ from cast_llm.targets import find_targets
 
 def main() -> None:
     pairs = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    name = sys.argv[2] if len(sys.argv) > 2 else "smollm2-135m"
+    leave_out = sys.argv[3] if len(sys.argv) > 3 else None
     torch.set_num_threads(2)
-    model = load_model("smollm2-135m", dtype=torch.bfloat16, device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    if name.startswith("random:"):
+        from cast_llm.jobs.bench import random_model
+
+        model = random_model(name.split(":", 1)[1], torch.bfloat16, cpu)
+    else:
+        model = load_model(name, dtype=torch.bfloat16, device=cpu)
     targets = find_targets(model, n=2, m=4, skip_incompatible=True)
     for t in targets:
         magnitude_prune_(t.weight.data.t() if t.transposed else t.weight.data, 2, 4)
     twin = copy.deepcopy(model)
     allocate_alike(model, twin, [t.fqn for t in targets])
-    to_sparse24_(model, targets=targets, dispatch=Dispatcher(device="cpu"), skip_incompatible=True, keep_dense=True)
+    kernels, _ = available_kernels(cpu, torch.bfloat16, default_kernels(cpu))
+    kernels = [k for k in kernels if k != leave_out]
+    to_sparse24_(model, targets=targets, kernels=kernels, dispatch=Dispatcher(device="cpu"), skip_incompatible=True,
+                 keep_dense=True)
     plan = plan_sparse24_(model, [1, 128], modes=("eager",), release=True)
     at128 = {}
     for chosen in plan.values():
@@ -47,6 +62,7 @@ def main() -> None:
     torch.inference_mode().__enter__()
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     flush = torch.ones(1 << 28)  # 1 GB
+    print(f"{name}, left out: {leave_out}", flush=True)
     keep = _keep_last(model)
 
     def prefill(m) -> float:
