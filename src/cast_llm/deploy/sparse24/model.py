@@ -130,15 +130,16 @@ def plan_sparse24_(model: nn.Module, token_counts: Iterable[int] | dict[str, Ite
 
 def check_plan_against_dense_(model: nn.Module, forward: Callable[[int], object], tokens: int, *,
                               flush: Callable[[], object] | None = None, pairs: int = 5) -> dict:
-    """Time ``forward(tokens)`` with the layers' eager choices for ``tokens`` against the same with every layer
+    """Time ``forward(tokens)`` with the layers' eager choices for ``tokens`` against the same with every CPU layer
     that holds its dense weight and chose another kernel put on dense ``F.linear``, in ``pairs`` pairs (the order
     alternating, ``flush()`` before each run); keep the plan only where it is faster than that in all pairs but
     one in five (:func:`~cast_llm.deploy.sparse24.dispatch.wins_needed`), else put those layers on dense for
     ``tokens`` (the token bucket's choice, in this process). Returns ``{"tokens", "layers", "ratios"
     (dense-forward seconds / planned-forward seconds, one a pair), "reverted"}``; ``layers`` 0 and no timing where
     no such layer exists."""
-    moved = [layer for _, layer in sparse24_layers(model)
-             if layer.dense_weight is not None and layer.kernel_for(tokens, "eager") != DENSE]
+    moved = [layer for _, layer in sparse24_layers(model)  # (CPU layers: the timer does not wait for a GPU)
+             if layer.device.type == "cpu" and layer.dense_weight is not None
+             and layer.kernel_for(tokens, "eager") != DENSE]
     out = {"tokens": tokens, "layers": len(moved), "ratios": [], "reverted": False}
     if not moved:
         return out
