@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from cast_llm.deploy.bench import _keep_last, cache_flusher
+from cast_llm.deploy.bench import cache_flusher, keep_last_kwargs
 from cast_llm.deploy.sparse24 import Dispatcher, plan_sparse24_, to_sparse24_
 from cast_llm.jobs.bench import random_model
 from cast_llm.prune.magnitude import magnitude_prune_
@@ -29,7 +29,7 @@ def main() -> None:
         magnitude_prune_(t.weight.data.t() if t.transposed else t.weight.data, 2, 4)
     to_sparse24_(model, targets=targets, dispatch=Dispatcher(device=cpu, min_speedup=margin), keep_dense=True)
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-    keep = _keep_last(model)
+    keep = keep_last_kwargs(model)
     before = {}
     for _, layer in [(n, m) for n, m in model.named_modules() if hasattr(m, "kernel_for")]:
         k = layer.kernel_for(128, "eager")

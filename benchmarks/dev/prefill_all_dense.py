@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cast_llm.deploy.bench import _keep_last, allocate_alike
+from cast_llm.deploy.bench import allocate_alike, keep_last_kwargs
 from cast_llm.deploy.sparse24 import Dispatcher, plan_sparse24_, to_sparse24_
 from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
 from cast_llm.deploy.sparse24.kernels import available_kernels, default_kernels
@@ -63,7 +63,7 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     flush = torch.ones(1 << 28)  # 1 GB
     print(f"{name}, left out: {leave_out}", flush=True)
-    keep = _keep_last(model)
+    keep = keep_last_kwargs(model)
 
     def prefill(m) -> float:
         flush.sum()

@@ -171,7 +171,7 @@ def timed(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: 
     return statistics.median(times)
 
 
-def _keep_last(model) -> dict:
+def keep_last_kwargs(model) -> dict:
     """``{"logits_to_keep": 1}`` where the model's forward takes it: what ``transformers``' ``generate`` passes to
     the prompt's forward (the head on the last position only; notes §40), else ``{}``."""
     import inspect
@@ -182,7 +182,7 @@ def _keep_last(model) -> dict:
 @torch.inference_mode()
 def _generate(model, prompt: torch.Tensor, gen_len: int) -> tuple[float, float]:
     """(prefill seconds, decode seconds) of one greedy generation with the KV cache, as ``generate`` runs it."""
-    device, keep_last = prompt.device, _keep_last(model)
+    device, keep_last = prompt.device, keep_last_kwargs(model)
     _sync(device)
     t0 = time.perf_counter()
     out = model(input_ids=prompt, use_cache=True, **keep_last)
@@ -470,7 +470,7 @@ def run_bench(model, *, name: str, cfg: BenchConfig, seed: int = 0) -> BenchRepo
     # with the dense copies kept, the prefill's plan is checked on the whole model against those layers dense
     checks: list[dict] = []
     check = device.type == "cpu" and cfg.dense_copy
-    keep = _keep_last(model)
+    keep = keep_last_kwargs(model)
     report.plan = _plan_summary(plan_sparse24_(
         model, list(tokens.values()), modes=("eager",), release=True, checks=checks,
         forward=(lambda n: model(input_ids=prompt[:, : n // prompt.shape[0]], use_cache=True, **keep)) if check
