@@ -23,6 +23,7 @@ from cast_llm.deploy.bench import allocate_alike, keep_last_kwargs
 from cast_llm.deploy.sparse24 import Dispatcher, plan_sparse24_, to_sparse24_
 from cast_llm.deploy.sparse24.dense_cpu import use_careful_head_
 from cast_llm.deploy.sparse24.kernels import available_kernels, default_kernels
+from cast_llm.jobs.bench import random_model
 from cast_llm.models import load_model
 from cast_llm.prune.magnitude import magnitude_prune_
 from cast_llm.targets import find_targets
@@ -35,8 +36,6 @@ def main() -> None:
     torch.set_num_threads(2)
     cpu = torch.device("cpu")
     if name.startswith("random:"):
-        from cast_llm.jobs.bench import random_model
-
         model = random_model(name.split(":", 1)[1], torch.bfloat16, cpu)
     else:
         model = load_model(name, dtype=torch.bfloat16, device=cpu)
@@ -56,13 +55,19 @@ def main() -> None:
             if case.endswith(":128"):
                 at128[k] = at128.get(k, 0) + 1
     print("layers per kernel at 128 tokens:", at128, "| head:", use_careful_head_(model), flush=True)
+    print(f"{name}, left out: {leave_out}", flush=True)
     # (built outside inference mode, as bench-inference builds them: a deepcopy made inside it holds inference
     # tensors, whose head weight torch's matmul does not fold with the last position's strided input: it then copies
     # the whole head weight at every prefill, §55)
-    torch.inference_mode().__enter__()
+    compare(twin, model, pairs)
+
+
+@torch.inference_mode()
+def compare(twin, model, pairs: int) -> None:
+    """The two models' 128-token prefills in ``pairs`` alternating pairs, each after a 1 GB read; then a profile of
+    one prefill of each."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     flush = torch.ones(1 << 28)  # 1 GB
-    print(f"{name}, left out: {leave_out}", flush=True)
     keep = keep_last_kwargs(model)
 
     def prefill(m) -> float:

@@ -44,7 +44,8 @@ from cast_llm.errors import CastError
 from cast_llm.io import atomic_write_json
 from cast_llm.machine import cpu_model
 
-__all__ = ["CACHE_MARKER", "MAX_BUCKET", "MODES", "Decision", "Dispatcher", "choose_kernel", "token_bucket"]
+__all__ = ["CACHE_MARKER", "MAX_BUCKET", "MODES", "Decision", "Dispatcher", "choose_kernel", "dense_beaters",
+           "token_bucket"]
 
 CACHE_MARKER = "cast-llm sparse24 dispatch"
 CACHE_FORMAT = 1
@@ -93,20 +94,25 @@ def beats_dense(kernel: str, seconds: dict[str, float], min_speedup: float,
             and sum(r > 1 for r in ratios) >= wins_needed(len(ratios)))
 
 
-def choose_kernel(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float = 1.02,
-                  rounds: dict[str, list[float]] | None = None) -> str:
-    """The kernel to run: of the sparse candidates that beat ``dense`` clearly (:func:`beats_dense`; all of them
-    where dense is not a candidate) the fastest by median, else ``dense``. Ties between sparse kernels go to the
-    earlier candidate."""
+def dense_beaters(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float,
+                  rounds: dict[str, list[float]] | None = None) -> list[str]:
+    """The sparse candidates that beat ``dense`` clearly (:func:`beats_dense`; all of them where dense is not a
+    candidate), fastest by median first (ties in candidate order)."""
     sparse = [c for c in candidates if c != DENSE]
     if DENSE in candidates:
         sparse = [c for c in sparse if beats_dense(c, seconds, min_speedup, rounds)]
-        if not sparse:
-            return DENSE
-    best = min(sparse, key=lambda c: seconds.get(c, math.inf), default=None)
-    if best is None:
-        raise ValueError("no candidate kernel to choose from")
-    return best
+    return sorted(sparse, key=lambda c: seconds.get(c, math.inf))
+
+
+def choose_kernel(seconds: dict[str, float], candidates: Sequence[str], min_speedup: float = 1.02,
+                  rounds: dict[str, list[float]] | None = None) -> str:
+    """The kernel to run: the first of :func:`dense_beaters`, else ``dense``."""
+    best = dense_beaters(seconds, candidates, min_speedup, rounds)
+    if best:
+        return best[0]
+    if DENSE in candidates:
+        return DENSE
+    raise ValueError("no candidate kernel to choose from")
 
 
 @dataclass
@@ -271,18 +277,19 @@ class Dispatcher:
         return decision
 
     def _rule(self, seconds, candidates, rounds, head_to_head) -> str:
-        """:func:`choose_kernel` on the rounds of all candidates, then, where more than two were timed together,
-        each kernel that beat dense there (fastest first) against dense alone (``head_to_head(kernel)``: the
-        pair's rounds), the first that beats dense in those too; dense where none does."""
-        kernel = choose_kernel(seconds, candidates, self.min_speedup, rounds)
-        if kernel == DENSE or DENSE not in candidates or kernel not in rounds or len(rounds) <= 2:
-            return kernel
-        winners = sorted((c for c in candidates if c != DENSE and beats_dense(c, seconds, self.min_speedup, rounds)),
-                         key=lambda c: seconds.get(c, math.inf))
+        """:func:`choose_kernel` on the rounds of all candidates (its :func:`dense_beaters`), then, where more than
+        two were timed together, each kernel that beat dense there (fastest first) against dense alone
+        (``head_to_head(kernel)``: the pair's rounds), the first that beats dense in those too; dense where none
+        does."""
+        winners = dense_beaters(seconds, candidates, self.min_speedup, rounds)
+        if not winners:
+            return choose_kernel(seconds, candidates, self.min_speedup, rounds)  # dense (or no candidate: raises)
+        if DENSE not in candidates or winners[0] not in rounds or len(rounds) <= 2:
+            return winners[0]
         for c in winners:
             pair = head_to_head(c)
             if pair is None:  # not timed in rounds: the many-candidate rule stands
-                return kernel
+                return winners[0]
             if beats_dense(c, {k: statistics.median(v) for k, v in pair.items()}, self.min_speedup, pair):
                 return c
         return DENSE
