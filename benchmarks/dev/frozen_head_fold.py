@@ -16,5 +16,6 @@ for rg in (True, False):
         with ctx():
             F.linear(xs, p)
             t0 = time.perf_counter()
-            for _ in range(5): F.linear(xs, p)
+            for _ in range(5):
+                F.linear(xs, p)
             print(f"requires_grad={rg} {ctx_name}: {(time.perf_counter()-t0)/5*1e3:.1f} ms", flush=True)
